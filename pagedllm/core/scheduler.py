@@ -1,0 +1,224 @@
+"""Iteration-level continuous batching. Pure Python, no torch.
+
+Every step, each scheduled request computes some of the tokens it has not computed yet
+(``num_computed_tokens`` catching up with ``all_token_ids``), within the step's token budget. Running requests go
+first (decodes and unfinished prefill chunks), then waiting ones fill what budget and sequence slots remain.
+When blocks run out, the latest-arrived running request is preempted by recompute: its blocks are freed,
+``num_computed_tokens`` returns to 0, and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from pagedllm.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._sent_to_worker: set[str] = set()
+        self._finished_req_ids: list[str] = []
+        self.num_preemptions = 0
+        self.last_step_tokens = 0
+
+    # ------------------------------------------------------------------ requests in / out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; frees their blocks at once."""
+        done = []
+        for rid in [req_ids] if isinstance(req_ids, str) else req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        self.kv.forget(req)
+        del self.requests[req.request_id]
+        if req.request_id in self._sent_to_worker:
+            self._sent_to_worker.discard(req.request_id)
+            self._finished_req_ids.append(req.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput()
+        scheduled: list[tuple[Request, int]] = []
+        preempted_now = 0
+
+        # 1. Running requests, oldest first; victims are taken from the tail, which is not scheduled yet.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(num_new, self.max_model_len - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if self.kv.allocate_slots(req, num_new) is not None:
+                    scheduled.append((req, num_new))
+                    budget -= num_new
+                    i += 1
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now += 1
+                if victim is req:
+                    break
+
+        # 2. Waiting requests, in order, while budget, sequence slots and blocks last (none after a preemption).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
+            req = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            num_new = req.num_tokens - num_hit_tokens
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+
+        # 3. Build the step's work; advance num_computed_tokens now (the worker computes exactly this).
+        for req, num_new in scheduled:
+            start = req.num_computed_tokens
+            if req.request_id not in self._sent_to_worker:
+                self._sent_to_worker.add(req.request_id)
+                out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params))
+            end = start + num_new
+            out.scheduled.append(
+                ScheduledRequest(
+                    req_id=req.request_id,
+                    token_ids=req.all_token_ids[start:end],
+                    num_computed_tokens=start,
+                    block_ids=self.kv.get_block_ids(req.request_id),
+                    sample=end == req.num_tokens,
+                    num_output_tokens=req.num_output_tokens,
+                )
+            )
+            req.num_computed_tokens = end
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.num_preemptions = preempted_now
+        out.finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = []
+        self.last_step_tokens = out.num_batched_tokens
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ results of one step
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = self.requests.get(s.req_id)
+            if req is None or req.is_finished():
+                continue  # aborted while the step ran
+            token = result.sampled_token_ids.get(s.req_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            lp = result.logprobs.get(s.req_id)
+            out = EngineCoreOutput(
+                req_id=req.request_id,
+                new_token_ids=[token],
+                new_logprobs=[lp] if lp is not None else None,
+                finish_reason=None,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            )
+            if status is not None:
+                self.running.remove(req)
+                req.status = status
+                out.finish_reason = RequestStatus.finish_reason(status)
+                out.stop_reason = req.stop_reason
+                self._free(req)
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if token == req.eos_token_id and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_batched_tokens=self.last_step_tokens,
+        )

@@ -1,0 +1,72 @@
+"""The offline entry point: ``LLM().generate(prompts, params)`` and ``LLM().chat(messages, params)``."""
+
+from __future__ import annotations
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptType, build_config
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Loads a model (the embedded SmolLM2-135M-Instruct when ``model`` is None) and generates offline.
+
+    Keyword arguments are those of ``build_config`` (dtype, max_model_len, block_size, kv_cache_memory,
+    enable_prefix_caching, max_num_batched_tokens, max_num_seqs, device, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(build_config(model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True, priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        return self._run([self.engine.encode_prompt(p) for p in prompts], sampling_params, use_tqdm, priority)
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run([self.engine.encode_chat(c) for c in conversations], sampling_params, use_tqdm, None)
+
+    def _run(self, encoded, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+        n = len(encoded)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        ids = []
+        try:
+            for i, ((text, toks), sp) in enumerate(zip(encoded, params)):
+                rid = self.engine.new_request_id()
+                self.engine.add_tokenized_request(rid, text, toks, sp, priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * n
+        bar = None
+        if use_tqdm and n > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n, desc="Generating", unit="req", dynamic_ncols=True)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,110 @@
+"""LLMEngine: tokenizer + EngineCore + OutputProcessor, stepped by its caller (the offline ``LLM`` or the async
+front end's background loop)."""
+
+from __future__ import annotations
+
+import itertools
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+def build_config(
+    model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None, seed: int = 0,
+    served_model_name: str | None = None, block_size: int = 16, kv_cache_memory: int | None = None,
+    gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+    num_gpu_blocks_override: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+    enable_chunked_prefill: bool = True, device: str = "auto", tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model, dtype, max_model_len, seed, served_model_name),
+        cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
+                          num_gpu_blocks_override),
+        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill),
+        device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+    )
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self.model_path = self.core.runner.model_path
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len = self.core.max_model_len
+        eos = self.core.runner.arch.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos
+        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ prompts
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return self.encode_prompt(prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
+        text = self.apply_chat_template(messages)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self, request_id: str | None, prompt: PromptType, params: SamplingParams, priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Tokenize, validate and queue one request; raises ValueError (and queues nothing) on bad input."""
+        request_id = request_id or self.new_request_id()
+        text, ids = self.encode_prompt(prompt)
+        return self.add_tokenized_request(request_id, text, ids, params, priority, arrival_time)
+
+    def add_tokenized_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                              priority: int = 0, arrival_time: float | None = None) -> str:
+        parent, reqs = self.output_processor.make_requests(request_id, text, ids, params, priority, arrival_time)
+        added = []
+        try:
+            for r in reqs:
+                self.core.add_request(r)
+                added.append(r.request_id)
+        except Exception:
+            self.core.abort_requests(added)
+            raise
+        self.output_processor.register(parent, reqs)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        out, child_ids = self.output_processor.abort(request_id)
+        self.core.abort_requests(child_ids)
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        outputs, to_abort = self.output_processor.process(core_outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs

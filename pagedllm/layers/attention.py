@@ -1,0 +1,125 @@
+"""Paged attention: K/V live in fixed-size blocks; each sequence reads its context through its block table.
+
+Two paths, chosen per sequence by the model runner:
+- decode (one query token): all such sequences in one batched computation over their gathered context;
+- prefill / chunked prefill (several query tokens, maybe after cached or earlier-computed context): exact tiled
+  attention with an online softmax (FlashAttention, Dao et al. 2022) that never builds the N x N score matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+Q_TILE = 256
+K_TILE = 512
+
+
+@dataclass
+class PrefillSeq:
+    start: int  # first query row in the flat batch
+    end: int  # one past the last query row
+    context_len: int  # tokens of context after this chunk (cached + earlier chunks + this chunk)
+    block_table: torch.Tensor  # (num_blocks_needed,) long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) long: where each new token's K/V is written in the flat cache
+    # decode sequences
+    decode_rows: torch.Tensor | None  # (Bd,) rows of the flat batch; None when every row is a decode
+    decode_block_tables: torch.Tensor | None  # (Bd, max_blocks) long, padded
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) bool: True where a key is valid
+    num_decodes: int = 0
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """k_cache: (num_blocks, block_size, Hkv, D); k: (T, Hkv, D)."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slots, k)
+    v_cache.view(nb * bs, h, d).index_copy_(0, slots, v)
+
+
+def tiled_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
+    q_tile: int = Q_TILE, k_tile: int = K_TILE,
+) -> torch.Tensor:
+    """Exact causal attention of ``n`` queries at positions q_offset.. over ``L`` keys at positions 0..L-1.
+
+    q: (n, Hq, D); k, v: (L, Hkv, D), Hq a multiple of Hkv (grouped-query attention). Returns (n, Hq, D).
+    Scores exist only one (q_tile x k_tile) tile at a time; accumulation is in float32.
+    """
+    n, hq, d = q.shape
+    seq_len, hkv, _ = k.shape
+    g = hq // hkv
+    out = torch.empty_like(q)
+    kh = k.permute(1, 0, 2)  # (Hkv, L, D)
+    vh = v.permute(1, 0, 2)
+    acc_dtype = torch.float32
+    for qs in range(0, n, q_tile):
+        qe = min(qs + q_tile, n)
+        m = qe - qs
+        # (Hkv, G*m, D): the G query heads of a KV head, stacked with their rows
+        qt = q[qs:qe].view(m, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * m, d).to(acc_dtype) * scale
+        q_pos = (torch.arange(qs, qe, device=q.device) + q_offset).repeat(g)  # (G*m,)
+        row_max = torch.full((hkv, g * m, 1), float("-inf"), dtype=acc_dtype, device=q.device)
+        row_sum = torch.zeros((hkv, g * m, 1), dtype=acc_dtype, device=q.device)
+        acc = torch.zeros((hkv, g * m, d), dtype=acc_dtype, device=q.device)
+        last_key = min(seq_len, q_offset + qe)  # keys past the tile's last query position are never needed
+        first_masked = q_offset + qs  # keys at or past this position need the causal mask
+        for ks in range(0, last_key, k_tile):
+            ke = min(ks + k_tile, last_key)
+            s = torch.matmul(qt, kh[:, ks:ke].to(acc_dtype).transpose(1, 2))  # (Hkv, G*m, kt)
+            if ke - 1 > first_masked:
+                k_pos = torch.arange(ks, ke, device=q.device)
+                s.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+            p = torch.exp(s - new_max)
+            alpha = torch.exp(row_max - new_max)
+            row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p, vh[:, ks:ke].to(acc_dtype))
+            row_max = new_max
+        res = (acc / row_sum).view(hkv, g, m, d).permute(2, 0, 1, 3).reshape(m, hq, d)
+        out[qs:qe] = res.to(q.dtype)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, mask: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its paged context. q: (B, Hq, D) -> (B, Hq, D)."""
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    g = hq // hkv
+    k = k_cache[block_tables].view(b, -1, hkv, d).permute(0, 2, 3, 1)  # (B, Hkv, D, L)
+    v = v_cache[block_tables].view(b, -1, hkv, d).permute(0, 2, 1, 3)  # (B, Hkv, L, D)
+    qg = q.view(b, hkv, g, d)
+    s = torch.matmul(qg, k).float() * scale  # (B, Hkv, G, L)
+    s.masked_fill_(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    return torch.matmul(p, v).reshape(b, hq, d)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q: (T, Hq, D); k, v: (T, Hkv, D) for the step's new tokens. Writes them to the cache, then attends."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.num_decodes and meta.decode_rows is None:  # all rows are decodes
+        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        rows = meta.decode_rows
+        out[rows] = decode_attention(q[rows], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+    nb, bs, hkv, d = k_cache.shape
+    for p in meta.prefills:
+        kc = k_cache[p.block_table].view(-1, hkv, d)[: p.context_len]
+        vc = v_cache[p.block_table].view(-1, hkv, d)[: p.context_len]
+        out[p.start : p.end] = tiled_causal_attention(
+            q[p.start : p.end], kc, vc, q_offset=p.context_len - (p.end - p.start), scale=scale
+        )
+    return out

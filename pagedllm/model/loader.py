@@ -1,0 +1,200 @@
+"""Reads model weights and hyper-parameters from GGUF files or HuggingFace-style directories.
+
+Weights come out under the engine's own names (see ``LlamaForCausalLM``), as float32 numpy/torch arrays, with
+llama's GGUF q/k rows un-permuted back to the HuggingFace rotary layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation (interleaved rotary pairs -> HuggingFace's half split)."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHS}")
+
+    def kv(name, default=None):
+        return _gguf_field(reader, f"{arch}.{name}", default)
+
+    hidden = int(kv("embedding_length"))
+    n_head = int(kv("attention.head_count"))
+    n_kv = int(kv("attention.head_count_kv", n_head))
+    names = {t.name for t in reader.tensors}
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    vocab = int(kv("vocab_size", len(tokens) if tokens is not None else 0))
+    cfg = ModelArchConfig(
+        arch=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=int(kv("block_count")),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=int(kv("attention.key_length", hidden // n_head)),
+        intermediate_size=int(kv("feed_forward_length")),
+        rms_norm_eps=float(kv("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(kv("rope.freq_base", 10000.0)),
+        max_position=int(kv("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+    rename = {
+        "token_embd.weight": "embed",
+        "output_norm.weight": "norm",
+        "output.weight": "lm_head",
+    }
+    per_layer = {
+        "attn_norm.weight": "input_norm",
+        "ffn_norm.weight": "post_norm",
+        "attn_q.weight": "q",
+        "attn_k.weight": "k",
+        "attn_v.weight": "v",
+        "attn_q.bias": "q_bias",
+        "attn_k.bias": "k_bias",
+        "attn_v.bias": "v_bias",
+        "attn_output.weight": "o",
+        "ffn_gate.weight": "gate",
+        "ffn_up.weight": "up",
+        "ffn_down.weight": "down",
+    }
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if t.name in rename:
+            name = rename[t.name]
+        elif t.name.startswith("blk."):
+            _, idx, rest = t.name.split(".", 2)
+            if rest not in per_layer:
+                continue  # e.g. rope_freqs: not used by these architectures
+            name = f"layers.{idx}.{per_layer[rest]}"
+        else:
+            continue
+        if arch == "llama" and name.endswith((".q", ".k", ".q_bias", ".k_bias")):
+            heads = n_head if ".q" in name else n_kv
+            arr = _unpermute_rotary(arr, heads)
+        weights[name] = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable or not arr.flags.c_contiguous))
+    return cfg, weights
+
+
+def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {SUPPORTED_ARCHS}")
+    n_head = hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or {}
+    eos = hf.get("eos_token_id")
+    cfg = ModelArchConfig(
+        arch=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n_head,
+        num_kv_heads=hf.get("num_key_value_heads", n_head),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        max_position=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        attention_bias=model_type == "qwen2" or hf.get("attention_bias", False),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    per_layer = {
+        "input_layernorm.weight": "input_norm",
+        "post_attention_layernorm.weight": "post_norm",
+        "self_attn.q_proj.weight": "q",
+        "self_attn.k_proj.weight": "k",
+        "self_attn.v_proj.weight": "v",
+        "self_attn.q_proj.bias": "q_bias",
+        "self_attn.k_proj.bias": "k_bias",
+        "self_attn.v_proj.bias": "v_bias",
+        "self_attn.o_proj.weight": "o",
+        "mlp.gate_proj.weight": "gate",
+        "mlp.up_proj.weight": "up",
+        "mlp.down_proj.weight": "down",
+    }
+    weights: dict[str, torch.Tensor] = {}
+    for fname in files:
+        for name, t in load_file(os.path.join(path, fname)).items():
+            if name == "model.embed_tokens.weight":
+                key = "embed"
+            elif name == "model.norm.weight":
+                key = "norm"
+            elif name == "lm_head.weight":
+                key = "lm_head"
+            elif name.startswith("model.layers."):
+                idx, rest = name[len("model.layers.") :].split(".", 1)
+                if rest not in per_layer:
+                    continue
+                key = f"layers.{idx}.{per_layer[rest]}"
+            else:
+                continue
+            weights[key] = t.float()
+    return cfg, weights
+
+
+def load_model_files(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    if os.path.isdir(path):
+        return load_hf_dir(path)
+    if path.endswith(".gguf"):
+        return load_gguf(path)
+    raise ValueError(f"{path}: expected a .gguf file or a directory with config.json and *.safetensors")

@@ -1,0 +1,128 @@
+"""Every type that crosses a layer, as plain lists and ints (tier 0: stdlib only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+@dataclass
+class NewRequestData:
+    """Sent once, the first step a request is scheduled: what the worker keeps for it until it finishes."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in one step: compute ``token_ids`` at positions ``num_computed_tokens`` onwards."""
+
+    req_id: str
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk, or the last sampled token)
+    num_computed_tokens: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # True when this chunk reaches the end of the request's tokens: sample the next one
+    num_output_tokens: int  # output tokens the request has before this step (penalties, min_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # the worker may drop their state
+    num_batched_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+# ---------------------------------------------------------------- worker -> scheduler
+@dataclass
+class SampledTokenLogprobs:
+    """Log-probability of the sampled token, its rank, and the top-k alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    # req_id -> sampled token, only for requests whose chunk had sample=True
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, SampledTokenLogprobs] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- core -> front end
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledTokenLogprobs] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # tokens found, cumulative
+    num_preemptions: int = 0  # cumulative
+    num_batched_tokens: int = 0  # this step
+
+
+# ---------------------------------------------------------------- front end -> user
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int
+    decoded_token: str
+    top: list[Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

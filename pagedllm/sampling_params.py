@@ -1,0 +1,91 @@
+"""Sampling parameters of one request (tier 0). Every bad value raises ValueError naming the parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives returned per token (0: just the chosen token)
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, limit: str, value: object) -> ValueError:
+            return ValueError(f"{name} must be {limit}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1 or self.n > 64:
+            raise bad("n", "an integer in [1, 64]", self.n)
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "in [0, 100]", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "-1, 0 (disabled) or a positive integer", self.top_k)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "a 64-bit integer", self.seed)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or tok < 0:
+                    raise bad("logit_bias key", "a non-negative token id", tok)
+                if not -100.0 <= bias <= 100.0:
+                    raise bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "a positive integer", self.max_tokens)
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "a non-negative integer", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if self.stop_token_ids is not None:
+            for t in self.stop_token_ids:
+                if not isinstance(t, int) or t < 0:
+                    raise bad("stop_token_ids", "non-negative token ids", t)
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "non-empty strings", s)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the request must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids or [])):
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(f"{name} token id must be < vocab size {vocab_size}, got {t}")
