@@ -1,11 +1,21 @@
-"""Loads the tokenizer (transformers' fast tokenizers) that belongs to a model file or directory."""
+"""Loads the tokenizer (transformers' fast tokenizers) that belongs to a model file or directory.
+
+Building a fast tokenizer from a GGUF file's vocabulary takes seconds, so the result is saved once under the
+cache directory (``$PAGEDLLM_CACHE_DIR``, default ``~/.cache/pagedllm``) keyed by the file's path, size and
+modification time, and loaded from there afterwards.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 
 logger = logging.getLogger(__name__)
+
+
+def cache_dir() -> str:
+    return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
 
 
 def load_tokenizer(model_path: str):
@@ -17,5 +27,21 @@ def load_tokenizer(model_path: str):
 
     if os.path.isdir(model_path):
         return AutoTokenizer.from_pretrained(model_path)
-    directory, name = os.path.split(os.path.abspath(model_path))
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    path = os.path.abspath(model_path)
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    saved = os.path.join(cache_dir(), "tokenizers", key)
+    if os.path.exists(os.path.join(saved, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(saved)
+        except Exception as e:  # a damaged cache entry: rebuild it
+            logger.warning("tokenizer cache %s unreadable (%s); rebuilding", saved, e)
+    directory, name = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    try:
+        tmp = f"{saved}.tmp{os.getpid()}"
+        tok.save_pretrained(tmp)
+        os.replace(tmp, saved)
+    except OSError as e:
+        logger.warning("could not cache the tokenizer in %s: %s", saved, e)
+    return tok

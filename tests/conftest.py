@@ -1,0 +1,62 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Translate to French: I like apples and oranges.",
+    "Q: What is 17 multiplied by 3?\nA:",
+    "The three primary colors are",
+    "<|im_start|>user\nWrite a haiku about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",
+    "List of the planets of the solar system, in order from the sun: 1.",
+]
+
+
+@pytest.fixture(scope="session")
+def llm():
+    from pagedllm import LLM
+
+    return LLM()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The HuggingFace transformers reference, loading the same GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.config import default_model_path
+
+    d, f = os.path.split(default_model_path())
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """prompt -> (new token ids, per-step log-softmax rows as tensors), greedy, one prompt at a time."""
+    import torch
+
+    tok, model = hf_model
+    cache = {}
+
+    def run(prompt: str, max_new_tokens: int):
+        key = (prompt, max_new_tokens)
+        if key not in cache:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                     return_dict_in_generate=True, output_logits=True,
+                                     pad_token_id=tok.eos_token_id)
+            new = out.sequences[0, ids.shape[1]:].tolist()
+            logprobs = [torch.log_softmax(l[0].float(), dim=-1) for l in out.logits]
+            cache[key] = (new, logprobs)
+        return cache[key]
+
+    return run
