@@ -69,6 +69,7 @@ class EngineCoreOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduling; set on the first output
 
 
 @dataclass
@@ -80,6 +81,26 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative
     num_batched_tokens: int = 0  # this step
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step produced, for metrics (plain data; exported by the metrics layer)."""
+
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of requests that got their first token this step
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- front end -> user

@@ -48,7 +48,7 @@ def test_staggered_arrivals(llm, hf_greedy):
         lens = [len(s.token_ids) for s in so.scheduled]
         mixed_steps += 1 in lens and any(n > 1 for n in lens)
         result = eng.core.runner.execute(so)
-        outs, _ = eng.output_processor.process(sched.update_from_output(so, result))
+        outs, _, _ = eng.output_processor.process(sched.update_from_output(so, result))
         results.update({o.request_id: o for o in outs if o.finished})
         steps += 1
     assert mixed_steps >= len(PROMPTS) // 2, f"only {mixed_steps} steps mixed a prefill with running decodes"

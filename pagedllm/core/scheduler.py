@@ -179,8 +179,10 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk that did not reach the end
             req.append_output_token(token)
+            queue_time = None
             if req.first_token_time is None:
                 req.first_token_time = now
+                queue_time = (req.first_scheduled_time or now) - req.arrival_time
             status = self._check_stop(req, token)
             lp = result.logprobs.get(s.req_id)
             out = EngineCoreOutput(
@@ -189,6 +191,7 @@ class Scheduler:
                 new_logprobs=[lp] if lp is not None else None,
                 finish_reason=None,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
+                queue_time=queue_time,
             )
             if status is not None:
                 self.running.remove(req)

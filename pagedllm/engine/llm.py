@@ -17,6 +17,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(build_config(model, **kwargs))
 
+    @classmethod
+    def from_engine_config(cls, config) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

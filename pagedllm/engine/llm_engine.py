@@ -9,7 +9,7 @@ from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import IterationStats, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -45,6 +45,7 @@ class LLMEngine:
         self.eos_token_id = eos
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self._ids = itertools.count()
+        self.last_iteration_stats = IterationStats()
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -104,7 +105,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
-        outputs, to_abort = self.output_processor.process(core_outputs)
+        outputs, to_abort, self.last_iteration_stats = self.output_processor.process(core_outputs)
         if to_abort:
             self.core.abort_requests(to_abort)
         return outputs

@@ -11,7 +11,15 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput, TokenLogprobs
+from pagedllm.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    FinishedRequestStats,
+    IterationStats,
+    Logprob,
+    RequestOutput,
+    TokenLogprobs,
+)
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -30,6 +38,8 @@ class ChildState:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_token_time: float | None = None
+    queue_time: float = 0.0
 
     def visible_text(self) -> str:
         """While running, hold back a tail that could still become a stop string."""
@@ -73,6 +83,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, ChildState] = {}
+        self._aborted: list[FinishedRequestStats] = []  # reported with the next step's statistics
 
     # ------------------------------------------------------------------ in
     def make_requests(
@@ -114,10 +125,13 @@ class OutputProcessor:
             self.children[req.request_id] = child
 
     # ------------------------------------------------------------------ out
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply core outputs. Returns the changed requests' outputs and child ids the core must abort."""
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str], IterationStats]:
+        """Apply core outputs. Returns the changed requests' outputs, child ids the core must abort, and the
+        step's statistics."""
         changed: dict[str, ParentState] = {}
         to_abort: list[str] = []
+        stats = IterationStats(finished=self._aborted)
+        self._aborted = []
         now = time.monotonic()
         for o in outputs:
             child = self.children.get(o.req_id)
@@ -127,6 +141,16 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
             if parent.first_token_time is None and o.new_token_ids:
                 parent.first_token_time = now
+            if o.queue_time is not None:
+                child.queue_time = o.queue_time
+            if o.new_token_ids:
+                stats.num_generation_tokens += len(o.new_token_ids)
+                if child.last_token_time is None:
+                    stats.time_to_first_tokens.append(now - parent.arrival_time)
+                    stats.num_prompt_tokens += len(parent.prompt_token_ids)
+                else:
+                    stats.inter_token_latencies.append(now - child.last_token_time)
+                child.last_token_time = now
             for i, tok in enumerate(o.new_token_ids):
                 child.token_ids.append(tok)
                 prev_len = len(child.detok.text)
@@ -142,13 +166,17 @@ class OutputProcessor:
                 child.stop_reason = o.stop_reason
             if child.finish_reason is not None:
                 del self.children[o.req_id]
+                stats.finished.append(FinishedRequestStats(
+                    child.finish_reason, now - parent.arrival_time, child.queue_time,
+                    len(parent.prompt_token_ids), len(child.token_ids),
+                ))
             changed[parent.request_id] = parent
         results = []
         for rid, parent in changed.items():
             results.append(parent.to_output())
             if parent.finished:
                 del self.parents[rid]
-        return results, to_abort
+        return results, to_abort, stats
 
     def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
         """Mark a user request aborted; returns its final output and the child ids to abort in the core."""
@@ -156,11 +184,15 @@ class OutputProcessor:
         if parent is None:
             return None, []
         ids = []
+        now = time.monotonic()
         for c in parent.children:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
                 ids.append(child_request_id(request_id, c.index, len(parent.children)))
                 self.children.pop(ids[-1], None)
+                self._aborted.append(FinishedRequestStats(
+                    "abort", now - parent.arrival_time, c.queue_time, len(parent.prompt_token_ids), len(c.token_ids)
+                ))
         return parent.to_output(), ids
 
     def _check_stop_strings(self, child: ChildState, prev_len: int) -> bool:

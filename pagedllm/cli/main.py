@@ -1,0 +1,148 @@
+"""`pagedllm` command line: generate, chat, serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _sampling_args(p: argparse.ArgumentParser, default_max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=default_max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _params(args):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop)
+
+
+def _engine(args):
+    from pagedllm.engine.arg_utils import config_from_args
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    return LLMEngine(config_from_args(args))
+
+
+def cmd_generate(args) -> int:
+    from pagedllm.engine.llm import LLM
+
+    prompts = list(args.prompt)
+    if args.file:
+        with open(args.file) as f:
+            prompts += [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+    if not prompts:
+        print("error: give a prompt or --file", file=sys.stderr)
+        return 2
+    from pagedllm.engine.arg_utils import config_from_args
+
+    llm = LLM.from_engine_config(config_from_args(args))
+    outs = llm.generate(prompts, _params(args), use_tqdm=len(prompts) > 1)
+    for o in outs:
+        c = o.outputs[0]
+        if args.json:
+            import json
+
+            print(json.dumps({"prompt": o.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}))
+        elif len(prompts) == 1:
+            print(o.prompt + c.text)
+        else:
+            print(f"--- {o.prompt!r}\n{c.text}  [{c.finish_reason}]")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _engine(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            if interactive:
+                print(">>> ", end="", flush=True)
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            break
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        text, ids = engine.encode_chat(messages)
+        rid = engine.new_request_id()
+        engine.add_tokenized_request(rid, text, ids, _params(args))
+        shown = 0
+        reply = ""
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    reply = out.outputs[0].text
+                    print(reply[shown:], end="", flush=True)
+                    shown = len(reply)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from pagedllm.server.api_server import run_server
+
+    return run_server(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.engine.arg_utils import add_engine_args
+
+    p = argparse.ArgumentParser(prog="pagedllm", description="LLM inference engine with a paged KV cache")
+    p.add_argument("--log-level", default="warning")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate completions offline")
+    g.add_argument("prompt", nargs="*", help="prompt text(s)")
+    g.add_argument("--file", help="a file with one prompt per line (\\n for newlines)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_engine_args(g)
+    _sampling_args(g, 64)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat through the model's chat template, streamed")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    _sampling_args(c, 512)
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from pagedllm.server.api_server import add_server_args
+
+    add_server_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Command-line flags of the engine (vLLM's names), shared by `pagedllm generate/chat/serve` and the
+`python -m pagedllm.entrypoints.openai.api_server` entry point."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import build_config
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="a .gguf file or a HuggingFace-style directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (CPU default 1 GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--quantization", default=None, help="not supported yet: any value other than none is refused")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported yet")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return build_config(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+        served_model_name=getattr(args, "served_model_name", None), block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+    )

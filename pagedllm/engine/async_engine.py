@@ -1,0 +1,232 @@
+"""AsyncLLM: the engine's continuous-batching loop in a background thread, with per-request asyncio queues.
+
+Callers (the HTTP server) submit requests from the event loop; the loop thread steps the engine while any request
+is unfinished and hands each request's outputs back through ``loop.call_soon_threadsafe``. Every concurrent
+request joins the same running batch. A failure while stepping fails the requests of that step (each gets the
+error) and the loop keeps serving the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import IterationStats, RequestOutput, SchedulerStats
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while computing this request; other requests go on."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; ``aclose()`` before the end aborts the request."""
+
+    def __init__(self, engine: "AsyncLLM", request_id: str, stream: _Stream) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.queue.get()
+        except BaseException:  # cancelled: the caller went away
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, stat_loggers: list | None = None, log_stats_interval: float = 10.0):
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.stat_loggers = list(stat_loggers or [])
+        self.log_stats_interval = log_stats_interval
+        self._lock = threading.Lock()  # guards every use of self.engine
+        self._wake = threading.Condition(self._lock)
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._interval = _IntervalStats()
+        self._thread.start()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._dead is None and not self._stop
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            return self.engine.core.stats()
+
+    # ------------------------------------------------------------------ requests
+    def encode_prompt(self, prompt):
+        return self.engine.encode_prompt(prompt)
+
+    def encode_chat(self, messages: list[dict]):
+        return self.engine.encode_chat(messages)
+
+    def generate(
+        self, prompt_text: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        request_id: str | None = None, priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request now (a bad one raises ValueError here) and return an async iterator of its cumulative
+        outputs. Closing the iterator before the end (a client that went away) aborts the request.
+        Must be called from the event loop that will iterate."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._wake:
+            rid = request_id or self.engine.new_request_id()
+            self.engine.add_tokenized_request(rid, prompt_text, prompt_token_ids, params, priority)
+            self._streams[rid] = stream
+            self._wake.notify()
+        return RequestStream(self, rid, stream)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            return self.engine.abort_request(request_id) is not None
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        next_log = time.monotonic() + self.log_stats_interval
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self.engine.has_unfinished_requests():
+                        self._wake.wait(timeout=1.0)
+                        if time.monotonic() >= next_log:
+                            break
+                    if self._stop:
+                        break
+                    outputs, stats, sched_stats = self._step_locked()
+                for out in outputs:
+                    self._deliver(out.request_id, out, out.finished)
+                self._interval.add(stats, sched_stats)
+                for sl in self.stat_loggers:
+                    try:
+                        sl.record(sched_stats, stats)
+                    except Exception:  # a metrics bug must not stop serving
+                        logger.exception("stat logger failed")
+                if time.monotonic() >= next_log:
+                    self._interval.log(sched_stats)
+                    next_log = time.monotonic() + self.log_stats_interval
+        except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
+            logger.exception("engine loop died")
+            self._dead = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine loop died: {e}"), True)
+
+    def _step_locked(self) -> tuple[list[RequestOutput], IterationStats, SchedulerStats]:
+        if not self.engine.has_unfinished_requests():
+            return [], IterationStats(), self.engine.core.stats()
+        scheduled = [r.request_id for r in self.engine.core.scheduler.running]
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing the requests of this step")
+            running = {r.request_id for r in self.engine.core.scheduler.running} | set(scheduled)
+            failed = [rid for rid, ch in self.engine.output_processor.children.items() if rid in running]
+            parents = {self.engine.output_processor.children[c].parent.request_id for c in failed}
+            for pid in parents:
+                self.engine.abort_request(pid)
+                stream = self._streams.pop(pid, None)
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestFailedError(str(e)))
+            return [], IterationStats(), self.engine.core.stats()
+        return outputs, self.engine.last_iteration_stats, self.engine.core.stats()
+
+    def _deliver(self, rid: str, item, final: bool) -> None:
+        stream = self._streams.pop(rid, None) if final else self._streams.get(rid)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed
+                pass
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort what is still running, stop the loop thread."""
+        with self._wake:
+            for rid in list(self.engine.output_processor.parents):
+                out = self.engine.abort_request(rid)
+                stream = self._streams.pop(rid, None)
+                if stream is not None and out is not None:
+                    try:
+                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                    except RuntimeError:
+                        pass
+            self._stop = True
+            self._wake.notify_all()
+        self._thread.join(timeout)
+
+
+class _IntervalStats:
+    """The periodic stats line (like vLLM's): throughput, queue, KV usage, prefix-cache hit rate."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.monotonic()
+        self.prompt_tokens = 0
+        self.gen_tokens = 0
+        self.queries0: int | None = None
+        self.hits0: int | None = None
+
+    def add(self, it: IterationStats, s: SchedulerStats) -> None:
+        self.prompt_tokens += it.num_prompt_tokens
+        self.gen_tokens += it.num_generation_tokens
+        if self.queries0 is None:
+            self.queries0, self.hits0 = s.prefix_cache_queries, s.prefix_cache_hits
+
+    def log(self, s: SchedulerStats) -> None:
+        dt = max(time.monotonic() - self.start, 1e-9)
+        q = s.prefix_cache_queries - (self.queries0 or 0)
+        h = s.prefix_cache_hits - (self.hits0 or 0)
+        if not (self.prompt_tokens or self.gen_tokens or s.num_running or s.num_waiting):
+            self.reset()
+            return
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            self.prompt_tokens / dt, self.gen_tokens / dt, s.num_running, s.num_waiting,
+            100 * s.kv_cache_usage, 100 * h / q if q else 0.0,
+        )
+        self.reset()
+        self.queries0, self.hits0 = s.prefix_cache_queries, s.prefix_cache_hits

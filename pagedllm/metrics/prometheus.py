@@ -1,0 +1,78 @@
+"""Prometheus exporter (the only importer of prometheus_client): vLLM's metric names with a `pagedllm:` prefix and
+a `model_name` label. Each server has its own registry (no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.outputs import IterationStats, SchedulerStats
+
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(f"pagedllm:{name}", doc, lbl, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"pagedllm:{name}", doc, lbl, registry=r).labels(model_name)
+
+        def hist(name, doc, buckets):
+            return Histogram(f"pagedllm:{name}", doc, lbl, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter("pagedllm:request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.success = {fr: self._success.labels(model_name, fr) for fr in FINISH_REASONS}
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens.", LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Time waiting before first scheduled.", LATENCY_BUCKETS)
+        self.req_prompt = hist("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
+        self.req_gen = hist("request_generation_tokens", "Generated tokens of finished requests.", TOKEN_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self._last_preemptions = 0
+        self._last_queries = 0
+        self._last_hits = 0
+
+    def record(self, s: SchedulerStats, it: IterationStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.preemptions.inc(max(s.num_preemptions - self._last_preemptions, 0))
+        self.prefix_queries.inc(max(s.prefix_cache_queries - self._last_queries, 0))
+        self.prefix_hits.inc(max(s.prefix_cache_hits - self._last_hits, 0))
+        self._last_preemptions, self._last_queries, self._last_hits = (
+            s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)
+        if it.num_prompt_tokens:
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.inc(it.num_generation_tokens)
+            self.iteration_tokens.observe(s.num_batched_tokens)
+        for v in it.time_to_first_tokens:
+            self.ttft.observe(v)
+        for v in it.inter_token_latencies:
+            self.itl.observe(v)
+        for f in it.finished:
+            self.success[f.finish_reason].inc()
+            self.e2e.observe(f.e2e_latency)
+            self.queue_time.observe(f.queue_time)
+            self.req_prompt.observe(f.num_prompt_tokens)
+            self.req_gen.observe(f.num_generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,502 @@
+"""OpenAI-compatible HTTP server (FastAPI) over the AsyncLLM continuous-batching loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+from pagedllm.outputs import RequestOutput
+from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+logger = logging.getLogger("pagedllm.server")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.err_type = err_type or _ERROR_TYPES.get(status, "invalid_request_error")
+
+
+def error_json(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": err_type or _ERROR_TYPES.get(status, "invalid_request_error"),
+                           "param": param, "code": status}},
+    )
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over the limit before anything parses them (Content-Length, or counted while streaming)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await error_json(413, f"request body is larger than {self.max_bytes} bytes")(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise APIError(413, f"request body is larger than {self.max_bytes} bytes")
+            return msg
+
+        return await self.app(scope, limited_receive, send)
+
+
+def _stream_line(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_names: list[str]) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.model_names:
+            return self.model_names[0]
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+
+    # ------------------------------------------------------------------ shared
+    async def _start(self, prompts: list[tuple[str | None, list[int]]], params, priority: int) -> list[AsyncIterator]:
+        """Queue one request per prompt; a bad prompt aborts those already queued and raises."""
+        gens = []
+        try:
+            for text, ids in prompts:
+                gens.append(self.engine.generate(text, ids, params, priority=priority))
+        except BaseException:
+            for g in gens:
+                await g.aclose()
+            raise
+        return gens
+
+    @staticmethod
+    async def _final_outputs(gens: list[AsyncIterator], raw: Request) -> list[RequestOutput]:
+        """Consume every generator to its end; abort all if the client goes away."""
+
+        async def last(g):
+            out = None
+            async for out in g:
+                pass
+            return out
+
+        task = asyncio.ensure_future(asyncio.gather(*(last(g) for g in gens)))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                for g in gens:
+                    await g.aclose()
+                raise asyncio.CancelledError("client disconnected")
+
+    @staticmethod
+    async def _merged(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleave the outputs of several generators as they come: (prompt index, output)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i, g):
+            try:
+                async for out in g:
+                    await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        remaining = len(gens)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                await g.aclose()
+
+    @staticmethod
+    def _usage(finals: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ------------------------------------------------------------------ /v1/completions
+    def _completion_logprobs(self, lps, text_offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            tokens.append(lp.decoded_token)
+            token_lps.append(lp.logprob)
+            tops.append({t.decoded_token: t.logprob for t in lp.top} or None)
+            offsets.append(text_offset)
+            text_offset += len(lp.decoded_token)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        model = self.check_model(req.model)
+        if req.suffix is not None:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of other than n is not supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        encoded = [self.engine.encode_prompt(x) for x in prompts]
+        params = req.to_sampling_params(req.max_tokens, req.logprobs)
+        gens = await self._start(encoded, params, req.priority)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        n = req.n
+
+        def prompt_text(i: int) -> str:
+            text, ids = encoded[i]
+            return text if text is not None else self.tokenizer.decode(ids)
+
+        if not req.stream:
+            finals = await self._final_outputs(gens, raw)
+            choices = []
+            for i, o in enumerate(finals):
+                for c in o.outputs:
+                    text = (prompt_text(i) if req.echo else "") + c.text
+                    choices.append({
+                        "index": i * n + c.index, "text": text, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                        "logprobs": self._completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None,
+                    })
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                 "choices": choices, "usage": self._usage(finals)})
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def stream():
+            sent_text: dict[int, int] = {}
+            sent_lps: dict[int, int] = {}
+            finals: dict[int, RequestOutput] = {}
+            try:
+                async for i, o in self._merged(gens):
+                    for c in o.outputs:
+                        idx = i * n + c.index
+                        start = sent_text.get(idx)
+                        delta = c.text[start or 0:]
+                        if start is None and req.echo:
+                            delta = prompt_text(i) + delta
+                        lps = None
+                        if c.logprobs is not None:
+                            k = sent_lps.get(idx, 0)
+                            lps = self._completion_logprobs(c.logprobs[k:], start or 0)
+                            sent_lps[idx] = len(c.logprobs)
+                        if not delta and c.finish_reason is None and not (lps and lps["tokens"]):
+                            continue
+                        sent_text[idx] = len(c.text)
+                        yield _stream_line({"id": rid, "object": "text_completion", "created": created,
+                                            "model": model, "choices": [{
+                                                "index": idx, "text": delta, "logprobs": lps,
+                                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    if o.finished:
+                        finals[i] = o
+                if include_usage:
+                    yield _stream_line({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                        "choices": [], "usage": self._usage(list(finals.values()))})
+            except (RequestFailedError, EngineDeadError) as e:
+                yield _stream_line({"error": {"message": str(e), "type": "internal_server_error", "param": None,
+                                              "code": 500}})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    def _chat_logprobs(self, lps) -> dict:
+        def entry(tok: str, lp: float) -> dict:
+            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+        return {"content": [
+            {**entry(lp.decoded_token, lp.logprob), "top_logprobs": [entry(t.decoded_token, t.logprob) for t in lp.top]}
+            for lp in lps
+        ]}
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        model = self.check_model(req.model)
+        messages = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: only text is supported
+                parts = []
+                for part in content:
+                    if part.get("type") != "text":
+                        raise APIError(400, f"message content part type {part.get('type')!r} is not supported",
+                                       "messages")
+                    parts.append(part.get("text", ""))
+                content = "".join(parts)
+            messages.append({"role": m.role, "content": content or ""})
+        text, ids = self.engine.encode_chat(messages)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.to_sampling_params(max_tokens, logprobs)
+        gens = await self._start([(text, ids)], params, req.priority)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        if not req.stream:
+            final = (await self._final_outputs(gens, raw))[0]
+            choices = [{
+                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            } for c in final.outputs]
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                                 "choices": choices, "usage": self._usage([final])})
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices, usage=None):
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return _stream_line(body)
+
+        async def stream():
+            sent_text: dict[int, int] = {}
+            sent_lps: dict[int, int] = {}
+            final = None
+            try:
+                for i in range(req.n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+                async for _, o in self._merged(gens):
+                    for c in o.outputs:
+                        start = sent_text.get(c.index, 0)
+                        delta = c.text[start:]
+                        lps = None
+                        if c.logprobs is not None:
+                            k = sent_lps.get(c.index, 0)
+                            lps = self._chat_logprobs(c.logprobs[k:])
+                            sent_lps[c.index] = len(c.logprobs)
+                        if not delta and c.finish_reason is None and not (lps and lps["content"]):
+                            continue
+                        sent_text[c.index] = len(c.text)
+                        yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                                      "logprobs": lps, "finish_reason": c.finish_reason}])
+                    if o.finished:
+                        final = o
+                if include_usage and final is not None:
+                    yield chunk([], self._usage([final]))
+            except (RequestFailedError, EngineDeadError) as e:
+                yield _stream_line({"error": {"message": str(e), "type": "internal_server_error", "param": None,
+                                              "code": 500}})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, metrics=None) -> FastAPI:
+    serving = OpenAIServing(engine, model_names)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        logger.info("shutting down: aborting unfinished requests")
+        engine.shutdown()
+
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.serving = serving
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            return error_json(400, f"Invalid JSON in request body: {first.get('msg')}")
+        return error_json(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return error_json(exc.status, exc.message, exc.param, exc.err_type)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_, exc: ValueError):
+        return error_json(400, str(exc))
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_, exc: RequestFailedError):
+        return error_json(500, f"the engine failed on this request: {exc}")
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_, exc: EngineDeadError):
+        return error_json(503, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        return error_json(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        logger.exception("unhandled error")
+        return error_json(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                return error_json(401, "Invalid or missing API key")
+        return await call_next(request)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+
+    @app.get("/health")
+    async def health():
+        if engine.is_alive:
+            return Response(status_code=200)
+        return error_json(503, "engine loop is not running")
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagedllm.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedllm",
+             "root": engine.engine.model_path, "max_model_len": engine.max_model_len}
+            for name in model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        return await serving.chat(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            _, ids = engine.encode_chat([m.model_dump(include={"role", "content"}) for m in req.messages])
+        else:
+            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        serving.check_model(req.model)
+        vocab = engine.engine.core.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        if metrics is None:
+            return error_json(404, "metrics are disabled")
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+# ---------------------------------------------------------------------- start-up
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="name clients use (default: the model's name)")
+    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"), help="require this bearer key on /v1")
+    g.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES)
+    g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats log lines")
+    g.add_argument("--uvicorn-log-level", default="warning")
+
+
+def default_served_name(model: str | None) -> str:
+    if model is None:
+        from pagedllm.config import DEFAULT_MODEL_FILE
+
+        return DEFAULT_MODEL_FILE.split(".")[0]
+    return model
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.engine.arg_utils import config_from_args
+    from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+    logging.getLogger("pagedllm").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)  # a flag the engine cannot honour stops here, with its message
+    name = args.served_model_name or default_served_name(args.model)
+    metrics = PrometheusStatLogger(name)
+    engine = AsyncLLM(config, stat_loggers=[metrics], log_stats_interval=args.log_stats_interval)
+    app = build_app(engine, [name], api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                    metrics=metrics)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # graceful stop, then a normal exit (no re-raised signal)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                    timeout_graceful_shutdown=30))
+    logger.info("serving %s on http://%s:%d", name, args.host, args.port)
+    server.run()
+    engine.shutdown()
+    logger.info("server stopped")
+    return 0

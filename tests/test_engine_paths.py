@@ -1,0 +1,91 @@
+"""Chunked prefill, prefix-cache hits and preemption give the same greedy tokens as a request run alone."""
+
+import pytest
+
+from conftest import PROMPTS
+from pagedllm import LLM, SamplingParams
+
+N_NEW = 48
+GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW)
+LONG_PREFIX = (
+    "<|im_start|>system\nYou are a meticulous assistant for a shipping company. Always answer in one short "
+    "sentence, cite the relevant policy number, and never invent tracking numbers. Policies: 1) refunds within "
+    "30 days; 2) free returns for damaged items; 3) express shipping costs extra.<|im_end|>\n<|im_start|>user\n"
+)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Reference: each prompt alone through the default engine (itself checked against HuggingFace)."""
+    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+
+
+def test_chunked_prefill_tiny_token_budget(alone):
+    small = LLM(max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False)
+    sched = small.engine.core.scheduler
+    seen_chunks = []
+    orig = sched.schedule
+
+    def spy():
+        so = orig()
+        assert so.num_batched_tokens <= 8
+        seen_chunks.extend(len(s.token_ids) for s in so.scheduled if not s.sample)
+        return so
+
+    sched.schedule = spy
+    outs = small.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert seen_chunks, "no prompt was split into chunks"
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == alone[p], p
+
+
+def test_prefix_cache_hit_same_tokens_and_counted(llm):
+    eng = llm.engine
+    kv = eng.core.kv_cache_manager
+    q0, h0 = kv.prefix_cache_queries, kv.prefix_cache_hits
+    p1 = LONG_PREFIX + "Where is my parcel?<|im_end|>\n<|im_start|>assistant\n"
+    p2 = LONG_PREFIX + "Can I return a broken lamp?<|im_end|>\n<|im_start|>assistant\n"
+    first = llm.generate(p1, GREEDY, use_tqdm=False)[0]
+    second = llm.generate(p2, GREEDY, use_tqdm=False)[0]
+    again = llm.generate(p2, GREEDY, use_tqdm=False)[0]
+    n_prefix = len(eng.tokenizer.encode(LONG_PREFIX))
+    bs = eng.config.cache.block_size
+    assert second.num_cached_tokens >= (n_prefix // bs) * bs > 0
+    assert again.num_cached_tokens == ((len(again.prompt_token_ids) - 1) // bs) * bs
+    assert kv.prefix_cache_hits - h0 >= second.num_cached_tokens + again.num_cached_tokens
+    assert kv.prefix_cache_queries - q0 == sum(len(o.prompt_token_ids) for o in (first, second, again))
+    # the cached paths give exactly the tokens of an engine without prefix caching
+    nocache = LLM(enable_prefix_caching=False)
+    ref = nocache.generate([p1, p2], GREEDY, use_tqdm=False)
+    assert first.outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert second.outputs[0].token_ids == ref[1].outputs[0].token_ids
+    assert again.outputs[0].token_ids == ref[1].outputs[0].token_ids
+    assert nocache.engine.core.kv_cache_manager.prefix_cache_hits == 0
+
+
+def test_preemption_small_kv_pool(alone):
+    # 24 blocks x 16 tokens: 8 concurrent requests of ~20-40 + 48 tokens cannot all fit.
+    tight = LLM(num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8)
+    outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
+    core = tight.engine.core
+    assert core.scheduler.num_preemptions > 0, "the pool was large enough: no preemption happened"
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == alone[p], p
+    core.kv_cache_manager.check_integrity()
+    assert core.kv_cache_manager.pool.num_free_blocks == 24
+
+
+def test_startup_fails_when_max_model_len_does_not_fit():
+    with pytest.raises(ValueError, match="max_model_len=1024 needs 64 blocks"):
+        LLM(num_gpu_blocks_override=10, max_model_len=1024)
+
+
+def test_kv_usage_reported_as_fraction(llm):
+    eng = llm.engine
+    eng.add_request("usage-probe", PROMPTS[2], SamplingParams(temperature=0, max_tokens=4))
+    eng.step()
+    usage = eng.core.stats().kv_cache_usage
+    assert 0.0 < usage < 1.0
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.core.stats().kv_cache_usage == 0.0
