@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from pagedllm.bench import offline
+
+    bo = bsub.add_parser("offline", help="LLM.generate vs HuggingFace one request at a time")
+    offline.add_args(bo)
+    bo.set_defaults(func=offline.main)
     return p
 
 

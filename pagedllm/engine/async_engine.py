@@ -80,6 +80,7 @@ class AsyncLLM:
         self._wake = threading.Condition(self._lock)
         self._streams: dict[str, _Stream] = {}
         self._stop = False
+        self._dirty = False  # something changed (an abort) that metrics should see even without a step
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._interval = _IntervalStats()
@@ -119,8 +120,10 @@ class AsyncLLM:
         return RequestStream(self, rid, stream)
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
+        with self._wake:
             self._streams.pop(request_id, None)
+            self._dirty = True
+            self._wake.notify()
             return self.engine.abort_request(request_id) is not None
 
     # ------------------------------------------------------------------ loop
@@ -129,12 +132,13 @@ class AsyncLLM:
         try:
             while True:
                 with self._wake:
-                    while not self._stop and not self.engine.has_unfinished_requests():
+                    while not self._stop and not self._dirty and not self.engine.has_unfinished_requests():
                         self._wake.wait(timeout=1.0)
                         if time.monotonic() >= next_log:
                             break
                     if self._stop:
                         break
+                    self._dirty = False
                     outputs, stats, sched_stats = self._step_locked()
                 for out in outputs:
                     self._deliver(out.request_id, out, out.finished)
@@ -155,7 +159,7 @@ class AsyncLLM:
 
     def _step_locked(self) -> tuple[list[RequestOutput], IterationStats, SchedulerStats]:
         if not self.engine.has_unfinished_requests():
-            return [], IterationStats(), self.engine.core.stats()
+            return [], self.engine.output_processor.drain_aborted_stats(), self.engine.core.stats()
         scheduled = [r.request_id for r in self.engine.core.scheduler.running]
         try:
             outputs = self.engine.step()

@@ -214,5 +214,11 @@ class OutputProcessor:
             top=[Logprob(t, v, r + 1, dec([t])) for r, (t, v) in enumerate(lp.top)],
         )
 
+    def drain_aborted_stats(self) -> IterationStats:
+        """Statistics of aborts not yet reported (when no step runs to carry them)."""
+        stats = IterationStats(finished=self._aborted)
+        self._aborted = []
+        return stats
+
     def has_unfinished(self) -> bool:
         return bool(self.parents)

@@ -71,6 +71,22 @@ class BodyLimitMiddleware:
         return await self.app(scope, limited_receive, send)
 
 
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on /v1 routes (constant-time comparison). Plain ASGI, so that
+    disconnect detection downstream still sees the real receive channel."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope.get("headers", [])).get(b"authorization", b"")
+            token = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                return await error_json(401, "Invalid or missing API key")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def _stream_line(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -100,8 +116,8 @@ class OpenAIServing:
         return gens
 
     @staticmethod
-    async def _final_outputs(gens: list[AsyncIterator], raw: Request) -> list[RequestOutput]:
-        """Consume every generator to its end; abort all if the client goes away."""
+    async def _final_outputs(gens: list[AsyncIterator], raw: Request) -> list[RequestOutput] | None:
+        """Consume every generator to its end. If the client goes away, abort all and return None."""
 
         async def last(g):
             out = None
@@ -116,9 +132,13 @@ class OpenAIServing:
                 return task.result()
             if await raw.is_disconnected():
                 task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
                 for g in gens:
                     await g.aclose()
-                raise asyncio.CancelledError("client disconnected")
+                return None
 
     @staticmethod
     async def _merged(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -201,6 +221,8 @@ class OpenAIServing:
 
         if not req.stream:
             finals = await self._final_outputs(gens, raw)
+            if finals is None:
+                return Response(status_code=499)  # client closed the request; nobody reads this
             choices = []
             for i, o in enumerate(finals):
                 for c in o.outputs:
@@ -286,7 +308,10 @@ class OpenAIServing:
         created = int(time.time())
 
         if not req.stream:
-            final = (await self._final_outputs(gens, raw))[0]
+            finals = await self._final_outputs(gens, raw)
+            if finals is None:
+                return Response(status_code=499)
+            final = finals[0]
             choices = [{
                 "index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": self._chat_logprobs(c.logprobs) if c.logprobs is not None else None,
@@ -387,15 +412,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         logger.exception("unhandled error")
         return error_json(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return error_json(401, "Invalid or missing API key")
-        return await call_next(request)
-
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
 
     @app.get("/health")

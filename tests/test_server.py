@@ -1,0 +1,376 @@
+"""The real server as a subprocess, driven by the official openai client and raw httpx."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import PROMPTS
+from pagedllm import SamplingParams
+
+API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path_factory, *extra):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    fh = open(log, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
+         "--log-stats-interval", "1", *extra],
+        stdout=fh, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, base, log = start_server(tmp_path_factory, "--api-key", API_KEY, "--max-request-body-bytes", "100000")
+    yield proc, base, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def base(server):
+    return server[1]
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def auth():
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def scrape(base) -> dict:
+    text = httpx.get(base + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("" if "finished_reason" not in s.labels else f"[{s.labels['finished_reason']}]")
+            out[key] = s.value
+    return out
+
+
+# ---------------------------------------------------------------------- openai client
+def test_completion_and_usage(client, llm):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    offline = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert r.choices[0].text == offline.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_completion_prompt_forms(client, llm):
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    by_text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    many = client.completions.create(model=MODEL, prompt=[PROMPTS[0], PROMPTS[5]], max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == by_text.choices[0].text  # greedy: n copies agree
+    many_ids = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=6, temperature=0)
+    assert [c.text for c in many_ids.choices] == [by_text.choices[0].text] * 2
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_completion_tokens=30, temperature=0,
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.completion_tokens <= 30
+
+
+def test_n_logprobs_echo(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.0, n=2, seed=5,
+                                  logprobs=3)
+    assert len(r.choices) == 2
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+        assert all(v <= 0 for v in lp.token_logprobs)
+        assert all(len(t) <= 3 for t in lp.top_logprobs)
+        assert "".join(lp.tokens) == c.text
+    again = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.0, n=2, seed=5)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    echo = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith(PROMPTS[0]) and len(echo.choices[0].text) > len(PROMPTS[0])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_streaming_chunks_arrive_incrementally(client):
+    times, pieces = [], []
+    t0 = time.monotonic()
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=64, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.text:
+                times.append(time.monotonic() - t0)
+                pieces.append(c.text)
+    assert len(pieces) >= 30, "tokens were not streamed one chunk at a time"
+    assert times[-1] - times[0] > 0.2, "all chunks arrived at once (buffered)"
+    assert usage is not None and usage.completion_tokens == 64
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=64, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert "".join(pieces) == full.choices[0].text
+
+
+def test_chat_streaming_multibyte(client):
+    prompt = "Repeat exactly: Grüße aus Köln — 日本語 🎉"
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=40, temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    assert streamed == whole
+    assert "\ufffd" not in streamed
+
+
+def test_sixteen_concurrent_streams_match_offline(base, llm):
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" (variant {i})" for i in range(16)]
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    aclient = openai.AsyncOpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0)
+    max_running = 0
+
+    async def one(p):
+        text = ""
+        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=32, temperature=0, stream=True)
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+        return text
+
+    async def watch(stop):
+        nonlocal max_running
+        async with httpx.AsyncClient() as h:
+            while not stop.is_set():
+                text = (await h.get(base + "/metrics")).text
+                for line in text.splitlines():
+                    if line.startswith("pagedllm:num_requests_running{"):
+                        max_running = max(max_running, float(line.split()[-1]))
+                await asyncio.sleep(0.05)
+
+    async def main():
+        stop = asyncio.Event()
+        w = asyncio.ensure_future(watch(stop))
+        texts = await asyncio.gather(*(one(p) for p in prompts))
+        stop.set()
+        await w
+        return texts
+
+    texts = asyncio.run(main())
+    assert texts == [o.outputs[0].text for o in offline]
+    assert max_running >= 4, f"requests were not batched together (max running {max_running})"
+
+
+def test_client_disconnect_aborts_and_frees_blocks(base):
+    before = scrape(base)
+    with httpx.stream("POST", base + "/v1/completions", headers=auth(), timeout=60,
+                      json={"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2000, "ignore_eos": True,
+                            "stream": True}) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got >= 5:
+                break
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        m = scrape(base)
+        if m["pagedllm:request_success_total[abort]"] > before["pagedllm:request_success_total[abort]"] and \
+                m["pagedllm:num_requests_running"] == 0 and m["pagedllm:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["pagedllm:request_success_total[abort]"] == before["pagedllm:request_success_total[abort]"] + 1
+    assert m["pagedllm:num_requests_running"] == 0
+    assert m["pagedllm:kv_cache_usage_perc"] == 0
+    assert m["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] < 2000
+
+
+def test_non_streaming_disconnect_aborts(base):
+    before = scrape(base)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", headers=auth(), timeout=1.5,
+                   json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 3000, "ignore_eos": True})
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        m = scrape(base)
+        if m["pagedllm:request_success_total[abort]"] > before["pagedllm:request_success_total[abort]"]:
+            break
+        time.sleep(0.2)
+    assert m["pagedllm:request_success_total[abort]"] == before["pagedllm:request_success_total[abort]"] + 1
+    assert m["pagedllm:kv_cache_usage_perc"] == 0
+
+
+def test_metrics_agree_with_requests(base, client):
+    before = scrape(base)
+    sent_completion = sent_prompt = 0
+    for p in PROMPTS[:4]:
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0)
+        sent_completion += r.usage.completion_tokens
+        sent_prompt += r.usage.prompt_tokens
+    after = scrape(base)
+    assert after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] == sent_completion
+    assert after["pagedllm:prompt_tokens_total"] - before["pagedllm:prompt_tokens_total"] == sent_prompt
+    assert after["pagedllm:request_success_total[length]"] - before["pagedllm:request_success_total[length]"] == 4
+    assert after["pagedllm:e2e_request_latency_seconds_count"] - before["pagedllm:e2e_request_latency_seconds_count"] == 4
+    assert after["pagedllm:time_to_first_token_seconds_count"] - before["pagedllm:time_to_first_token_seconds_count"] == 4
+    assert after["pagedllm:inter_token_latency_seconds_count"] - before["pagedllm:inter_token_latency_seconds_count"] == sent_completion - 4
+    assert after["pagedllm:request_generation_tokens_sum"] - before["pagedllm:request_generation_tokens_sum"] == sent_completion
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+                 "request_queue_time_seconds_count", "request_prompt_tokens_count", "iteration_tokens_total_count",
+                 "num_requests_waiting"):
+        assert f"pagedllm:{name}" in after
+    assert after["pagedllm:prefix_cache_queries_total"] - before["pagedllm:prefix_cache_queries_total"] == sent_prompt
+
+
+# ---------------------------------------------------------------------- other endpoints
+def test_models_version_tokenize(base):
+    models = httpx.get(base + "/v1/models", headers=auth()).json()
+    assert models["data"][0]["id"] == MODEL
+    assert httpx.get(base + "/version").json()["version"]
+    tok = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    assert httpx.post(base + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
+    chat_tok = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat_tok["count"] > tok["count"]
+
+
+# ---------------------------------------------------------------------- errors
+def _err(r, status):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    assert {"message", "type", "param", "code"} <= set(body["error"])
+    assert body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("payload, needle", [
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "max_tokens": "abc"}, "max_tokens"),
+    ({"prompt": "hi", "top_p": 5}, "top_p"),
+    ({"prompt": "hi", "n": 0}, "n must be"),
+    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"max_tokens": 5}, "prompt"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+])
+def test_invalid_params_400(base, payload, needle):
+    e = _err(httpx.post(base + "/v1/completions", headers=auth(), json={"model": MODEL, **payload}), 400)
+    assert needle in e["message"] or needle == e["param"]
+
+
+def test_invalid_json_and_chat_schema_400(base):
+    _err(httpx.post(base + "/v1/completions", headers={**auth(), "content-type": "application/json"},
+                    content=b"{not json"), 400)
+    e = _err(httpx.post(base + "/v1/chat/completions", headers=auth(),
+                        json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400)
+    assert "messages" in e["message"]
+
+
+def test_context_length_errors(base):
+    maxlen = httpx.get(base + "/v1/models", headers=auth()).json()["data"][0]["max_model_len"]
+    e = _err(httpx.post(base + "/v1/completions", headers=auth(),
+                        json={"model": MODEL, "prompt": [5] * (maxlen + 10), "max_tokens": 1}), 400)
+    assert f"maximum context length is {maxlen}" in e["message"] and str(maxlen + 10) in e["message"]
+    e = _err(httpx.post(base + "/v1/completions", headers=auth(),
+                        json={"model": MODEL, "prompt": [5] * 100, "max_tokens": maxlen}), 400)
+    assert f"maximum context length is {maxlen}" in e["message"] and str(100 + maxlen) in e["message"]
+
+
+def test_unknown_model_404_and_auth_401(base):
+    e = _err(httpx.post(base + "/v1/completions", headers=auth(), json={"model": "gpt-9", "prompt": "hi"}), 404)
+    assert "gpt-9" in e["message"]
+    _err(httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "hi"}), 401)
+    _err(httpx.post(base + "/v1/completions", headers={"Authorization": "Bearer wrong"},
+                    json={"model": MODEL, "prompt": "hi"}), 401)
+    assert httpx.get(base + "/health").status_code == 200  # health needs no key
+
+
+def test_body_too_large_413(base):
+    _err(httpx.post(base + "/v1/completions", headers=auth(), json={"model": MODEL, "prompt": "x" * 200_000}), 413)
+
+
+def test_bad_flag_value_stops_start():
+    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--tensor-parallel-size", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "tensor_parallel_size=2 is not supported" in r.stderr
+
+
+def test_stats_line_logged(server):
+    log = server[2]
+    deadline = time.time() + 5
+    while time.time() < deadline and "Avg generation throughput" not in log.read_text():
+        time.sleep(0.2)
+    line = next(l for l in log.read_text().splitlines() if "Avg generation throughput" in l)
+    for part in ("Running:", "Waiting:", "KV cache usage:", "Prefix cache hit rate:"):
+        assert part in line
+
+
+def test_sigterm_finishes_in_flight_and_exits_cleanly(server):
+    """Last in this module: SIGTERM while a stream is running; the stream ends properly, exit code 0."""
+    proc, base, log = server
+    done = {}
+
+    async def consume():
+        async with httpx.AsyncClient(timeout=60) as h:
+            async with h.stream("POST", base + "/v1/completions", headers=auth(),
+                                json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "ignore_eos": True,
+                                      "stream": True}) as r:
+                lines = [l async for l in r.aiter_lines() if l.startswith("data: ")]
+        done["lines"] = lines
+
+    async def main():
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        await task
+
+    asyncio.run(main())
+    assert proc.wait(timeout=60) == 0
+    assert done["lines"][-1] == "data: [DONE]"
+    assert "Traceback" not in log.read_text()
