@@ -114,6 +114,13 @@ class BlockPool:
             out.append(block)
         return out
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's cached content (it stays allocated)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:

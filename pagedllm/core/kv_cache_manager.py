@@ -122,6 +122,13 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(rid, None)
 
+    def uncache_private_blocks(self, request: Request) -> None:
+        """A request failed mid-step: blocks only it holds may have been registered before their content was
+        written, so take them out of the prefix cache."""
+        for block in self.req_to_blocks.get(request.request_id, ()):
+            if block.ref_cnt == 1:
+                self.pool.uncache(block)
+
     def forget(self, request: Request) -> None:
         """Drop the cached hashes of a finished request (its token list may not change any more)."""
         self.req_to_hashes.pop(request.request_id, None)

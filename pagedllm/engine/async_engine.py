@@ -141,7 +141,13 @@ class AsyncLLM:
                     self._dirty = False
                     outputs, stats, sched_stats = self._step_locked()
                 for out in outputs:
-                    self._deliver(out.request_id, out, out.finished)
+                    errors = [c.stop_reason for c in out.outputs if c.finish_reason == "error"]
+                    if errors:
+                        with self._lock:
+                            self.engine.abort_request(out.request_id)  # its other samples, if n > 1
+                        self._deliver(out.request_id, RequestFailedError(str(errors[0])), True)
+                    else:
+                        self._deliver(out.request_id, out, out.finished)
                 self._interval.add(stats, sched_stats)
                 for sl in self.stat_loggers:
                     try:

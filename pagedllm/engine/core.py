@@ -7,7 +7,7 @@ import logging
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.outputs import EngineCoreOutput, SchedulerStats
+from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,35 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]!r} cannot be scheduled")
-        result = self.runner.execute(so)
+        failed: dict[str, str] = {}
+        try:
+            result = self.runner.execute(so)
+        except Exception as e:  # find the request(s) that fail; the others go on
+            logger.warning("step failed (%s: %s); re-running its requests one at a time", type(e).__name__, e)
+            result, failed = self._execute_isolated(so)
         self.num_steps += 1
-        return self.scheduler.update_from_output(so, result)
+        outputs = self.scheduler.update_from_output(so, result)
+        for rid, msg in failed.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.kv_cache_manager.uncache_private_blocks(req)
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(rid, [], None, finish_reason="error", stop_reason=msg))
+        return outputs
+
+    def _execute_isolated(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
+        merged = ModelRunnerOutput()
+        failed: dict[str, str] = {}
+        for s in so.scheduled:
+            try:
+                r = self.runner.execute(SchedulerOutput(scheduled=[s], num_batched_tokens=len(s.token_ids)))
+            except Exception as e:
+                logger.exception("request %s failed in the model runner", s.req_id)
+                failed[s.req_id] = f"{type(e).__name__}: {e}"
+                continue
+            merged.sampled_token_ids.update(r.sampled_token_ids)
+            merged.logprobs.update(r.logprobs)
+        return merged, failed
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
