@@ -136,6 +136,13 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() seconds
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -143,6 +150,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -351,6 +351,36 @@ def test_stats_line_logged(server):
         assert part in line
 
 
+def test_bench_serve_against_server(base, tmp_path):
+    """`pagedllm bench serve` end to end: every metric present and consistent with what the server reported."""
+    out = tmp_path / "bench.json"
+    before = scrape(base)
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli.main", "bench", "serve", "--base-url", base, "--api-key", API_KEY,
+         "--num-prompts", "6", "--max-concurrency", "3", "--output-len", "8", "--dataset", "file", "--ignore-eos",
+         "--goodput", "ttft:60000", "--result-json", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Output token throughput" in r.stdout
+    res = json.loads(out.read_text())
+    for key in ("completed", "failed", "duration_s", "request_throughput", "output_throughput",
+                "total_token_throughput", "goodput"):
+        assert key in res
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p90", "p99"):
+            assert res[f"{stat}_{m}_ms"] >= 0
+    assert res["completed"] == 6 and res["failed"] == 0 and res["goodput"] > 0
+    assert res["total_output_tokens"] == 48
+    for req in res["requests"]:
+        assert 0 < req["ttft"] <= req["latency"]
+        assert req["output_tokens"] == 8 and len(req["itl"]) <= 7
+    after = scrape(base)
+    assert after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] == 48
+    assert after["pagedllm:prompt_tokens_total"] - before["pagedllm:prompt_tokens_total"] == res["total_input_tokens"]
+    assert res["mean_ttft_ms"] <= res["mean_e2el_ms"]
+
+
 def test_sigterm_finishes_in_flight_and_exits_cleanly(server):
     """Last in this module: SIGTERM while a stream is running; the stream ends properly, exit code 0."""
     proc, base, log = server

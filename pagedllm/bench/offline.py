@@ -23,7 +23,8 @@ def run_pagedllm(prompts: list[str], output_len: int, **engine_kwargs) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    # min_tokens masks EOS exactly as HF's min_new_tokens does, so both generate the same greedy tokens
+    params = SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)

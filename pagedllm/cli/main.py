@@ -134,11 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.bench import offline
+    from pagedllm.bench import compare, offline, roofline, serve
 
     bo = bsub.add_parser("offline", help="LLM.generate vs HuggingFace one request at a time")
     offline.add_args(bo)
     bo.set_defaults(func=offline.main)
+    bs = bsub.add_parser("serve", help="load-test any OpenAI-compatible server")
+    serve.add_args(bs)
+    bs.set_defaults(func=serve.main)
+    bc = bsub.add_parser("compare", help="HF vs pagedllm offline vs pagedllm server, one workload")
+    compare.add_args(bc)
+    bc.set_defaults(func=compare.main)
+    br = bsub.add_parser("roofline", help="machine matmul/bandwidth limits and the engine's fraction of them")
+    roofline.add_args(br)
+    br.set_defaults(func=roofline.main)
     return p
 
 

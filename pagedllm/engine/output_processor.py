@@ -17,6 +17,7 @@ from pagedllm.outputs import (
     FinishedRequestStats,
     IterationStats,
     Logprob,
+    RequestMetrics,
     RequestOutput,
     TokenLogprobs,
 )
@@ -72,8 +73,9 @@ class ParentState:
             )
             for c in self.children
         ]
+        last = max((c.last_token_time for c in self.children if c.last_token_time is not None), default=None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.num_cached_tokens)
+                             self.num_cached_tokens, RequestMetrics(self.arrival_time, self.first_token_time, last))
 
 
 class OutputProcessor:

@@ -14,7 +14,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, kv_capacity_bytes: int = 0, kv_capacity_tokens: int = 0) -> None:
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["model_name"]
 
@@ -30,6 +30,8 @@ class PrometheusStatLogger:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        gauge("kv_cache_capacity_bytes", "Bytes preallocated for the paged KV cache.").set(kv_capacity_bytes)
+        gauge("kv_cache_capacity_tokens", "Tokens the paged KV cache holds.").set(kv_capacity_tokens)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Requests preempted.")

@@ -501,8 +501,10 @@ def run_server(args: argparse.Namespace) -> int:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)  # a flag the engine cannot honour stops here, with its message
     name = args.served_model_name or default_served_name(args.model)
-    metrics = PrometheusStatLogger(name)
-    engine = AsyncLLM(config, stat_loggers=[metrics], log_stats_interval=args.log_stats_interval)
+    engine = AsyncLLM(config, log_stats_interval=args.log_stats_interval)
+    runner = engine.engine.core.runner
+    metrics = PrometheusStatLogger(name, runner.kv_cache_bytes, runner.num_blocks * runner.block_size)
+    engine.stat_loggers.append(metrics)
     app = build_app(engine, [name], api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                     metrics=metrics)
 

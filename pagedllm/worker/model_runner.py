@@ -10,6 +10,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig, resolve_model_path
@@ -77,11 +78,7 @@ class ModelRunner:
                 f"or lower --max-model-len"
             )
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(arch.num_layers)
-        ]
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(arch.num_layers)]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         logger.info(
@@ -91,6 +88,14 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ memory
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Zero-filled KV storage. On CPU it comes from calloc, so pages are committed only when first written:
+        the process's resident memory grows with the KV cache actually used, not with the budget."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        nbytes = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
+
     @property
     def bytes_per_block(self) -> int:
         a = self.arch

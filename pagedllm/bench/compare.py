@@ -1,0 +1,324 @@
+"""`pagedllm bench compare`: one fixed workload through HuggingFace transformers (one at a time, static batches),
+the pagedllm engine offline, and the pagedllm server under `bench serve` at several concurrencies.
+
+Every system gets the same prompts (the shipped set), the same number of output tokens (greedy, EOS ignored).
+Offline systems receive all requests at t=0, so their latency includes waiting for earlier requests/batches, as a
+naive deployment's users would see under a burst. Each offline phase runs in its own process so its peak RSS is
+its own. Writes results.json, results.md and chart.png into the results directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _row(system, n_out, duration, latencies, ttfts, peak_rss, **extra) -> dict:
+    return {"system": system, "output_tokens": n_out, "duration_s": duration, "output_tok_s": n_out / duration,
+            "mean_latency_s": float(np.mean(latencies)), "p99_latency_s": float(np.percentile(latencies, 99)),
+            "mean_ttft_s": float(np.mean(ttfts)), "peak_rss_bytes": peak_rss, **extra}
+
+
+# ---------------------------------------------------------------------- phases (each in its own process)
+def phase_hf(prompts: list[str], output_len: int, batch_size: int, dtype: str) -> dict:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    from pagedllm.config import default_model_path
+
+    d, f = os.path.split(default_model_path())
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
+
+    class FirstToken(LogitsProcessor):
+        def __init__(self):
+            self.t = None
+
+        def __call__(self, input_ids, scores):
+            if self.t is None:
+                self.t = time.perf_counter()
+            return scores
+
+    latencies, ttfts, n_out = [], [], 0
+    t0 = time.perf_counter()
+    label = "one at a time" if batch_size == 1 else f"static batches of {batch_size}"
+    with torch.inference_mode():
+        for i in tqdm(range(0, len(prompts), batch_size), desc=f"HF {dtype} {label}"):
+            batch = prompts[i : i + batch_size]
+            enc = tok(batch, return_tensors="pt", padding=True)
+            ft = FirstToken()
+            out = model.generate(**enc, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, logits_processor=LogitsProcessorList([ft]))
+            done = time.perf_counter()
+            n_out += (out.shape[1] - enc.input_ids.shape[1]) * len(batch)
+            latencies += [done - t0] * len(batch)
+            ttfts += [ft.t - t0] * len(batch)
+    dt = time.perf_counter() - t0
+    return _row(f"HF transformers {dtype}, {label}", n_out, dt, latencies, ttfts, _peak_rss())
+
+
+def phase_offline(prompts: list[str], output_len: int, dtype: str) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(dtype=dtype)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+    core = llm.engine.core
+    peak_blocks = 0
+    orig_step = core.step
+
+    def step():
+        nonlocal peak_blocks
+        out = orig_step()
+        peak_blocks = max(peak_blocks, core.kv_cache_manager.num_blocks - core.kv_cache_manager.pool.num_free_blocks)
+        return out
+
+    core.step = step
+    t0 = time.perf_counter()
+    t0_mono = time.monotonic()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    runner = core.runner
+    bytes_per_token = runner.bytes_per_block // runner.block_size
+    return _row(
+        f"pagedllm offline LLM.generate ({runner.dtype})".replace("torch.", ""), n_out, dt,
+        [o.metrics.last_token_time - t0_mono for o in outs], [o.metrics.first_token_time - t0_mono for o in outs],
+        _peak_rss(),
+        kv_bytes_used_peak=peak_blocks * runner.bytes_per_block,
+        kv_bytes_static_max_len=len(prompts) * runner.max_model_len * bytes_per_token,
+    )
+
+
+# ---------------------------------------------------------------------- server phase
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(base: str) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("pagedllm:") and "{" in line:
+            out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list[int], dtype: str,
+                 results_dir: str) -> list[dict]:
+    import httpx
+
+    from pagedllm.bench.serve import BenchRequest, run_load
+    from pagedllm.bench.offline import load_prompts
+
+    port = _free_port()
+    log = open(os.path.join(results_dir, "server.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
+                             "--dtype", dtype, "--log-stats-interval", "5"], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start; see {log.name}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        prompts = load_prompts(prompts_file)[:n]
+        reqs = [BenchRequest(p, output_len) for p in prompts]
+        capacity = _scrape(base)["pagedllm:kv_cache_capacity_bytes"]
+        max_len = httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"]
+        for c in concurrencies:
+            args = argparse.Namespace(base_url=base, endpoint="completions", model=None, api_key=None,
+                                      max_concurrency=c, request_rate=float("inf"), burstiness=1.0, seed=0,
+                                      ignore_eos=True, temperature=0.0, goodput=None, dataset="file")
+            peak = {"usage": 0.0}
+
+            async def run_and_watch():
+                stop = asyncio.Event()
+
+                async def watch():
+                    async with httpx.AsyncClient() as h:
+                        while not stop.is_set():
+                            for line in (await h.get(base + "/metrics")).text.splitlines():
+                                if line.startswith("pagedllm:kv_cache_usage_perc{"):
+                                    peak["usage"] = max(peak["usage"], float(line.rsplit(" ", 1)[1]))
+                            await asyncio.sleep(0.2)
+
+                w = asyncio.ensure_future(watch())
+                res = await run_load(args, reqs, show_progress=True)
+                stop.set()
+                await w
+                return res
+
+            res = asyncio.run(run_and_watch())
+            bytes_per_token = capacity / max(_scrape(base)["pagedllm:kv_cache_capacity_tokens"], 1)
+            rows.append({
+                "system": f"pagedllm server, concurrency {c}", "output_tokens": res["total_output_tokens"],
+                "duration_s": res["duration_s"], "output_tok_s": res["output_throughput"],
+                "mean_latency_s": res["mean_e2el_ms"] / 1000, "p99_latency_s": res["p99_e2el_ms"] / 1000,
+                "mean_ttft_s": res["mean_ttft_ms"] / 1000, "failed": res["failed"],
+                "kv_bytes_used_peak": peak["usage"] * capacity,
+                "kv_bytes_static_max_len": min(c, n) * max_len * bytes_per_token,
+            })
+        hwm = 0
+        with open(f"/proc/{proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+        for r in rows:
+            r["peak_rss_bytes"] = hwm  # the server process's peak over all its runs
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return rows
+
+
+# ---------------------------------------------------------------------- report
+def write_report(rows: list[dict], meta: dict, results_dir: str) -> str:
+    with open(os.path.join(results_dir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    base = next((r["output_tok_s"] for r in rows if "one at a time" in r["system"]), rows[0]["output_tok_s"])
+    lines = [
+        f"Workload: {meta['num_prompts']} prompts (shipped set, {meta['prompt_tokens_min']}-"
+        f"{meta['prompt_tokens_max']} tokens), {meta['output_len']} output tokens each, greedy, EOS ignored.",
+        "",
+        "| system | output tok/s | vs HF one-at-a-time | mean latency (s) | p99 latency (s) | mean TTFT (s) | "
+        "peak RSS (MiB) | KV used / static max-len reservation |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        kv = "—"
+        if r.get("kv_bytes_static_max_len"):
+            kv = (f"{r['kv_bytes_used_peak'] / 2**20:.0f} MiB / {r['kv_bytes_static_max_len'] / 2**20:.0f} MiB "
+                  f"({100 * r['kv_bytes_used_peak'] / r['kv_bytes_static_max_len']:.1f}%)")
+        lines.append(
+            f"| {r['system']} | {r['output_tok_s']:.1f} | {r['output_tok_s'] / base:.2f}x | {r['mean_latency_s']:.2f} | "
+            f"{r['p99_latency_s']:.2f} | {r['mean_ttft_s']:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | {kv} |"
+        )
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(results_dir, "results.md"), "w") as f:
+        f.write(table)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["system"] for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 0.5 * len(rows) + 2.5))
+    a1.barh(names, [r["output_tok_s"] for r in rows], color="tab:blue")
+    a1.set_xlabel("output tokens/s (higher is better)")
+    a2.barh(names, [r["p99_latency_s"] for r in rows], color="tab:orange")
+    a2.set_xlabel("p99 request latency, s (lower is better)")
+    a2.set_yticklabels([])
+    for ax in (a1, a2):
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"pagedllm bench compare: {meta['num_prompts']} prompts x {meta['output_len']} tokens")
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, "chart.png"), dpi=110)
+    plt.close(fig)
+    return table
+
+
+def _run_phase(argv: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-m", "pagedllm.bench.compare", *argv], capture_output=False,
+                         stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagedllm.bench.offline import load_prompts
+    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.config import default_model_path
+
+    if args.quick:
+        args.num_prompts, args.output_len = min(args.num_prompts, 4), min(args.output_len, 16)
+        args.concurrency, args.hf_batch_sizes = [1, 4], [4]
+    os.makedirs(args.results_dir, exist_ok=True)
+    prompts = load_prompts(args.prompts_file)[: args.num_prompts]
+    tok = load_tokenizer(default_model_path())
+    lens = [len(tok.encode(p)) for p in prompts]
+    meta = {"num_prompts": len(prompts), "output_len": args.output_len, "prompt_tokens_min": min(lens),
+            "prompt_tokens_max": max(lens), "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
+            "command": " ".join(sys.argv)}
+    common = ["--num-prompts", str(len(prompts)), "--output-len", str(args.output_len)]
+    if args.prompts_file:
+        common += ["--prompts-file", args.prompts_file]
+    rows = []
+    if not args.skip_hf:
+        for dt in args.hf_dtypes:
+            rows.append(_run_phase(["--phase", "hf", "--batch-size", "1", "--dtype", dt, *common]))
+            for b in args.hf_batch_sizes:
+                rows.append(_run_phase(["--phase", "hf", "--batch-size", str(b), "--dtype", dt, *common]))
+    rows.append(_run_phase(["--phase", "offline", "--dtype", args.dtype, *common]))
+    rows += phase_server(args.prompts_file, len(prompts), args.output_len, args.concurrency, args.dtype,
+                         args.results_dir)
+    table = write_report(rows, meta, args.results_dir)
+    print("\n" + table)
+    print(f"results in {args.results_dir}/ (results.json, results.md, chart.png)")
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-file", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--hf-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", help="pagedllm dtype")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--results-dir", default="results/compare")
+    p.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens: a smoke run")
+
+
+def _phase_main() -> int:
+    from pagedllm.bench.offline import load_prompts
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", choices=["hf", "offline"], required=True)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-prompts", type=int, required=True)
+    p.add_argument("--output-len", type=int, required=True)
+    p.add_argument("--prompts-file", default=None)
+    a = p.parse_args()
+    prompts = load_prompts(a.prompts_file)[: a.num_prompts]
+    if a.phase == "hf":
+        row = phase_hf(prompts, a.output_len, a.batch_size, "float32" if a.dtype == "auto" else a.dtype)
+    else:
+        row = phase_offline(prompts, a.output_len, a.dtype)
+    print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_phase_main())

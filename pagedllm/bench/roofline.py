@@ -1,0 +1,136 @@
+"""`pagedllm bench roofline`: this machine's matmul throughput and memory bandwidth, and the engine's decode
+throughput as a fraction of them (model FLOPs utilisation at several batch sizes, bandwidth use at batch 1)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def _time(fn, min_time: float = 0.3, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        el = time.perf_counter() - start
+        if el >= min_time:
+            return el / n
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype) -> float:
+    a = torch.randn(m, k, dtype=dtype)
+    b = torch.randn(n, k, dtype=dtype)
+    t = _time(lambda: torch.nn.functional.linear(a, b))
+    return 2 * m * k * n / t / 1e9
+
+
+def model_shapes(arch) -> list[tuple[int, int, int]]:
+    """(in, out, count) of every linear layer in one decode step."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return [(h, q + 2 * kv, arch.num_layers), (q, h, arch.num_layers), (h, 2 * i, arch.num_layers),
+            (i, h, arch.num_layers), (h, arch.vocab_size, 1)]
+
+
+def model_linear_gflops(arch, batch: int, dtype: torch.dtype) -> float:
+    """Throughput of the model's own linear shapes at this batch size (one of each shape, weighted by count)."""
+    total_flops = total_time = 0.0
+    for k, n, count in model_shapes(arch):
+        a = torch.randn(batch, k, dtype=dtype)
+        w = torch.randn(n, k, dtype=dtype)
+        t = _time(lambda: torch.nn.functional.linear(a, w), min_time=0.15)
+        total_flops += 2 * batch * k * n * count
+        total_time += t * count
+    return total_flops / total_time / 1e9
+
+
+def bandwidth_gbs(nbytes: int = 1 << 29) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), min_time=0.5)
+    return 2 * nbytes / t / 1e9
+
+
+def flops_per_token(arch, context: int) -> float:
+    lin = sum(2 * k * n * c for k, n, c in model_shapes(arch))
+    attn = 4 * context * arch.num_heads * arch.head_dim * arch.num_layers
+    return lin + attn
+
+
+def engine_decode(llm, batch: int, prompt_len: int = 64, steps: int = 24) -> tuple[float, float]:
+    """Seconds per decode step with `batch` running requests; returns (step time, mean context)."""
+    from pagedllm import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        eng.add_tokenized_request(f"roof-{batch}-{i}", None, [(7 * i + j) % 1000 + 100 for j in range(prompt_len)], sp)
+    sched = eng.core.scheduler
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in list(sched.waiting) + sched.running):
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    dt = (time.perf_counter() - t0) / steps
+    ctx = prompt_len + 2 + steps / 2
+    for i in range(batch):
+        eng.abort_request(f"roof-{batch}-{i}")
+    return dt, ctx
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagedllm import LLM
+
+    torch.manual_seed(0)
+    res: dict = {"threads": torch.get_num_threads()}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    res["bandwidth_gbs"] = bandwidth_gbs()
+    print(f"memory bandwidth (copy): {res['bandwidth_gbs']:.1f} GB/s")
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        res[f"peak_gflops_{name}"] = matmul_gflops(2048, 2048, 2048, dt)
+        print(f"matmul 2048^3 {name}: {res[f'peak_gflops_{name}']:.0f} GFLOP/s")
+
+    llm = LLM(dtype=args.dtype)
+    runner = llm.engine.core.runner
+    arch, dtype = runner.arch, runner.dtype
+    weight_bytes = runner.model.weight_bytes()
+    res["dtype"] = str(dtype).replace("torch.", "")
+    res["rows"] = []
+    print(f"\nengine dtype {res['dtype']}; weights {weight_bytes / 2**20:.0f} MiB")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'model-shape ceiling':>20} {'MFU vs ceiling':>15} "
+          f"{'MFU vs peak':>12}")
+    peak = res[f"peak_gflops_{res['dtype']}"] if f"peak_gflops_{res['dtype']}" in res else res["peak_gflops_float32"]
+    for b in args.batch_sizes:
+        step, ctx = engine_decode(llm, b)
+        tok_s = b / step
+        gflops = tok_s * flops_per_token(arch, int(ctx)) / 1e9
+        ceiling = model_linear_gflops(arch, b, dtype)
+        row = {"batch": b, "step_ms": step * 1000, "tok_s": tok_s, "gflops": gflops, "ceiling_gflops": ceiling,
+               "mfu_vs_ceiling": gflops / ceiling, "mfu_vs_peak": gflops / peak}
+        if b == 1:
+            kv_bytes = 2 * arch.num_layers * ctx * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+            row["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step / 1e9 / res["bandwidth_gbs"]
+        res["rows"].append(row)
+        print(f"{b:5d} {step * 1000:8.1f} {tok_s:8.1f} {gflops:8.1f} {ceiling:20.1f} {100 * row['mfu_vs_ceiling']:14.1f}% "
+              f"{100 * row['mfu_vs_peak']:11.1f}%")
+    b1 = next((r for r in res["rows"] if r["batch"] == 1), None)
+    if b1:
+        print(f"\nbatch 1: {100 * b1['bandwidth_fraction']:.1f}% of the bandwidth roofline "
+              f"(weights + KV read per step / step time / copy bandwidth)")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--result-json", default=None)
