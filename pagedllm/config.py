@@ -64,6 +64,69 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+_SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM-style speculative decoding settings (``--speculative-config`` JSON)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None  # the draft model (method "draft_model")
+    disable_by_batch_size: int | None = None  # no speculation once this many requests run
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {_SPEC_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs 'model': the draft model's path")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @staticmethod
+    def from_dict(d: dict | str | None, disable_by_batch_size: int | None = None) -> "SpeculativeConfig | None":
+        import json
+
+        if d is None:
+            if disable_by_batch_size is not None:
+                raise ValueError("--speculative-disable-by-batch-size needs --speculative-config")
+            return None
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("the speculative config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                 "disable_by_batch_size"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown speculative config keys: {sorted(unknown)}; known: {sorted(known)}")
+        if "method" not in d or "num_speculative_tokens" not in d:
+            raise ValueError("the speculative config needs 'method' and 'num_speculative_tokens'")
+        d = dict(d)
+        if disable_by_batch_size is not None:
+            d["disable_by_batch_size"] = disable_by_batch_size
+        return SpeculativeConfig(**d)
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots beyond the verified tokens a step may write: the drafts it verifies, and for a draft model
+        also the next step's drafts it writes while proposing them."""
+        k = self.num_speculative_tokens
+        return 2 * k if self.method == "draft_model" else k
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -72,6 +135,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:

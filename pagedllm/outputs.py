@@ -22,11 +22,12 @@ class ScheduledRequest:
     """One request's work in one step: compute ``token_ids`` at positions ``num_computed_tokens`` onwards."""
 
     req_id: str
-    token_ids: list[int]  # the tokens computed this step (a prefill chunk, or the last sampled token)
+    token_ids: list[int]  # computed this step: a prefill chunk or the last sampled token, then any drafts
     num_computed_tokens: int  # position of token_ids[0]
-    block_ids: list[int]  # the request's whole block table
+    block_ids: list[int]  # the request's whole block table (lookahead slots included)
     sample: bool  # True when this chunk reaches the end of the request's tokens: sample the next one
     num_output_tokens: int  # output tokens the request has before this step (penalties, min_tokens)
+    num_spec_tokens: int = 0  # the last num_spec_tokens of token_ids are draft tokens to verify
 
 
 @dataclass
@@ -36,6 +37,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # the worker may drop their state
     num_batched_tokens: int = 0
     num_preemptions: int = 0
+    speculate: bool = False  # lookahead slots were allocated: the worker may propose drafts for the next step
 
     @property
     def is_empty(self) -> bool:
@@ -55,9 +57,11 @@ class SampledTokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    # req_id -> sampled token, only for requests whose chunk had sample=True
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, SampledTokenLogprobs] = field(default_factory=dict)
+    # req_id -> new tokens (accepted drafts + one sampled token), only for requests whose chunk had sample=True
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[SampledTokenLogprobs]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for the next step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- core -> front end
@@ -81,6 +85,11 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative
     num_batched_tokens: int = 0  # this step
+    # speculative decoding, cumulative
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -44,7 +44,7 @@ def make_sched(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_s
 
 def fake_output(so, token_fn=fake_token) -> ModelRunnerOutput:
     return ModelRunnerOutput(
-        sampled_token_ids={s.req_id: token_fn(s.req_id, s.num_output_tokens) for s in so.scheduled if s.sample}
+        sampled_token_ids={s.req_id: [token_fn(s.req_id, s.num_output_tokens)] for s in so.scheduled if s.sample}
     )
 
 
@@ -88,7 +88,7 @@ class FakeWorker:
             assert seen == self.reqs[s.req_id][:end], f"{s.req_id}: KV memory does not hold the request's tokens"
             if s.sample:
                 tok = self.token_fn(s.req_id, s.num_output_tokens)
-                sampled[s.req_id] = tok
+                sampled[s.req_id] = [tok]
                 self.reqs[s.req_id].append(tok)
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
@@ -703,7 +703,7 @@ def test_abort_while_step_in_flight():
     sched.add_request(make_req("A", range(100, 110), max_tokens=5))
     so = sched.schedule()
     res = fake_output(so)
-    assert res.sampled_token_ids == {"A": fake_token("A", 0)}
+    assert res.sampled_token_ids == {"A": [fake_token("A", 0)]}
     sched.finish_requests("A")
     assert sched.kv.pool.num_free_blocks == 32
     assert sched.update_from_output(so, res) == []  # the late result of an aborted request is dropped

@@ -32,8 +32,16 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        num_lookahead_slots: int = 0,
+        spec_disable_by_batch_size: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.num_lookahead_slots = num_lookahead_slots  # > 0 when speculative decoding is on
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -92,6 +100,9 @@ class Scheduler:
         preempted_now = 0
 
         # 1. Running requests, oldest first; victims are taken from the tail, which is not scheduled yet.
+        speculate = self.num_lookahead_slots > 0 and (
+            self.spec_disable_by_batch_size is None or len(self.running) < self.spec_disable_by_batch_size
+        )
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -100,10 +111,16 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            spec = req.spec_token_ids if speculate and num_new == req.num_tokens - req.num_computed_tokens else []
+            # drafts fit in the budget, the context, and the output tokens left (one goes to the sampled token)
+            room = min(budget - num_new, self.max_model_len - req.num_computed_tokens - num_new - 1,
+                       req.max_tokens - req.num_output_tokens - 1)
+            spec = spec[: max(room, 0)]
+            lookahead = self.num_lookahead_slots if speculate else 0
             while True:
-                if self.kv.allocate_slots(req, num_new) is not None:
-                    scheduled.append((req, num_new))
-                    budget -= num_new
+                if self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead) is not None:
+                    scheduled.append((req, num_new, spec))
+                    budget -= num_new + len(spec)
                     i += 1
                     break
                 victim = self.running.pop()
@@ -122,7 +139,8 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(req, num_new, hits) is None:
+            lookahead = self.num_lookahead_slots if speculate else 0
+            if self.kv.allocate_slots(req, num_new, hits, num_lookahead_tokens=lookahead) is None:
                 break
             self.waiting.popleft()
             self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
@@ -131,11 +149,12 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            scheduled.append((req, num_new))
+            scheduled.append((req, num_new, []))
             budget -= num_new
 
         # 3. Build the step's work; advance num_computed_tokens now (the worker computes exactly this).
-        for req, num_new in scheduled:
+        for req, num_new, spec in scheduled:
+            req.spec_token_ids = []
             start = req.num_computed_tokens
             if req.request_id not in self._sent_to_worker:
                 self._sent_to_worker.add(req.request_id)
@@ -144,16 +163,18 @@ class Scheduler:
             out.scheduled.append(
                 ScheduledRequest(
                     req_id=req.request_id,
-                    token_ids=req.all_token_ids[start:end],
+                    token_ids=req.all_token_ids[start:end] + spec,
                     num_computed_tokens=start,
                     block_ids=self.kv.get_block_ids(req.request_id),
                     sample=end == req.num_tokens,
                     num_output_tokens=req.num_output_tokens,
+                    num_spec_tokens=len(spec),
                 )
             )
-            req.num_computed_tokens = end
+            req.num_computed_tokens = end + len(spec)  # rejected drafts are taken back in update_from_output
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.num_preemptions = preempted_now
+        out.speculate = speculate
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = []
         self.last_step_tokens = out.num_batched_tokens
@@ -163,6 +184,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -175,20 +197,30 @@ class Scheduler:
             req = self.requests.get(s.req_id)
             if req is None or req.is_finished():
                 continue  # aborted while the step ran
-            token = result.sampled_token_ids.get(s.req_id)
-            if token is None:
+            tokens = result.sampled_token_ids.get(s.req_id)
+            if not tokens:
                 continue  # a prefill chunk that did not reach the end
-            req.append_output_token(token)
+            if s.num_spec_tokens:
+                accepted = len(tokens) - 1
+                req.num_computed_tokens -= s.num_spec_tokens - accepted  # roll back the rejected drafts
+                self._record_spec(s.num_spec_tokens, accepted)
             queue_time = None
             if req.first_token_time is None:
                 req.first_token_time = now
                 queue_time = (req.first_scheduled_time or now) - req.arrival_time
-            status = self._check_stop(req, token)
-            lp = result.logprobs.get(s.req_id)
+            lps = result.logprobs.get(s.req_id)
+            status = None
+            n_kept = 0
+            for tok in tokens:
+                req.append_output_token(tok)
+                n_kept += 1
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    break
             out = EngineCoreOutput(
                 req_id=req.request_id,
-                new_token_ids=[token],
-                new_logprobs=[lp] if lp is not None else None,
+                new_token_ids=tokens[:n_kept],
+                new_logprobs=lps[:n_kept] if lps is not None else None,
                 finish_reason=None,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 queue_time=queue_time,
@@ -199,8 +231,19 @@ class Scheduler:
                 out.finish_reason = RequestStatus.finish_reason(status)
                 out.stop_reason = req.stop_reason
                 self._free(req)
+            else:
+                req.spec_token_ids = list(result.spec_token_ids.get(s.req_id, ()))
             outputs.append(out)
         return outputs
+
+    def _record_spec(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        while len(self.spec_accepted_per_pos) < num_drafts:
+            self.spec_accepted_per_pos.append(0)
+        for i in range(num_accepted):
+            self.spec_accepted_per_pos[i] += 1
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -224,4 +267,8 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_batched_tokens=self.last_step_tokens,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )

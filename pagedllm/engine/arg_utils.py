@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, help="not supported yet: any value other than none is refused")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported yet")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 4}\'')
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="turn speculation off while at least this many requests run")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -38,4 +43,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        speculative_config=args.speculative_config,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
     )

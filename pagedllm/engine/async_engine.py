@@ -234,12 +234,15 @@ class _IntervalStats:
         self.gen_tokens = 0
         self.queries0: int | None = None
         self.hits0: int | None = None
+        self.spec0: tuple[int, int] | None = None
 
     def add(self, it: IterationStats, s: SchedulerStats) -> None:
         self.prompt_tokens += it.num_prompt_tokens
         self.gen_tokens += it.num_generation_tokens
         if self.queries0 is None:
             self.queries0, self.hits0 = s.prefix_cache_queries, s.prefix_cache_hits
+        if self.spec0 is None:
+            self.spec0 = (s.spec_num_drafts, s.spec_num_accepted_tokens)
 
     def log(self, s: SchedulerStats) -> None:
         dt = max(time.monotonic() - self.start, 1e-9)
@@ -254,5 +257,11 @@ class _IntervalStats:
             self.prompt_tokens / dt, self.gen_tokens / dt, s.num_running, s.num_waiting,
             100 * s.kv_cache_usage, 100 * h / q if q else 0.0,
         )
+        drafts = s.spec_num_drafts - (self.spec0 or (0, 0))[0]
+        if drafts:
+            accepted = s.spec_num_accepted_tokens - (self.spec0 or (0, 0))[1]
+            logger.info("SpecDecoding: drafts %d, mean acceptance length %.2f (tokens per verification step)",
+                        drafts, 1 + accepted / drafts)
         self.reset()
         self.queries0, self.hits0 = s.prefix_cache_queries, s.prefix_cache_hits
+        self.spec0 = (s.spec_num_drafts, s.spec_num_accepted_tokens)

@@ -30,9 +30,12 @@ class EngineCore:
                 f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({self.max_model_len}) with chunked prefill disabled: long prompts could never be scheduled"
             )
+        spec = config.speculative
         self.scheduler = Scheduler(
             self.kv_cache_manager, sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len,
             sc.enable_chunked_prefill,
+            num_lookahead_slots=spec.num_lookahead_slots if spec else 0,
+            spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
         )
         self.num_steps = 0
 
@@ -93,6 +96,7 @@ class EngineCore:
                 continue
             merged.sampled_token_ids.update(r.sampled_token_ids)
             merged.logprobs.update(r.logprobs)
+            merged.spec_token_ids.update(r.spec_token_ids)
         return merged, failed
 
     def stats(self) -> SchedulerStats:

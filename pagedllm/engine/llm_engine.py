@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
@@ -21,7 +21,8 @@ def build_config(
     gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
     num_gpu_blocks_override: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
     enable_chunked_prefill: bool = True, device: str = "auto", tensor_parallel_size: int = 1,
-    quantization: str | None = None,
+    quantization: str | None = None, speculative_config: dict | str | None = None,
+    speculative_disable_by_batch_size: int | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model, dtype, max_model_len, seed, served_model_name),
@@ -29,6 +30,7 @@ def build_config(
                           num_gpu_blocks_override),
         scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill),
         device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+        speculative=SpeculativeConfig.from_dict(speculative_config, speculative_disable_by_batch_size),
     )
 
 

@@ -47,6 +47,14 @@ class PrometheusStatLogger:
         self.req_prompt = hist("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
         self.req_gen = hist("request_generation_tokens", "Generated tokens of finished requests.", TOKEN_BUCKETS)
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft proposals verified.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position.",
+                                 ["model_name", "position"], registry=r)
+        self._model_name = model_name
+        self._last_spec = (0, 0, 0)
+        self._last_pos: list[int] = []
         self._last_preemptions = 0
         self._last_queries = 0
         self._last_hits = 0
@@ -60,6 +68,16 @@ class PrometheusStatLogger:
         self.prefix_hits.inc(max(s.prefix_cache_hits - self._last_hits, 0))
         self._last_preemptions, self._last_queries, self._last_hits = (
             s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)
+        spec = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
+        for c, now, before in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), spec, self._last_spec):
+            if now > before:
+                c.inc(now - before)
+        self._last_spec = spec
+        for i, v in enumerate(s.spec_accepted_per_pos):
+            prev = self._last_pos[i] if i < len(self._last_pos) else 0
+            if v > prev:
+                self._spec_pos.labels(self._model_name, str(i)).inc(v - prev)
+        self._last_pos = list(s.spec_accepted_per_pos)
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
         if it.num_generation_tokens:

@@ -6,6 +6,7 @@ llama's GGUF q/k rows un-permuted back to the HuggingFace rotary layout.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class ModelArchConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_id: int | None
+    vocab_fingerprint: str | None = None  # sha256 of the token strings, where the file lists them
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -87,6 +89,7 @@ def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        vocab_fingerprint=hashlib.sha256("\n".join(tokens).encode()).hexdigest() if tokens else None,
     )
 
     rename = {

@@ -36,10 +36,8 @@ class SamplingMetadata:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # (B,)
-    logprobs: torch.Tensor | None  # (B,) logprob of the sampled token
-    ranks: torch.Tensor | None  # (B,)
-    top_ids: torch.Tensor | None  # (B, K)
-    top_logprobs: torch.Tensor | None  # (B, K)
+    raw_logprobs: torch.Tensor | None  # (B, V) log-softmax of the raw logits, when any row wants logprobs
+    probs: torch.Tensor | None  # (B, V) the processed distribution sampled from (when asked; not for greedy rows)
 
 
 def _token_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -86,7 +84,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, m: SamplingMetadata, return_probs: bool = False) -> SamplerOutput:
         """logits: (B, V) float32 raw model outputs."""
         raw = logits
         if m.banned is not None:
@@ -97,6 +95,7 @@ class Sampler:
         if m.output_tokens is not None:
             logits = apply_penalties(logits, m)
         greedy_tokens = logits.argmax(dim=-1)
+        probs = None
         if m.all_greedy:
             tokens = greedy_tokens
         else:
@@ -107,11 +106,18 @@ class Sampler:
                 noise[row].exponential_(generator=gen)
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(m.greedy, greedy_tokens, sampled)
-        out = SamplerOutput(tokens, None, None, None, None)
-        if m.max_num_logprobs is not None:
-            lp = torch.log_softmax(raw, dim=-1)
-            out.logprobs = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            out.ranks = (lp > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1
-            if m.max_num_logprobs > 0:
-                out.top_logprobs, out.top_ids = lp.topk(m.max_num_logprobs, dim=-1)
-        return out
+        raw_lp = torch.log_softmax(raw, dim=-1) if m.max_num_logprobs is not None else None
+        return SamplerOutput(tokens, raw_lp, probs if return_probs else None)
+
+
+def gather_logprobs(raw_lp: torch.Tensor, rows: list[int], tokens: list[int], k: int):
+    """Logprob and rank of ``tokens[i]`` in row ``rows[i]``, and each row's top-k: plain lists."""
+    dev = raw_lp.device
+    lp = raw_lp[torch.tensor(rows, device=dev)]
+    chosen = lp.gather(1, torch.tensor(tokens, device=dev).unsqueeze(1)).squeeze(1)
+    ranks = (lp > chosen.unsqueeze(1)).sum(dim=-1) + 1
+    top_v = top_i = None
+    if k > 0:
+        top_v, top_i = lp.topk(k, dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    return chosen.tolist(), ranks.tolist(), top_i, top_v

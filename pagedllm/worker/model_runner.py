@@ -18,7 +18,9 @@ from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import ModelArchConfig, load_model_files
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
-from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.sample.rejection_sampler import rejection_sample
+from pagedllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
+from pagedllm.spec.ngram import propose_ngram
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,11 @@ class ModelRunner:
             )
         self.max_model_len = max_len
         self.block_size = config.cache.block_size
+        self.draft_model: LlamaForCausalLM | None = None
+        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model = self._load_draft(spec.model)
         self.num_blocks = self._num_kv_blocks()
         needed = math.ceil(self.max_model_len / self.block_size)
         if needed > self.num_blocks:
@@ -79,6 +86,10 @@ class ModelRunner:
             )
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(arch.num_layers)]
+        if self.draft_model is not None:
+            da = self.draft_model.cfg
+            dshape = (self.num_blocks, self.block_size, da.num_kv_heads, da.head_dim)
+            self.draft_kv_caches = [(self._zeros(dshape), self._zeros(dshape)) for _ in range(da.num_layers)]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         logger.info(
@@ -96,11 +107,27 @@ class ModelRunner:
         nbytes = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
 
+    def _load_draft(self, path: str) -> LlamaForCausalLM:
+        darch, dweights = load_model_files(resolve_model_path(path))
+        a = self.arch
+        if darch.vocab_size != a.vocab_size or (
+            darch.vocab_fingerprint and a.vocab_fingerprint and darch.vocab_fingerprint != a.vocab_fingerprint
+        ):
+            raise ValueError(
+                f"the draft model {path} does not share the target's vocabulary (vocab sizes {darch.vocab_size} vs "
+                f"{a.vocab_size}): speculative decoding needs the same tokenizer"
+            )
+        if darch.max_position < self.max_model_len:
+            raise ValueError(f"the draft model's context ({darch.max_position}) is shorter than max_model_len "
+                             f"({self.max_model_len})")
+        return LlamaForCausalLM(darch, dweights, self.device, self.dtype)
+
     @property
     def bytes_per_block(self) -> int:
-        a = self.arch
+        """KV bytes of one block across all layers (the draft model's layers included)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem
+        archs = [self.arch] + ([self.draft_model.cfg] if self.draft_model is not None else [])
+        return sum(2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem for a in archs)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -134,41 +161,163 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput()
 
-        input_ids, positions, meta, sample_rows, sample_ids = self._prepare_inputs(so)
+        input_ids, positions, meta, rows, groups = self._prepare_inputs(so)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        if not sample_ids:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows])
-        states = [self.requests[rid] for rid in sample_ids]
-        for st, s in zip(states, (s for s in so.scheduled if s.sample)):
-            del st.output_token_ids[s.num_output_tokens :]  # keep in step with the scheduler's view
-        smeta = self._sampling_metadata(states, logits.shape[1])
-        res = self.sampler(logits, smeta)
-        tokens = res.token_ids.tolist()
         out = ModelRunnerOutput()
-        lp_lists = None
-        if res.logprobs is not None:
-            lp_lists = (
-                res.logprobs.tolist(), res.ranks.tolist(),
-                res.top_ids.tolist() if res.top_ids is not None else None,
-                res.top_logprobs.tolist() if res.top_logprobs is not None else None,
-            )
-        for i, (rid, st, tok) in enumerate(zip(sample_ids, states, tokens)):
-            st.output_token_ids.append(tok)
-            out.sampled_token_ids[rid] = tok
-            k = st.sampling_params.logprobs
-            if k is not None and lp_lists is not None:
-                top = list(zip(lp_lists[2][i][:k], lp_lists[3][i][:k])) if k > 0 else []
-                out.logprobs[rid] = SampledTokenLogprobs(tok, lp_lists[0][i], lp_lists[1][i], top)
+        if groups:
+            self._sample(so, hidden, rows, groups, out)
+        if self.draft_model is not None:
+            # the draft keeps its own KV for every token the target computes (same block tables and slots)
+            self.draft_model.forward(input_ids, positions, self.draft_kv_caches, meta)
+        if so.speculate and out.sampled_token_ids:
+            out.spec_token_ids = self._propose(so, out)
         return out
+
+    def _sample(self, so: SchedulerOutput, hidden, rows, groups, out: ModelRunnerOutput) -> None:
+        """Sample every request that reached the end of its tokens; verify its drafts if it had any.
+
+        A request with k drafts has k+1 rows: the target's distribution after its last token and after each
+        draft. Penalties and min_tokens at row i see the drafts before it as output tokens."""
+        logits = self.model.compute_logits(hidden[rows])
+        vstates, vextra = [], []
+        for s, first, n in groups:
+            st = self.requests[s.req_id]
+            del st.output_token_ids[s.num_output_tokens :]  # keep in step with the scheduler's view
+            spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+            for i in range(n):
+                vstates.append(st)
+                vextra.append(spec[:i])
+        smeta = self._sampling_metadata(vstates, vextra, logits.shape[1])
+        random_spec = [g for g in groups if g[0].num_spec_tokens and self.requests[g[0].req_id].sampling_params.temperature > 0]
+        res = self.sampler(logits, smeta, return_probs=bool(random_spec))
+        tokens = res.token_ids.tolist()
+        new_tokens: dict[str, list[int]] = {}
+        for s, first, n in groups:
+            if not s.num_spec_tokens:
+                new_tokens[s.req_id] = [tokens[first]]
+            elif self.requests[s.req_id].sampling_params.temperature == 0:
+                spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+                acc = []
+                for i, d in enumerate(spec):
+                    acc.append(tokens[first + i])
+                    if tokens[first + i] != d:
+                        break
+                else:
+                    acc.append(tokens[first + len(spec)])
+                new_tokens[s.req_id] = acc
+        if random_spec:
+            new_tokens.update(self._verify_random(random_spec, res.probs))
+        lp_rows, lp_toks, lp_owner = [], [], []
+        for s, first, n in groups:
+            st = self.requests[s.req_id]
+            new = new_tokens[s.req_id]
+            st.output_token_ids.extend(new)
+            out.sampled_token_ids[s.req_id] = new
+            if st.sampling_params.logprobs is not None:
+                for i, t in enumerate(new):
+                    lp_rows.append(first + i)
+                    lp_toks.append(t)
+                    lp_owner.append(s.req_id)
+        if lp_rows:
+            k = smeta.max_num_logprobs or 0
+            chosen, ranks, top_i, top_v = gather_logprobs(res.raw_logprobs, lp_rows, lp_toks, k)
+            for j, rid in enumerate(lp_owner):
+                want = self.requests[rid].sampling_params.logprobs
+                top = list(zip(top_i[j][:want], top_v[j][:want])) if want and top_i is not None else []
+                out.logprobs.setdefault(rid, []).append(SampledTokenLogprobs(lp_toks[j], chosen[j], ranks[j], top))
+
+    def _verify_random(self, groups, probs: torch.Tensor) -> dict[str, list[int]]:
+        """Rejection sampling for sampled (temperature > 0) requests; drafts are deterministic (one-hot q)."""
+        k = max(s.num_spec_tokens for s, _, _ in groups)
+        vocab = probs.shape[1]
+        dev = probs.device
+        p = torch.zeros(len(groups), k + 1, vocab, device=dev)
+        drafts = torch.zeros(len(groups), k, dtype=torch.long, device=dev)
+        uniforms = torch.empty(len(groups), k, device=dev)
+        noise = torch.empty(len(groups), k + 1, vocab, device=dev)
+        for j, (s, first, n) in enumerate(groups):
+            p[j, :n] = probs[first : first + n]
+            spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+            drafts[j, : len(spec)] = torch.tensor(spec, device=dev)
+            gen = self.requests[s.req_id].generator
+            uniforms[j].uniform_(generator=gen)
+            noise[j].exponential_(generator=gen)
+        toks = rejection_sample(p, drafts, [s.num_spec_tokens for s, _, _ in groups], uniforms, noise)
+        return {s.req_id: t for (s, _, _), t in zip(groups, toks)}
+
+    # ------------------------------------------------------------------ proposers
+    def _propose(self, so: SchedulerOutput, out: ModelRunnerOutput) -> dict[str, list[int]]:
+        cfg = self.config.speculative
+        k = cfg.num_speculative_tokens
+        budget = {}
+        for rid in out.sampled_token_ids:
+            st = self.requests[rid]
+            n_tok = len(st.prompt_token_ids) + len(st.output_token_ids)
+            budget[rid] = min(k, self.max_model_len - n_tok - 1)  # drafts must fit the context
+        if cfg.method == "ngram":
+            res = {}
+            for rid, kk in budget.items():
+                if kk > 0:
+                    st = self.requests[rid]
+                    res[rid] = propose_ngram(st.prompt_token_ids + st.output_token_ids, cfg.prompt_lookup_min,
+                                             cfg.prompt_lookup_max, kk)
+            return res
+        tables = {s.req_id: s.block_ids for s in so.scheduled}
+        return self._propose_draft(budget, tables)
+
+    @torch.inference_mode()
+    def _propose_draft(self, budget: dict[str, int], tables: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Greedy drafts from the draft model, k decode passes batched over the requests."""
+        bs = self.block_size
+        active = [rid for rid, kk in budget.items() if kk > 0]
+        pos = {}
+        last = {}
+        for rid in active:
+            st = self.requests[rid]
+            pos[rid] = len(st.prompt_token_ids) + len(st.output_token_ids) - 1  # the newest token, not in KV yet
+            last[rid] = st.output_token_ids[-1]
+        res: dict[str, list[int]] = {rid: [] for rid in active}
+        while active:
+            dev = self.device
+            slots = [tables[r][pos[r] // bs] * bs + pos[r] % bs for r in active]
+            dec_tables = [tables[r][: pos[r] // bs + 1] for r in active]
+            meta = self._decode_metadata(slots, dec_tables, [pos[r] + 1 for r in active])
+            hidden = self.draft_model.forward(
+                torch.tensor([last[r] for r in active], device=dev), torch.tensor([pos[r] for r in active], device=dev),
+                self.draft_kv_caches, meta,
+            )
+            nxt = self.draft_model.compute_logits(hidden).argmax(dim=-1).tolist()
+            still = []
+            for r, t in zip(active, nxt):
+                res[r].append(t)
+                last[r] = t
+                pos[r] += 1
+                if len(res[r]) < budget[r]:
+                    still.append(r)
+            active = still
+        return res
+
+    def _decode_metadata(self, slots: list[int], tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
+        dev = self.device
+        bs = self.block_size
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        lens_t = torch.tensor(lens, device=dev)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_rows=None,
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            decode_mask=(torch.arange(max_blocks * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :],
+            num_decodes=len(slots), prefills=[],
+        )
 
     def _prepare_inputs(self, so: SchedulerOutput):
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
+        rows: list[int] = []  # hidden-state rows to compute logits for
+        groups: list[tuple] = []  # (scheduled request, its first index in rows, number of rows)
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -189,8 +338,9 @@ class ModelRunner:
                 ctx = nc + n
                 prefills.append(PrefillSeq(start, start + n, ctx, torch.tensor(table[: -(-ctx // bs)], device=self.device)))
             if s.sample:
-                sample_rows.append(start + n - 1)
-                sample_ids.append(s.req_id)
+                groups.append((s, len(rows), s.num_spec_tokens + 1))
+                last_real = start + n - 1 - s.num_spec_tokens
+                rows.extend(range(last_real, start + n))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -198,22 +348,20 @@ class ModelRunner:
             num_decodes=len(decode_rows), prefills=prefills,
         )
         if decode_rows:
-            max_blocks = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            dm = self._decode_metadata([], decode_tables, decode_lens)
+            meta.decode_block_tables, meta.decode_mask = dm.decode_block_tables, dm.decode_mask
             if len(decode_rows) != len(input_ids):
                 meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
         return (
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
-            torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            sample_ids,
+            torch.tensor(rows, dtype=torch.long, device=dev),
+            groups,
         )
 
-    def _sampling_metadata(self, states: list[CachedRequestState], vocab: int) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[CachedRequestState], extras: list[list[int]], vocab: int) -> SamplingMetadata:
+        """One row per state; ``extras[i]`` are draft tokens that row i treats as already generated."""
         dev = self.device
         sps = [st.sampling_params for st in states]
         greedy = [sp.temperature == 0.0 for sp in sps]
@@ -234,7 +382,7 @@ class ModelRunner:
             rep = torch.tensor([sp.repetition_penalty for sp in sps], dtype=torch.float32, device=dev)
             pres = torch.tensor([sp.presence_penalty for sp in sps], dtype=torch.float32, device=dev)
             freq = torch.tensor([sp.frequency_penalty for sp in sps], dtype=torch.float32, device=dev)
-            out_toks = _pad([st.output_token_ids for st in states], vocab, dev)
+            out_toks = _pad([st.output_token_ids + ex for st, ex in zip(states, extras)], vocab, dev)
             prompt_toks = _pad([st.prompt_token_ids for st in states], vocab, dev)
 
         logit_bias = None
@@ -248,7 +396,7 @@ class ModelRunner:
         eos = self.arch.eos_token_id
         ban = []
         for i, (st, sp) in enumerate(zip(states, sps)):
-            if len(st.output_token_ids) < sp.min_tokens:
+            if len(st.output_token_ids) + len(extras[i]) < sp.min_tokens:
                 ids = set(sp.stop_token_ids or [])
                 if eos is not None and not sp.ignore_eos:
                     ids.add(eos)
