@@ -132,3 +132,25 @@ def test_bad_speculative_configs(tmp_path):
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="does not share the target's vocabulary"):
         LLM(speculative_config={"method": "draft_model", "model": str(d), "num_speculative_tokens": 2})
+
+
+def test_server_with_speculation_reports_spec_metrics(tmp_path_factory, reference):
+    import httpx
+
+    from test_server import start_server
+
+    cfg = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    proc, base, log = start_server(tmp_path_factory, "--speculative-config", cfg)
+    try:
+        r = httpx.post(base + "/v1/completions", json={"prompt": CODE, "max_tokens": N_NEW, "temperature": 0},
+                       timeout=120).json()
+        metrics = httpx.get(base + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert r["usage"]["completion_tokens"] == len(reference[CODE])
+    vals = {l.split("{")[0]: float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
+            if l.startswith("pagedllm:spec_decode") and "{" in l and "_created" not in l}
+    assert vals["pagedllm:spec_decode_num_drafts_total"] > 0
+    assert 0 < vals["pagedllm:spec_decode_num_accepted_tokens_total"] <= vals["pagedllm:spec_decode_num_draft_tokens_total"]
+    assert "pagedllm:spec_decode_num_accepted_tokens_per_pos_total" in vals

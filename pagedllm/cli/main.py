@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.bench import compare, offline, roofline, serve
+    from pagedllm.bench import compare, offline, roofline, serve, spec
 
     bo = bsub.add_parser("offline", help="LLM.generate vs HuggingFace one request at a time")
     offline.add_args(bo)
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     br = bsub.add_parser("roofline", help="machine matmul/bandwidth limits and the engine's fraction of them")
     roofline.add_args(br)
     br.set_defaults(func=roofline.main)
+    bsp = bsub.add_parser("spec", help="decode speed with and without speculative decoding")
+    spec.add_args(bsp)
+    bsp.set_defaults(func=spec.main)
     return p
 
 
