@@ -45,14 +45,9 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     n = args.num_prompts
     if args.dataset == "file":
-        if not args.dataset_path:
-            from pagedllm.bench.offline import load_prompts
+        from pagedllm.bench.offline import load_prompts
 
-            prompts = load_prompts(None)
-        else:
-            from pagedllm.bench.offline import load_prompts
-
-            prompts = load_prompts(args.dataset_path)
+        prompts = load_prompts(args.dataset_path)  # None: the shipped prompt set
         if not prompts:
             raise ValueError("the dataset file has no prompts")
         return [BenchRequest(prompts[i % len(prompts)], args.output_len) for i in range(n)]
