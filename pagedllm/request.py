@@ -48,6 +48,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         priority: int = 0,
+        max_queue_delay_ms: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,6 +57,7 @@ class Request:
         self.max_tokens = max_tokens  # resolved (never None)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.max_queue_delay_ms = max_queue_delay_ms  # overrides the engine's limit for this request
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

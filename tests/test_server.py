@@ -404,3 +404,37 @@ def test_sigterm_finishes_in_flight_and_exits_cleanly(server):
     assert proc.wait(timeout=60) == 0
     assert done["lines"][-1] == "data: [DONE]"
     assert "Traceback" not in log.read_text()
+
+
+def test_queue_bound_and_max_delay_errors(tmp_path_factory):
+    """One slot, a queue of 2 and a 1.5 s queue delay: the 4th request is refused (429 + Retry-After), queued
+    ones that wait too long get 503 "overloaded", and the server keeps serving."""
+    proc, base, log = start_server(tmp_path_factory, "--max-num-seqs", "1", "--max-waiting-requests", "2",
+                                   "--max-queue-delay-ms", "1500")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as h:
+            body = {"prompt": PROMPTS[2], "max_tokens": 150, "ignore_eos": True}
+            busy = asyncio.ensure_future(h.post("/v1/completions", json=body))
+            await asyncio.sleep(0.5)
+            queued = [asyncio.ensure_future(h.post("/v1/completions", json={**body, "max_tokens": 4}))
+                      for _ in range(2)]
+            await asyncio.sleep(0.3)
+            refused = await h.post("/v1/completions", json={**body, "max_tokens": 4})
+            results = await asyncio.gather(busy, *queued)
+            after = await h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            return refused, results, after
+
+    try:
+        refused, (busy, *queued), after = asyncio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    e = _err(refused, 429)
+    assert e["type"] == "overloaded" and "queue is full" in e["message"]
+    assert int(refused.headers["retry-after"]) >= 1
+    assert busy.status_code == 200 and busy.json()["usage"]["completion_tokens"] == 150
+    for q in queued:
+        e = _err(q, 503)
+        assert e["type"] == "overloaded" and "1500 ms" in e["message"]
+    assert after.status_code == 200

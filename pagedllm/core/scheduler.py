@@ -10,9 +10,10 @@ When blocks run out, the latest-arrived running request is preempted by recomput
 from __future__ import annotations
 
 import time
-from collections import deque
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.request_queue import make_queue
+from pagedllm.errors import EngineOverloadedError
 from pagedllm.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -34,8 +35,16 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         num_lookahead_slots: int = 0,
         spec_disable_by_batch_size: int | None = None,
+        policy: str = "fcfs",
+        max_waiting_requests: int | None = None,
+        max_queue_delay_ms: float | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.policy = policy
+        self.max_waiting_requests = max_waiting_requests
+        self.max_queue_delay_ms = max_queue_delay_ms
+        self._rejected: list[EngineCoreOutput] = []  # requests dropped for waiting too long, reported next update
+        self.num_rejected = 0
         self.num_lookahead_slots = num_lookahead_slots  # > 0 when speculative decoding is on
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.spec_num_drafts = 0
@@ -47,7 +56,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_queue(policy)
         self.running: list[Request] = []
         self._sent_to_worker: set[str] = set()
         self._finished_req_ids: list[str] = []
@@ -58,6 +67,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+            self.num_rejected += 1
+            raise EngineOverloadedError(
+                f"the waiting queue is full ({self.max_waiting_requests} requests): retry later", 429, retry_after=1.0
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -93,11 +107,50 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
+    def _expire_waiting(self, now: float) -> None:
+        """Drop never-scheduled requests that waited longer than their maximum queue delay."""
+        expired = []
+        for req in self.waiting:
+            limit = req.max_queue_delay_ms if req.max_queue_delay_ms is not None else self.max_queue_delay_ms
+            if limit is not None and req.first_scheduled_time is None and (now - req.arrival_time) * 1000 > limit:
+                expired.append((req, limit))
+        for req, limit in expired:
+            self.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+            self.num_rejected += 1
+            self._rejected.append(EngineCoreOutput(
+                req.request_id, [], None, finish_reason="overloaded",
+                stop_reason=f"the request waited more than its maximum queue delay ({limit:g} ms)",
+            ))
+
+    def _preempt_for_priority(self) -> int:
+        """Priority policy: free blocks for the best waiting request by preempting worse-priority running ones
+        (before anything is scheduled this step, so no victim has work in flight)."""
+        if not self.waiting or not self.running:
+            return 0
+        cand = self.waiting.peek()
+        need = cdiv(cand.num_tokens + self.num_lookahead_slots, self.kv.block_size)
+        n = 0
+        while (self.kv.pool.num_free_blocks < need or len(self.running) >= self.max_num_seqs) and self.running:
+            worst = self.running[-1]
+            if (worst.priority, worst.arrival_time) <= (cand.priority, cand.arrival_time):
+                break
+            self.running.pop()
+            self._preempt(worst)
+            n += 1
+        return n
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
         preempted_now = 0
+        if self.waiting:
+            self._expire_waiting(time.monotonic())
+        if self.policy == "priority":
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))  # victims come from the tail
+            preempted_for_priority = self._preempt_for_priority()
+        else:
+            preempted_for_priority = 0
 
         # 1. Running requests, oldest first; victims are taken from the tail, which is not scheduled yet.
         speculate = self.num_lookahead_slots > 0 and (
@@ -131,7 +184,7 @@ class Scheduler:
 
         # 2. Waiting requests, in order, while budget, sequence slots and blocks last (none after a preemption).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
@@ -142,7 +195,7 @@ class Scheduler:
             lookahead = self.num_lookahead_slots if speculate else 0
             if self.kv.allocate_slots(req, num_new, hits, num_lookahead_tokens=lookahead) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
@@ -173,7 +226,7 @@ class Scheduler:
             )
             req.num_computed_tokens = end + len(spec)  # rejected drafts are taken back in update_from_output
         out.num_batched_tokens = self.max_num_batched_tokens - budget
-        out.num_preemptions = preempted_now
+        out.num_preemptions = preempted_now + preempted_for_priority
         out.speculate = speculate
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = []
@@ -187,11 +240,12 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
 
     # ------------------------------------------------------------------ results of one step
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self._rejected
+        self._rejected = []
         now = time.monotonic()
         for s in sched.scheduled:
             req = self.requests.get(s.req_id)

@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, help="not supported yet: any value other than none is refused")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported yet")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="priority: requests' `priority` (lower first) orders the queue and picks preemption victims")
+    g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse new requests (429) beyond this")
+    g.add_argument("--max-queue-delay-ms", type=float, default=None,
+                   help="drop a request (503) that waited longer than this before starting")
     g.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 4}\'')
@@ -45,4 +50,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         speculative_config=args.speculative_config,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        scheduling_policy=args.scheduling_policy, max_waiting_requests=args.max_waiting_requests,
+        max_queue_delay_ms=args.max_queue_delay_ms,
     )

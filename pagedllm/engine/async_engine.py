@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import EngineOverloadedError
 from pagedllm.outputs import IterationStats, RequestOutput, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
@@ -120,7 +121,7 @@ class AsyncLLM:
 
     def generate(
         self, prompt_text: str | None, prompt_token_ids: list[int], params: SamplingParams,
-        request_id: str | None = None, priority: int = 0,
+        request_id: str | None = None, priority: int = 0, max_queue_delay_ms: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request now (a bad one raises ValueError here) and return an async iterator of its cumulative
         outputs. Closing the iterator before the end (a client that went away) aborts the request.
@@ -130,7 +131,8 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
             rid = request_id or self.engine.new_request_id()
-            self.engine.add_tokenized_request(rid, prompt_text, prompt_token_ids, params, priority)
+            self.engine.add_tokenized_request(rid, prompt_text, prompt_token_ids, params, priority,
+                                              max_queue_delay_ms=max_queue_delay_ms)
             self._streams[rid] = stream
             self._wake.notify()
         return RequestStream(self, rid, stream)
@@ -157,11 +159,14 @@ class AsyncLLM:
                     self._dirty = False
                     outputs, stats, sched_stats = self._step_locked()
                 for out in outputs:
-                    errors = [c.stop_reason for c in out.outputs if c.finish_reason == "error"]
+                    errors = [c for c in out.outputs if c.finish_reason in ("error", "overloaded")]
                     if errors:
                         with self._lock:
                             self.engine.abort_request(out.request_id)  # its other samples, if n > 1
-                        self._deliver(out.request_id, RequestFailedError(str(errors[0])), True)
+                        c = errors[0]
+                        exc = (RequestFailedError(str(c.stop_reason)) if c.finish_reason == "error"
+                               else EngineOverloadedError(str(c.stop_reason), 503))
+                        self._deliver(out.request_id, exc, True)
                     else:
                         self._deliver(out.request_id, out, out.finished)
                 self._interval.add(stats, sched_stats)

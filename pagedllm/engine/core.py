@@ -36,6 +36,7 @@ class EngineCore:
             sc.enable_chunked_prefill,
             num_lookahead_slots=spec.num_lookahead_slots if spec else 0,
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+            policy=sc.policy, max_waiting_requests=sc.max_waiting_requests, max_queue_delay_ms=sc.max_queue_delay_ms,
         )
         self.num_steps = 0
 

@@ -22,13 +22,15 @@ def build_config(
     num_gpu_blocks_override: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
     enable_chunked_prefill: bool = True, device: str = "auto", tensor_parallel_size: int = 1,
     quantization: str | None = None, speculative_config: dict | str | None = None,
-    speculative_disable_by_batch_size: int | None = None,
+    speculative_disable_by_batch_size: int | None = None, scheduling_policy: str = "fcfs",
+    max_waiting_requests: int | None = None, max_queue_delay_ms: float | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model, dtype, max_model_len, seed, served_model_name),
         cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
                           num_gpu_blocks_override),
-        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill),
+        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, scheduling_policy,
+                                  max_waiting_requests, max_queue_delay_ms),
         device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
         speculative=SpeculativeConfig.from_dict(speculative_config, speculative_disable_by_batch_size),
     )
@@ -84,8 +86,11 @@ class LLMEngine:
         return self.add_tokenized_request(request_id, text, ids, params, priority, arrival_time)
 
     def add_tokenized_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                              priority: int = 0, arrival_time: float | None = None) -> str:
+                              priority: int = 0, arrival_time: float | None = None,
+                              max_queue_delay_ms: float | None = None) -> str:
         parent, reqs = self.output_processor.make_requests(request_id, text, ids, params, priority, arrival_time)
+        for r in reqs:
+            r.max_queue_delay_ms = max_queue_delay_ms
         added = []
         try:
             for r in reqs:

@@ -10,7 +10,7 @@ from pagedllm.outputs import IterationStats, SchedulerStats
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "overloaded")
 
 
 class PrometheusStatLogger:

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+from pagedllm.errors import EngineOverloadedError
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -91,6 +92,12 @@ def _stream_line(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _stream_error(e: Exception) -> str:
+    status = e.status if isinstance(e, EngineOverloadedError) else 500
+    kind = "overloaded" if isinstance(e, EngineOverloadedError) else "internal_server_error"
+    return _stream_line({"error": {"message": str(e), "type": kind, "param": None, "code": status}})
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_names: list[str]) -> None:
         self.engine = engine
@@ -103,12 +110,13 @@ class OpenAIServing:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
 
     # ------------------------------------------------------------------ shared
-    async def _start(self, prompts: list[tuple[str | None, list[int]]], params, priority: int) -> list[AsyncIterator]:
+    async def _start(self, prompts: list[tuple[str | None, list[int]]], params, req) -> list[AsyncIterator]:
         """Queue one request per prompt; a bad prompt aborts those already queued and raises."""
         gens = []
         try:
             for text, ids in prompts:
-                gens.append(self.engine.generate(text, ids, params, priority=priority))
+                gens.append(self.engine.generate(text, ids, params, priority=req.priority,
+                                                 max_queue_delay_ms=req.max_queue_delay_ms))
         except BaseException:
             for g in gens:
                 await g.aclose()
@@ -210,7 +218,7 @@ class OpenAIServing:
             raise APIError(400, "prompt must not be empty", "prompt")
         encoded = [self.engine.encode_prompt(x) for x in prompts]
         params = req.to_sampling_params(req.max_tokens, req.logprobs)
-        gens = await self._start(encoded, params, req.priority)
+        gens = await self._start(encoded, params, req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         n = req.n
@@ -266,9 +274,8 @@ class OpenAIServing:
                 if include_usage:
                     yield _stream_line({"id": rid, "object": "text_completion", "created": created, "model": model,
                                         "choices": [], "usage": self._usage(list(finals.values()))})
-            except (RequestFailedError, EngineDeadError) as e:
-                yield _stream_line({"error": {"message": str(e), "type": "internal_server_error", "param": None,
-                                              "code": 500}})
+            except (RequestFailedError, EngineDeadError, EngineOverloadedError) as e:
+                yield _stream_error(e)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -303,7 +310,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.to_sampling_params(max_tokens, logprobs)
-        gens = await self._start([(text, ids)], params, req.priority)
+        gens = await self._start([(text, ids)], params, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -355,9 +362,8 @@ class OpenAIServing:
                         final = o
                 if include_usage and final is not None:
                     yield chunk([], self._usage([final]))
-            except (RequestFailedError, EngineDeadError) as e:
-                yield _stream_line({"error": {"message": str(e), "type": "internal_server_error", "param": None,
-                                              "code": 500}})
+            except (RequestFailedError, EngineDeadError, EngineOverloadedError) as e:
+                yield _stream_error(e)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -398,6 +404,13 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     @app.exception_handler(RequestFailedError)
     async def _failed(_, exc: RequestFailedError):
         return error_json(500, f"the engine failed on this request: {exc}")
+
+    @app.exception_handler(EngineOverloadedError)
+    async def _overloaded(_, exc: EngineOverloadedError):
+        resp = error_json(exc.status, str(exc), None, "overloaded")
+        if exc.retry_after is not None:
+            resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+        return resp
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_, exc: EngineDeadError):

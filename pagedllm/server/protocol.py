@@ -38,6 +38,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    max_queue_delay_ms: float | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         bias = None

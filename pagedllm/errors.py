@@ -1,0 +1,11 @@
+"""Errors that cross layers (tier 0)."""
+
+
+class EngineOverloadedError(Exception):
+    """The engine refused or dropped a request because of load (HTTP 429 when the queue is full, 503 when a
+    request waited longer than its maximum queue delay)."""
+
+    def __init__(self, message: str, status: int, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
