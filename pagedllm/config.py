@@ -37,8 +37,17 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None  # exact block count (tests); wins over the memory budget
+    preemption_mode: str = "recompute"  # or "swap": a victim's KV blocks go to a host-side pool and come back
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
+    num_host_blocks_override: int | None = None  # exact host block count (tests)
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.preemption_mode == "swap" and self.swap_space == 0 and not self.num_host_blocks_override:
+            raise ValueError("preemption_mode='swap' needs swap space: set --swap-space (GiB) > 0")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -38,6 +38,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_preemptions: int = 0
     speculate: bool = False  # lookahead slots were allocated: the worker may propose drafts for the next step
+    # KV block copies done before the forward pass, swap-outs first: (device block, host block) pairs
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +88,13 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative
     num_batched_tokens: int = 0  # this step
+    num_swapped: int = 0  # requests waiting with their KV in host memory
+    num_swap_outs: int = 0  # cumulative requests swapped out / in
+    num_swap_ins: int = 0
+    swap_out_blocks: int = 0  # cumulative blocks copied
+    swap_in_blocks: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
     # speculative decoding, cumulative
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

@@ -62,7 +62,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (not in all_token_ids)
+        self.spec_token_ids: list[int] = []
+        self.host_block_ids: list[int] | None = None  # where its KV waits while swapped out  # draft tokens to verify in the next step (not in all_token_ids)
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, in tokens (-1: not yet known)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -174,3 +174,24 @@ class BlockPool:
         )
         for h, b in self.cached.items():
             assert b.block_hash == h, "hash map out of sync"
+
+
+class HostBlockPool:
+    """Ids of host-side blocks that hold swapped-out KV (the worker owns the memory)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"cannot take {n} host blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, ids: list[int]) -> None:
+        self._free.extend(ids)
+        assert len(self._free) <= self.num_blocks and len(set(self._free)) == len(self._free), "host block double free"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from pagedllm.core.block_pool import HostBlockPool
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request_queue import make_queue
 from pagedllm.errors import EngineOverloadedError
@@ -38,8 +39,17 @@ class Scheduler:
         policy: str = "fcfs",
         max_waiting_requests: int | None = None,
         max_queue_delay_ms: float | None = None,
+        preemption_mode: str = "recompute",
+        num_host_blocks: int = 0,
     ) -> None:
         self.kv = kv_cache_manager
+        self.preemption_mode = preemption_mode
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
+        self._host_release: list[int] = []  # host blocks read by the last step's swap-ins: free from the next
+        self.num_swap_outs = self.num_swap_ins = self.swap_out_blocks = self.swap_in_blocks = 0
+        self.num_preemptions_swap = 0
         self.policy = policy
         self.max_waiting_requests = max_waiting_requests
         self.max_queue_delay_ms = max_queue_delay_ms
@@ -92,6 +102,9 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
+        if req.host_block_ids is not None:  # aborted while swapped out (its swap-out copy already ran)
+            self.host_pool.release(req.host_block_ids)
+            req.host_block_ids = None
         self.kv.free(req)
         self.kv.forget(req)
         del self.requests[req.request_id]
@@ -144,6 +157,9 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
         preempted_now = 0
+        if self._host_release:
+            self.host_pool.release(self._host_release)
+            self._host_release = []
         if self.waiting:
             self._expire_waiting(time.monotonic())
         if self.policy == "priority":
@@ -185,6 +201,27 @@ class Scheduler:
         # 2. Waiting requests, in order, while budget, sequence slots and blocks last (none after a preemption).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
             req = self.waiting.peek()
+            if req.host_block_ids is not None:  # swapped out: bring its KV back instead of recomputing
+                num_new = req.num_tokens - req.num_computed_tokens
+                if num_new > budget and not self.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                lookahead = self.num_lookahead_slots if speculate else 0
+                if self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead) is None:
+                    break
+                self.waiting.pop()
+                host = req.host_block_ids
+                dev = self.kv.get_block_ids(req.request_id)[: len(host)]
+                self._swap_in.extend(zip(host, dev))
+                self._host_release.extend(host)
+                req.host_block_ids = None
+                self.num_swap_ins += 1
+                self.swap_in_blocks += len(host)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append((req, num_new, []))
+                budget -= num_new
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
@@ -228,16 +265,28 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.num_preemptions = preempted_now + preempted_for_priority
         out.speculate = speculate
+        out.swap_out, out.swap_in = self._swap_out, self._swap_in
+        self._swap_out, self._swap_in = [], []
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = []
         self.last_step_tokens = out.num_batched_tokens
         return out
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.spec_token_ids = []
+        n_blocks = cdiv(req.num_computed_tokens, self.kv.block_size)
+        if self.preemption_mode == "swap" and 0 < n_blocks <= self.host_pool.num_free:
+            # the copies run before this step's forward pass, so the freed device blocks can be reused at once
+            host = self.host_pool.take(n_blocks)
+            self._swap_out.extend(zip(self.kv.get_block_ids(req.request_id)[:n_blocks], host))
+            req.host_block_ids = host
+            self.num_swap_outs += 1
+            self.swap_out_blocks += n_blocks
+            self.num_preemptions_swap += 1
+        else:
+            req.num_computed_tokens = 0  # recompute
+        self.kv.free(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
@@ -321,6 +370,11 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_batched_tokens=self.last_step_tokens,
+            num_swapped=sum(1 for r in self.waiting if r.host_block_ids is not None),
+            num_swap_outs=self.num_swap_outs, num_swap_ins=self.num_swap_ins,
+            swap_out_blocks=self.swap_out_blocks, swap_in_blocks=self.swap_in_blocks,
+            num_preemptions_recompute=self.num_preemptions - self.num_preemptions_swap,
+            num_preemptions_swap=self.num_preemptions_swap,
             spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,

@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="priority: requests' `priority` (lower first) orders the queue and picks preemption victims")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                   help="swap: a preempted request's KV blocks move to host memory and back")
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped KV blocks")
     g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse new requests (429) beyond this")
     g.add_argument("--max-queue-delay-ms", type=float, default=None,
                    help="drop a request (503) that waited longer than this before starting")
@@ -51,5 +54,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_config=args.speculative_config,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         scheduling_policy=args.scheduling_policy, max_waiting_requests=args.max_waiting_requests,
-        max_queue_delay_ms=args.max_queue_delay_ms,
+        max_queue_delay_ms=args.max_queue_delay_ms, preemption_mode=args.preemption_mode, swap_space=args.swap_space,
     )

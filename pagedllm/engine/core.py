@@ -37,6 +37,7 @@ class EngineCore:
             num_lookahead_slots=spec.num_lookahead_slots if spec else 0,
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
             policy=sc.policy, max_waiting_requests=sc.max_waiting_requests, max_queue_delay_ms=sc.max_queue_delay_ms,
+            preemption_mode=config.cache.preemption_mode, num_host_blocks=self.runner.num_host_blocks,
         )
         self.num_steps = 0
 

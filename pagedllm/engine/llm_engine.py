@@ -24,11 +24,12 @@ def build_config(
     quantization: str | None = None, speculative_config: dict | str | None = None,
     speculative_disable_by_batch_size: int | None = None, scheduling_policy: str = "fcfs",
     max_waiting_requests: int | None = None, max_queue_delay_ms: float | None = None,
+    preemption_mode: str = "recompute", swap_space: float = 4.0, num_host_blocks_override: int | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model, dtype, max_model_len, seed, served_model_name),
         cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
-                          num_gpu_blocks_override),
+                          num_gpu_blocks_override, preemption_mode, swap_space, num_host_blocks_override),
         scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, scheduling_policy,
                                   max_waiting_requests, max_queue_delay_ms),
         device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization,

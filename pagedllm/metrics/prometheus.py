@@ -14,7 +14,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "overloaded")
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, kv_capacity_bytes: int = 0, kv_capacity_tokens: int = 0) -> None:
+    def __init__(self, model_name: str, kv_capacity_bytes: int = 0, kv_capacity_tokens: int = 0,
+                 kv_bytes_per_block: int = 0) -> None:
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["model_name"]
 
@@ -34,7 +35,14 @@ class PrometheusStatLogger:
         gauge("kv_cache_capacity_tokens", "Tokens the paged KV cache holds.").set(kv_capacity_tokens)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.preemptions = counter("num_preemptions", "Requests preempted.")
+        self._preempt = Counter("pagedllm:num_preemptions", "Requests preempted, by mode.", ["model_name", "mode"],
+                                registry=r)
+        self.preempt = {m: self._preempt.labels(model_name, m) for m in ("recompute", "swap")}
+        self.swapped = gauge("num_requests_swapped", "Requests waiting with their KV swapped to host memory.")
+        self.swap_out_bytes = counter("swap_out_bytes", "KV bytes copied to host memory.")
+        self.swap_in_bytes = counter("swap_in_bytes", "KV bytes copied back from host memory.")
+        self._bytes_per_block = kv_bytes_per_block
+        self._last_swap = (0, 0, 0)
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter("pagedllm:request_success", "Finished requests by reason.",
@@ -63,7 +71,20 @@ class PrometheusStatLogger:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
-        self.preemptions.inc(max(s.num_preemptions - self._last_preemptions, 0))
+        rec, swp, sout, sin = (s.num_preemptions_recompute, s.num_preemptions_swap, s.swap_out_blocks,
+                               s.swap_in_blocks)
+        last_swp, last_out, last_in = self._last_swap
+        last_rec = self._last_preemptions - last_swp
+        if rec > last_rec:
+            self.preempt["recompute"].inc(rec - last_rec)
+        if swp > last_swp:
+            self.preempt["swap"].inc(swp - last_swp)
+        if sout > last_out:
+            self.swap_out_bytes.inc((sout - last_out) * self._bytes_per_block)
+        if sin > last_in:
+            self.swap_in_bytes.inc((sin - last_in) * self._bytes_per_block)
+        self._last_swap = (swp, sout, sin)
+        self.swapped.set(s.num_swapped)
         self.prefix_queries.inc(max(s.prefix_cache_queries - self._last_queries, 0))
         self.prefix_hits.inc(max(s.prefix_cache_hits - self._last_hits, 0))
         self._last_preemptions, self._last_queries, self._last_hits = (

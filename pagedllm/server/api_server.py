@@ -516,7 +516,8 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_served_name(args.model)
     engine = AsyncLLM(config, log_stats_interval=args.log_stats_interval)
     runner = engine.engine.core.runner
-    metrics = PrometheusStatLogger(name, runner.kv_cache_bytes, runner.num_blocks * runner.block_size)
+    metrics = PrometheusStatLogger(name, runner.kv_cache_bytes, runner.num_blocks * runner.block_size,
+                                   runner.bytes_per_block)
     engine.stat_loggers.append(metrics)
     app = build_app(engine, [name], api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                     metrics=metrics)

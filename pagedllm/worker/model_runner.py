@@ -86,6 +86,22 @@ class ModelRunner:
             )
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(arch.num_layers)]
+        self.num_host_blocks = 0
+        self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if config.cache.preemption_mode == "swap":
+            if self.draft_model is not None:
+                raise ValueError("preemption_mode='swap' together with a draft model is not supported yet")
+            self.num_host_blocks = config.cache.num_host_blocks_override or int(
+                config.cache.swap_space * 2**30 // self.bytes_per_block)
+            if self.num_host_blocks < 1:
+                raise ValueError(f"swap_space {config.cache.swap_space} GiB holds no KV block "
+                                 f"({self.bytes_per_block} bytes each)")
+            pin = self.device.type == "cuda"
+            self.host_kv_caches = [
+                tuple(torch.zeros((self.num_host_blocks, *shape[1:]), dtype=self.dtype, pin_memory=pin)
+                      for _ in range(2))
+                for _ in range(arch.num_layers)
+            ]
         if self.draft_model is not None:
             da = self.draft_model.cfg
             dshape = (self.num_blocks, self.block_size, da.num_kv_heads, da.head_dim)
@@ -158,6 +174,8 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(sp.seed % (2**63))
             self.requests[nr.req_id] = CachedRequestState(nr.req_id, nr.prompt_token_ids, sp, gen)
+        if so.swap_out or so.swap_in:
+            self._swap(so.swap_out, so.swap_in)
         if so.is_empty:
             return ModelRunnerOutput()
 
@@ -244,6 +262,22 @@ class ModelRunner:
             noise[j].exponential_(generator=gen)
         toks = rejection_sample(p, drafts, [s.num_spec_tokens for s, _, _ in groups], uniforms, noise)
         return {s.req_id: t for (s, _, _), t in zip(groups, toks)}
+
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),
+        then host -> device."""
+        if swap_out:
+            dev = torch.tensor([d for d, _ in swap_out], device=self.device)
+            host = torch.tensor([h for _, h in swap_out])
+            for (kc, vc), (hk, hv) in zip(self.kv_caches, self.host_kv_caches):
+                hk.index_copy_(0, host, kc.index_select(0, dev).to("cpu"))
+                hv.index_copy_(0, host, vc.index_select(0, dev).to("cpu"))
+        if swap_in:
+            host = torch.tensor([h for h, _ in swap_in])
+            dev = torch.tensor([d for _, d in swap_in], device=self.device)
+            for (kc, vc), (hk, hv) in zip(self.kv_caches, self.host_kv_caches):
+                kc.index_copy_(0, dev, hk.index_select(0, host).to(self.device))
+                vc.index_copy_(0, dev, hv.index_select(0, host).to(self.device))
 
     # ------------------------------------------------------------------ proposers
     def _propose(self, so: SchedulerOutput, out: ModelRunnerOutput) -> dict[str, list[int]]:
