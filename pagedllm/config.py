@@ -68,12 +68,18 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority": lower priority value first
     max_waiting_requests: int | None = None  # a full queue refuses new requests (HTTP 429)
     max_queue_delay_ms: float | None = None  # a request waiting longer is dropped (HTTP 503)
+    target_ttft_ms: float | None = None  # SLA mode: adapt the step budget to these targets
+    target_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        for name in ("target_ttft_ms", "target_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
         if self.max_queue_delay_ms is not None and self.max_queue_delay_ms <= 0:
             raise ValueError(f"max_queue_delay_ms must be > 0, got {self.max_queue_delay_ms}")
         if self.max_num_batched_tokens < 1:

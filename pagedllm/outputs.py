@@ -88,6 +88,7 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative
     num_batched_tokens: int = 0  # this step
+    token_budget: int = 0  # the step budget in force (SLA mode adapts it)
     num_swapped: int = 0  # requests waiting with their KV in host memory
     num_swap_outs: int = 0  # cumulative requests swapped out / in
     num_swap_ins: int = 0

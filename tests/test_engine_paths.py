@@ -89,3 +89,12 @@ def test_kv_usage_reported_as_fraction(llm):
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.core.stats().kv_cache_usage == 0.0
+
+
+def test_sla_mode_adapts_budget_and_keeps_outputs(alone):
+    sla = LLM(target_tpot_ms=40)
+    outs = sla.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == alone[p], p
+    budget = sla.engine.core.stats().token_budget
+    assert 16 <= budget < 2048, budget  # measured step times moved it off the static maximum

@@ -14,6 +14,7 @@ import time
 from pagedllm.core.block_pool import HostBlockPool
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request_queue import make_queue
+from pagedllm.core.sla import BudgetController
 from pagedllm.errors import EngineOverloadedError
 from pagedllm.outputs import (
     EngineCoreOutput,
@@ -41,7 +42,9 @@ class Scheduler:
         max_queue_delay_ms: float | None = None,
         preemption_mode: str = "recompute",
         num_host_blocks: int = 0,
+        budget_controller: BudgetController | None = None,
     ) -> None:
+        self.budget_controller = budget_controller  # SLA mode: the step budget follows measured step times
         self.kv = kv_cache_manager
         self.preemption_mode = preemption_mode
         self.host_pool = HostBlockPool(num_host_blocks)
@@ -152,8 +155,19 @@ class Scheduler:
             n += 1
         return n
 
+    @property
+    def token_budget(self) -> int:
+        if self.budget_controller is not None:
+            return self.budget_controller.budget()
+        return self.max_num_batched_tokens
+
+    def observe_step_time(self, num_tokens: int, seconds: float) -> None:
+        if self.budget_controller is not None:
+            self.budget_controller.observe(num_tokens, seconds)
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        step_budget = self.token_budget
+        budget = step_budget
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int]] = []
         preempted_now = 0
@@ -262,7 +276,7 @@ class Scheduler:
                 )
             )
             req.num_computed_tokens = end + len(spec)  # rejected drafts are taken back in update_from_output
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.num_batched_tokens = step_budget - budget
         out.num_preemptions = preempted_now + preempted_for_priority
         out.speculate = speculate
         out.swap_out, out.swap_in = self._swap_out, self._swap_in
@@ -370,6 +384,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_batched_tokens=self.last_step_tokens,
+            token_budget=self.token_budget,
             num_swapped=sum(1 for r in self.waiting if r.host_block_ids is not None),
             num_swap_outs=self.num_swap_outs, num_swap_ins=self.num_swap_ins,
             swap_out_blocks=self.swap_out_blocks, swap_in_blocks=self.swap_in_blocks,

@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
                    help="swap: a preempted request's KV blocks move to host memory and back")
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped KV blocks")
+    g.add_argument("--target-ttft-ms", type=float, default=None, help="SLA mode: adapt the step token budget")
+    g.add_argument("--target-tpot-ms", type=float, default=None, help="SLA mode: adapt the step token budget")
     g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse new requests (429) beyond this")
     g.add_argument("--max-queue-delay-ms", type=float, default=None,
                    help="drop a request (503) that waited longer than this before starting")
@@ -55,4 +57,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         scheduling_policy=args.scheduling_policy, max_waiting_requests=args.max_waiting_requests,
         max_queue_delay_ms=args.max_queue_delay_ms, preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+        target_ttft_ms=args.target_ttft_ms, target_tpot_ms=args.target_tpot_ms,
     )

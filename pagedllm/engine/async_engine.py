@@ -258,9 +258,9 @@ class _IntervalStats:
             return
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
-            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Step token budget: %d",
             self.prompt_tokens / dt, self.gen_tokens / dt, s.num_running, s.num_waiting,
-            100 * s.kv_cache_usage, 100 * h / q if q else 0.0,
+            100 * s.kv_cache_usage, 100 * h / q if q else 0.0, s.token_budget,
         )
         drafts = s.spec_num_drafts - (self.spec0 or (0, 0))[0]
         if drafts:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sla import BudgetController
 from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pagedllm.request import Request, RequestStatus
 
@@ -38,6 +40,11 @@ class EngineCore:
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
             policy=sc.policy, max_waiting_requests=sc.max_waiting_requests, max_queue_delay_ms=sc.max_queue_delay_ms,
             preemption_mode=config.cache.preemption_mode, num_host_blocks=self.runner.num_host_blocks,
+            budget_controller=BudgetController(
+                sc.max_num_batched_tokens, min_budget=min(sc.max_num_seqs + 16, sc.max_num_batched_tokens),
+                target_tpot_s=sc.target_tpot_ms / 1000 if sc.target_tpot_ms else None,
+                target_ttft_s=sc.target_ttft_ms / 1000 if sc.target_ttft_ms else None,
+            ) if (sc.target_tpot_ms or sc.target_ttft_ms) else None,
         )
         self.num_steps = 0
 
@@ -71,12 +78,14 @@ class EngineCore:
         if so.is_empty:
             raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]!r} cannot be scheduled")
         failed: dict[str, str] = {}
+        t0 = time.perf_counter()
         try:
             result = self.runner.execute(so)
         except Exception as e:  # find the request(s) that fail; the others go on
             logger.warning("step failed (%s: %s); re-running its requests one at a time", type(e).__name__, e)
             result, failed = self._execute_isolated(so)
         self.num_steps += 1
+        self.scheduler.observe_step_time(so.num_batched_tokens, time.perf_counter() - t0)
         outputs = self.scheduler.update_from_output(so, result)
         for rid, msg in failed.items():
             req = self.scheduler.requests.get(rid)

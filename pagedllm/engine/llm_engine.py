@@ -25,13 +25,14 @@ def build_config(
     speculative_disable_by_batch_size: int | None = None, scheduling_policy: str = "fcfs",
     max_waiting_requests: int | None = None, max_queue_delay_ms: float | None = None,
     preemption_mode: str = "recompute", swap_space: float = 4.0, num_host_blocks_override: int | None = None,
+    target_ttft_ms: float | None = None, target_tpot_ms: float | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model, dtype, max_model_len, seed, served_model_name),
         cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
                           num_gpu_blocks_override, preemption_mode, swap_space, num_host_blocks_override),
         scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, scheduling_policy,
-                                  max_waiting_requests, max_queue_delay_ms),
+                                  max_waiting_requests, max_queue_delay_ms, target_ttft_ms, target_tpot_ms),
         device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
         speculative=SpeculativeConfig.from_dict(speculative_config, speculative_disable_by_batch_size),
     )

@@ -1,0 +1,102 @@
+"""Degradation for the server: a circuit breaker on the primary engine and a fault-injection switch for tests.
+
+Breaker: closed -> open after ``threshold`` consecutive failures or timeouts inside ``window_s``; open -> half-open
+after ``cooldown_s``, letting ``half_open_probes`` requests try the primary; a probe's success closes it, a failure
+opens it again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+STATE_CODE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}
+
+
+class CircuitBreaker:
+    def __init__(self, threshold: int = 5, window_s: float = 60.0, cooldown_s: float = 30.0,
+                 half_open_probes: int = 1, clock=time.monotonic) -> None:
+        if threshold < 1 or cooldown_s < 0 or half_open_probes < 1:
+            raise ValueError("circuit breaker: threshold >= 1, cooldown >= 0, probes >= 1")
+        self.threshold, self.window_s, self.cooldown_s = threshold, window_s, cooldown_s
+        self.half_open_probes = half_open_probes
+        self.clock = clock
+        self._state = CLOSED
+        self._failures: list[float] = []
+        self._opened_at = 0.0
+        self._probes_in_flight = 0
+        self.times_opened = 0
+
+    @property
+    def state(self) -> str:
+        if self._state == OPEN and self.clock() - self._opened_at >= self.cooldown_s:
+            self._state = HALF_OPEN
+            self._probes_in_flight = 0
+        return self._state
+
+    def allow(self) -> bool:
+        """May this request go to the primary? (In half-open, counts it as a probe.)"""
+        st = self.state
+        if st == CLOSED:
+            return True
+        if st == HALF_OPEN and self._probes_in_flight < self.half_open_probes:
+            self._probes_in_flight += 1
+            return True
+        return False
+
+    def record_success(self) -> None:
+        if self._state == HALF_OPEN:
+            self._state = CLOSED
+        self._failures.clear()
+        self._probes_in_flight = max(self._probes_in_flight - 1, 0)
+
+    def record_failure(self) -> None:
+        now = self.clock()
+        if self.state == HALF_OPEN:
+            self._open(now)
+            return
+        self._failures = [t for t in self._failures if now - t <= self.window_s] + [now]
+        if len(self._failures) >= self.threshold:
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self._state = OPEN
+        self._opened_at = now
+        self._failures.clear()
+        self._probes_in_flight = 0
+        self.times_opened += 1
+
+    def detail(self) -> dict:
+        return {"state": self.state, "consecutive_failures": len(self._failures), "times_opened": self.times_opened}
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test switch: the primary fails (or stalls) on requests whose prompt text contains a marker."""
+
+    fail_marker: str | None = None
+    stall_marker: str | None = None
+
+    @staticmethod
+    def parse(spec: str | None) -> "FaultInjection | None":
+        if not spec:
+            return None
+        try:
+            d = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--fault-injection is not valid JSON: {e}") from None
+        unknown = set(d) - {"fail_marker", "stall_marker"}
+        if unknown:
+            raise ValueError(f"--fault-injection: unknown keys {sorted(unknown)}")
+        return FaultInjection(d.get("fail_marker"), d.get("stall_marker"))
+
+    def action(self, text: str | None) -> str | None:
+        if text is None:
+            return None
+        if self.fail_marker and self.fail_marker in text:
+            return "fail"
+        if self.stall_marker and self.stall_marker in text:
+            return "stall"
+        return None
