@@ -61,6 +61,7 @@ class PrometheusStatLogger:
         self._spec_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position.",
                                  ["model_name", "position"], registry=r)
         self._model_name = model_name
+        self.circuit_state = gauge("circuit_state", "Primary model circuit breaker: 0 closed, 1 open, 2 half-open.")
         self._last_spec = (0, 0, 0)
         self._last_pos: list[int] = []
         self._last_preemptions = 0
@@ -114,6 +115,9 @@ class PrometheusStatLogger:
             self.queue_time.observe(f.queue_time)
             self.req_prompt.observe(f.num_prompt_tokens)
             self.req_gen.observe(f.num_generation_tokens)
+
+    def set_circuit_state(self, code: int) -> None:
+        self.circuit_state.set(code)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

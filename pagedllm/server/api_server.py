@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedllm.errors import EngineOverloadedError
+from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FaultInjection
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -99,29 +100,88 @@ def _stream_error(e: Exception) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], fallback: AsyncLLM | None = None,
+                 fallback_name: str | None = None, breaker: CircuitBreaker | None = None,
+                 request_timeout_s: float | None = None, faults: FaultInjection | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.tokenizer = engine.tokenizer
+        self.fallback, self.fallback_name = fallback, fallback_name
+        self.breaker = breaker
+        self.request_timeout_s = request_timeout_s
+        self.faults = faults
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.model_names:
             return self.model_names[0]
+        if self.fallback is not None and model == self.fallback_name:
+            return model
         raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
 
     # ------------------------------------------------------------------ shared
-    async def _start(self, prompts: list[tuple[str | None, list[int]]], params, req) -> list[AsyncIterator]:
+    @staticmethod
+    async def _queue(engine: AsyncLLM, prompts, params, req) -> list[AsyncIterator]:
         """Queue one request per prompt; a bad prompt aborts those already queued and raises."""
         gens = []
         try:
             for text, ids in prompts:
-                gens.append(self.engine.generate(text, ids, params, priority=req.priority,
-                                                 max_queue_delay_ms=req.max_queue_delay_ms))
+                gens.append(engine.generate(text, ids, params, priority=req.priority,
+                                            max_queue_delay_ms=req.max_queue_delay_ms))
         except BaseException:
             for g in gens:
                 await g.aclose()
             raise
         return gens
+
+    async def _start(self, encode, params, req, model: str) -> tuple[list[AsyncIterator], str]:
+        """Queue the request's prompts on the primary, or on the fallback model when the primary's circuit is
+        open, when the primary fails before its first token, or when it does not start within the request
+        timeout. ``encode(engine)`` tokenizes the prompts for an engine. Returns the streams and who serves."""
+        degradable = self.fallback is not None or self.request_timeout_s is not None or self.faults is not None
+        if model != self.fallback_name and (self.breaker is None or self.breaker.allow()):
+            prompts = encode(self.engine)
+            gens = await self._queue(self.engine, prompts, params, req)
+            if not degradable:
+                return gens, self.model_names[0]
+            try:
+                gens = await self._first_outputs(gens, prompts)
+            except (asyncio.TimeoutError, RequestFailedError, EngineDeadError) as e:
+                if self.breaker is not None:
+                    self.breaker.record_failure()
+                if self.fallback is None:
+                    if isinstance(e, asyncio.TimeoutError):
+                        raise EngineOverloadedError(
+                            f"the request did not start within {self.request_timeout_s:g} s", 503) from None
+                    raise
+                logger.warning("primary failed (%s); serving the request with the fallback model",
+                               type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)
+            else:
+                if self.breaker is not None:
+                    self.breaker.record_success()
+                return gens, self.model_names[0]
+        elif self.fallback is None:
+            raise EngineOverloadedError("the primary model's circuit breaker is open", 503, retry_after=1.0)
+        return await self._queue(self.fallback, encode(self.fallback), params, req), self.fallback_name
+
+    async def _first_outputs(self, gens: list[AsyncIterator], prompts) -> list[AsyncIterator]:
+        """Wait (up to the request timeout) for every stream's first output; fault injection acts here."""
+
+        async def first(g, text):
+            action = self.faults.action(text) if self.faults is not None else None
+            if action == "fail":
+                raise RequestFailedError("injected fault: the primary failed")
+            if action == "stall":
+                await asyncio.Event().wait()  # never set: the primary stalls
+            return await g.__anext__()
+
+        try:
+            firsts = await asyncio.wait_for(asyncio.gather(*(first(g, t) for g, (t, _) in zip(gens, prompts))),
+                                            timeout=self.request_timeout_s)
+        except BaseException:
+            for g in gens:
+                await g.aclose()
+            raise
+        return [_prepend(f, g) for f, g in zip(firsts, gens)]
 
     @staticmethod
     async def _final_outputs(gens: list[AsyncIterator], raw: Request) -> list[RequestOutput] | None:
@@ -218,7 +278,8 @@ class OpenAIServing:
             raise APIError(400, "prompt must not be empty", "prompt")
         encoded = [self.engine.encode_prompt(x) for x in prompts]
         params = req.to_sampling_params(req.max_tokens, req.logprobs)
-        gens = await self._start(encoded, params, req)
+        gens, model = await self._start(lambda eng: [eng.encode_prompt(x) for x in prompts], params, req, model)
+        served = {"x-pagedllm-served-by": model}
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         n = req.n
@@ -241,7 +302,7 @@ class OpenAIServing:
                         "logprobs": self._completion_logprobs(c.logprobs, 0) if c.logprobs is not None else None,
                     })
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": choices, "usage": self._usage(finals)})
+                                 "choices": choices, "usage": self._usage(finals)}, headers=served)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -278,7 +339,7 @@ class OpenAIServing:
                 yield _stream_error(e)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=served)
 
     # ------------------------------------------------------------------ /v1/chat/completions
     def _chat_logprobs(self, lps) -> dict:
@@ -304,13 +365,14 @@ class OpenAIServing:
                     parts.append(part.get("text", ""))
                 content = "".join(parts)
             messages.append({"role": m.role, "content": content or ""})
-        text, ids = self.engine.encode_chat(messages)
+        self.engine.encode_chat(messages)  # a template error is a 400 before anything is queued
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.to_sampling_params(max_tokens, logprobs)
-        gens = await self._start([(text, ids)], params, req)
+        gens, model = await self._start(lambda eng: [eng.encode_chat(messages)], params, req, model)
+        served = {"x-pagedllm-served-by": model}
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -325,7 +387,7 @@ class OpenAIServing:
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             } for c in final.outputs]
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                 "choices": choices, "usage": self._usage([final])})
+                                 "choices": choices, "usage": self._usage([final])}, headers=served)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -366,18 +428,33 @@ class OpenAIServing:
                 yield _stream_error(e)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=served)
+
+
+async def _prepend(first, gen: AsyncIterator) -> AsyncIterator:
+    """A stream whose first output was already read."""
+    try:
+        yield first
+        if not first.finished:
+            async for x in gen:
+                yield x
+    finally:
+        await gen.aclose()
 
 
 def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, metrics=None) -> FastAPI:
-    serving = OpenAIServing(engine, model_names)
+              max_body_bytes: int = MAX_BODY_BYTES, metrics=None, fallback: AsyncLLM | None = None,
+              fallback_name: str | None = None, breaker: CircuitBreaker | None = None,
+              request_timeout_s: float | None = None, faults: FaultInjection | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, model_names, fallback, fallback_name, breaker, request_timeout_s, faults)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
         logger.info("shutting down: aborting unfinished requests")
         engine.shutdown()
+        if fallback is not None:
+            fallback.shutdown()
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     app.state.engine = engine
@@ -431,9 +508,14 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
 
     @app.get("/health")
     async def health():
-        if engine.is_alive:
-            return Response(status_code=200)
-        return error_json(503, "engine loop is not running")
+        if not engine.is_alive:
+            return error_json(503, "engine loop is not running")
+        detail: dict = {"status": "ok"}
+        if breaker is not None:
+            detail["circuit"] = breaker.detail()
+        if fallback is not None:
+            detail["fallback"] = {"model": fallback_name, "alive": fallback.is_alive}
+        return detail
 
     @app.get("/version")
     async def version():
@@ -478,6 +560,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     async def metrics_endpoint():
         if metrics is None:
             return error_json(404, "metrics are disabled")
+        if breaker is not None:
+            metrics.set_circuit_state(STATE_CODE[breaker.state])
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
@@ -493,6 +577,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES)
     g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats log lines")
     g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--fallback-model", default=None,
+                   help="a second (smaller) model served when the primary fails, times out or its circuit is open")
+    g.add_argument("--request-timeout-s", type=float, default=None,
+                   help="a request that has no first token from the primary by then goes to the fallback")
+    g.add_argument("--circuit-breaker-threshold", type=int, default=5, help="failures that open the circuit")
+    g.add_argument("--circuit-breaker-window-s", type=float, default=60.0)
+    g.add_argument("--circuit-breaker-cooldown-s", type=float, default=30.0, help="open -> half-open after this")
+    g.add_argument("--fault-injection", default=os.environ.get("PAGEDLLM_FAULT_INJECTION"),
+                   help='tests only: \'{"fail_marker": "...", "stall_marker": "..."}\' makes the primary fail or '
+                        "stall on prompts containing the marker")
 
 
 def default_served_name(model: str | None) -> str:
@@ -513,14 +607,29 @@ def run_server(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)  # a flag the engine cannot honour stops here, with its message
+    faults = FaultInjection.parse(args.fault_injection)
     name = args.served_model_name or default_served_name(args.model)
     engine = AsyncLLM(config, log_stats_interval=args.log_stats_interval)
     runner = engine.engine.core.runner
     metrics = PrometheusStatLogger(name, runner.kv_cache_bytes, runner.num_blocks * runner.block_size,
                                    runner.bytes_per_block)
     engine.stat_loggers.append(metrics)
+    fallback = fallback_name = breaker = None
+    if args.fallback_model:
+        import dataclasses
+
+        fb_config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, model=args.fallback_model, served_model_name=None),
+            speculative=None)
+        fallback = AsyncLLM(fb_config, log_stats_interval=args.log_stats_interval)
+        fallback_name = os.path.basename(os.path.normpath(args.fallback_model)).split(".")[0]
+        if fallback_name == name:
+            fallback_name = f"{name}-fallback"
+        breaker = CircuitBreaker(args.circuit_breaker_threshold, args.circuit_breaker_window_s,
+                                 args.circuit_breaker_cooldown_s)
     app = build_app(engine, [name], api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                    metrics=metrics)
+                    metrics=metrics, fallback=fallback, fallback_name=fallback_name, breaker=breaker,
+                    request_timeout_s=args.request_timeout_s, faults=faults)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # graceful stop, then a normal exit (no re-raised signal)
@@ -532,5 +641,7 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     server.run()
     engine.shutdown()
+    if fallback is not None:
+        fallback.shutdown()
     logger.info("server stopped")
     return 0
