@@ -278,7 +278,8 @@ class OpenAIServing:
             raise APIError(400, "prompt must not be empty", "prompt")
         encoded = [self.engine.encode_prompt(x) for x in prompts]
         params = req.to_sampling_params(req.max_tokens, req.logprobs)
-        gens, model = await self._start(lambda eng: [eng.encode_prompt(x) for x in prompts], params, req, model)
+        gens, model = await self._start(
+            lambda eng: encoded if eng is self.engine else [eng.encode_prompt(x) for x in prompts], params, req, model)
         served = {"x-pagedllm-served-by": model}
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -365,13 +366,14 @@ class OpenAIServing:
                     parts.append(part.get("text", ""))
                 content = "".join(parts)
             messages.append({"role": m.role, "content": content or ""})
-        self.engine.encode_chat(messages)  # a template error is a 400 before anything is queued
+        encoded = [self.engine.encode_chat(messages)]  # a template error is a 400 before anything is queued
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.to_sampling_params(max_tokens, logprobs)
-        gens, model = await self._start(lambda eng: [eng.encode_chat(messages)], params, req, model)
+        gens, model = await self._start(
+            lambda eng: encoded if eng is self.engine else [eng.encode_chat(messages)], params, req, model)
         served = {"x-pagedllm-served-by": model}
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
