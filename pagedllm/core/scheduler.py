@@ -169,7 +169,7 @@ class Scheduler:
         step_budget = self.token_budget
         budget = step_budget
         out = SchedulerOutput()
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []  # (request, new tokens, draft tokens)
         preempted_now = 0
         if self._host_release:
             self.host_pool.release(self._host_release)
