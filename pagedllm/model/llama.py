@@ -11,55 +11,95 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
+from pagedllm.layers.linear import tensor_bytes
 from pagedllm.layers.norm import rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model.loader import ModelArchConfig
+from pagedllm.quant.formats import concat, dequantize_any
+from pagedllm.quant.linear import build_linear
+from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
 
 class LlamaForCausalLM:
-    def __init__(self, cfg: ModelArchConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> None:
-        """Takes (and empties) ``weights``, named as ``model.loader`` names them."""
+    def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
+                 quant: QuantPolicy | None = None) -> None:
+        """Takes (and empties) ``weights``, named as ``model.loader`` names them.
+
+        A weight is a float tensor, or already quantized (``QuantizedWeight`` / ``Fp8Weight``, e.g. from a
+        quantized checkpoint, where fused weights are stored under their fused names ``qkv`` / ``gate_up``).
+        ``quant`` quantizes float weights at load time (round to nearest) by layer type."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
+        self.quant = quant
         self.scale = cfg.head_dim ** -0.5
 
-        def take(name: str) -> torch.Tensor:
+        def pop(name: str):
             # pop: each loaded array is released as soon as it is placed (fused), so loading peaks near one
             # copy of the weights instead of two
             if name not in weights:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
-            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+            return weights.pop(name)
 
-        self.embed = take("embed")  # (V, H)
+        def take(name: str) -> torch.Tensor:
+            return pop(name).to(device=device, dtype=dtype).contiguous()
+
+        def linear(fused: str, parts: list[str], layer_type: str, bias: torch.Tensor | None = None):
+            if fused in weights:
+                w = pop(fused)
+            else:
+                ws = [pop(p) for p in parts]
+                w = torch.cat(ws, dim=0) if isinstance(ws[0], torch.Tensor) else concat(ws)
+            if isinstance(w, torch.Tensor) and quant is not None:
+                w = quantize_weight(w.float(), quant.scheme(layer_type), quant)
+            return build_linear(w, bias, device, dtype)
+
         self.norm = take("norm")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else take("lm_head")
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            layer = {
+            bias = None
+            if cfg.attention_bias:
+                bias = pop(p + "qkv_bias") if p + "qkv_bias" in weights else torch.cat(
+                    [pop(p + "q_bias"), pop(p + "k_bias"), pop(p + "v_bias")])
+            self.layers.append({
                 "input_norm": take(p + "input_norm"),
                 "post_norm": take(p + "post_norm"),
-                "qkv": torch.cat([take(p + "q"), take(p + "k"), take(p + "v")], dim=0),  # (Q+2K, H)
-                "o": take(p + "o"),
-                "gate_up": torch.cat([take(p + "gate"), take(p + "up")], dim=0),  # (2I, H)
-                "down": take(p + "down"),
-            }
-            if cfg.attention_bias:
-                layer["qkv_bias"] = torch.cat([take(p + "q_bias"), take(p + "k_bias"), take(p + "v_bias")])
-            self.layers.append(layer)
+                "qkv": linear(p + "qkv", [p + "q", p + "k", p + "v"], "attn", bias),  # (Q+2K, H)
+                "o": linear(p + "o", [p + "o"], "attn"),
+                "gate_up": linear(p + "gate_up", [p + "gate", p + "up"], "mlp"),  # (2I, H)
+                "down": linear(p + "down", [p + "down"], "mlp"),
+            })
+        # the embedding table doubles as the LM head when tied; an int8 head then serves lookups as well
+        if cfg.tie_word_embeddings:
+            table = pop("embed")
+            weights["lm_head"] = table
+            self.lm_head = linear("lm_head", ["lm_head"], "lm_head")
+            share = self.lm_head.kind == "dense" or (self.lm_head.kind == "int8" and (
+                not isinstance(table, torch.Tensor) or (quant is not None and quant.embed == "int8")))
+            if share:
+                self.embed = self.lm_head
+            else:  # lookups from a table of their own (e.g. a quantized head, full-precision embedding)
+                full = table if isinstance(table, torch.Tensor) else dequantize_any(table)
+                self.embed = build_linear(full, None, device, dtype)
+        else:
+            self.lm_head = linear("lm_head", ["lm_head"], "lm_head")
+            self.embed = linear("embed", ["embed"], "embed")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
+    def linears(self) -> dict[str, object]:
+        out = {"lm_head": self.lm_head, "embed": self.embed}
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                out[f"layers.{i}.{name}"] = layer[name]
+        return out
+
     def weight_bytes(self) -> int:
-        seen, total = set(), 0
-        for t in [self.embed, self.norm, self.lm_head] + [w for l in self.layers for w in l.values()]:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+        tensors = [self.norm] + [t for lin in self.linears().values() for t in lin.tensors()]
+        tensors += [layer[n] for layer in self.layers for n in ("input_norm", "post_norm")]
+        return tensor_bytes(tensors)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -67,21 +107,21 @@ class LlamaForCausalLM:
         """input_ids, positions: (T,) -> final hidden states (T, H)."""
         cfg = self.cfg
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)  # (T, H)
+        h = self.embed.embedding(input_ids)  # (T, H)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))  # (T, Q+2K)
+            qkv = layer["qkv"](x)  # (T, Q+2K)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.rotary(positions, q.view(t, cfg.num_heads, cfg.head_dim))
             k = self.rotary(positions, k.view(t, cfg.num_kv_heads, cfg.head_dim))
             v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
-            h = h + F.linear(attn.reshape(t, self.q_size), layer["o"])
+            h = h + layer["o"](attn.reshape(t, self.q_size))
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            h = h + layer["down"](F.silu(gate) * up)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

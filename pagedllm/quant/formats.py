@@ -1,0 +1,147 @@
+"""Quantized weight formats and round-to-nearest quantization (pure tensor math, any device).
+
+Integer weights are group-wise along the input dimension: a weight (N, K) with group size G has N x K/G groups,
+each with its own scale (and, when asymmetric, its own zero). Codes are unsigned, ``0 .. 2**bits - 1``, and decode
+as ``w = (q - 2**(bits-1)) * scale + zero`` — the convention of torch's packed int4 matmul, so codes, scales and
+zeros go to the kernels unchanged. Symmetric weights have no zero. Round-to-nearest error is at most scale/2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8 e4m3 value
+
+
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # (N, K) uint8 in [0, 2**bits)
+    scales: torch.Tensor  # (N, K // group_size) float32
+    zeros: torch.Tensor | None  # (N, K // group_size) float32, None when symmetric
+    bits: int
+    group_size: int
+    input_scale: torch.Tensor | None = None  # (K,) AWQ: the layer computes (x / input_scale) @ W'^T
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if k % self.group_size:
+            raise ValueError(f"group size {self.group_size} does not divide in_features {k}")
+        if tuple(self.scales.shape) != (n, k // self.group_size):
+            raise ValueError(f"scales shape {tuple(self.scales.shape)} != {(n, k // self.group_size)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+
+@dataclass
+class Fp8Weight:
+    data: torch.Tensor  # (N, K) float8_e4m3fn
+    scales: torch.Tensor  # (N,) float32: w = data * scale
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> QuantizedWeight:
+    """Round-to-nearest group-wise quantization of ``w`` (N, K)."""
+    n, k = w.shape
+    if group_size <= 0:
+        group_size = k
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide in_features {k}")
+    scales, zeros = group_params(w, bits, group_size, symmetric)
+    return QuantizedWeight(encode(w, scales, zeros, bits), scales, zeros, bits, group_size)
+
+
+def group_params(w: torch.Tensor, bits: int, group_size: int, symmetric: bool):
+    """Scales (and zeros) for each (row, group) of ``w`` from its range."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        scales = (g.abs().amax(-1) / (2 ** (bits - 1) - 1)).clamp_min(1e-10)
+        return scales, None
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-10)
+    return scales, lo + scales * 2 ** (bits - 1)
+
+
+def encode(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Codes of ``w`` for given group scales/zeros (groups inferred from the scales' shape)."""
+    n, k = w.shape
+    ng = scales.shape[1]
+    g = w.float().reshape(n, ng, k // ng)
+    mid = 2 ** (bits - 1)
+    z = 0.0 if zeros is None else zeros.unsqueeze(-1)
+    q = torch.round((g - z) / scales.unsqueeze(-1)) + mid
+    return q.clamp_(0, 2 ** bits - 1).to(torch.uint8).reshape(n, k)
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The effective full-precision weight, input scaling (AWQ) folded back in."""
+    n, k = qw.codes.shape
+    ng = k // qw.group_size
+    q = qw.codes.reshape(n, ng, qw.group_size).float() - 2 ** (qw.bits - 1)
+    w = q * qw.scales.float().unsqueeze(-1)
+    if qw.zeros is not None:
+        w = w + qw.zeros.float().unsqueeze(-1)
+    w = w.reshape(n, k)
+    if qw.input_scale is not None:
+        w = w / qw.input_scale.float()
+    return w.to(dtype)
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    scales = (w.float().abs().amax(1) / FP8_MAX).clamp_min(1e-12)
+    data = (w.float() / scales.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Weight(data, scales)
+
+
+def dequantize_fp8(fw: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (fw.data.float() * fw.scales.unsqueeze(1)).to(dtype)
+
+
+def concat(parts: list) -> QuantizedWeight | Fp8Weight:
+    """Stack quantized weights along the output dimension (fusing q/k/v or gate/up)."""
+    if len(parts) == 1:
+        return parts[0]
+    p0 = parts[0]
+    if isinstance(p0, Fp8Weight):
+        return Fp8Weight(torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]))
+    if any((p.bits, p.group_size, p.symmetric, p.input_scale is None) !=
+           (p0.bits, p0.group_size, p0.symmetric, p0.input_scale is None) for p in parts):
+        raise ValueError("fused weights must share bits, group size and symmetry")
+    return QuantizedWeight(
+        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+        None if p0.zeros is None else torch.cat([p.zeros for p in parts]), p0.bits, p0.group_size,
+        p0.input_scale,
+    )
+
+
+def reorder_rows(qw: QuantizedWeight, perm_fn) -> QuantizedWeight:
+    """Apply a row permutation (given as a function on (N, ...) tensors) to codes, scales and zeros."""
+    return QuantizedWeight(perm_fn(qw.codes), perm_fn(qw.scales), None if qw.zeros is None else perm_fn(qw.zeros),
+                           qw.bits, qw.group_size, qw.input_scale)
+
+
+def weight_error_bound(qw: QuantizedWeight) -> torch.Tensor:
+    """Largest round-to-nearest error per element: half a step of its group, as an (N, K) tensor."""
+    n, k = qw.codes.shape
+    return (qw.scales.float() / 2).repeat_interleave(qw.group_size, dim=1).reshape(n, k)
+
+
+def dequantize_any(w, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if isinstance(w, Fp8Weight):
+        return dequantize_fp8(w, dtype)
+    if isinstance(w, QuantizedWeight):
+        return dequantize(w, dtype)
+    return w.to(dtype)

@@ -1,0 +1,146 @@
+"""Linear layers that compute with packed quantized weights (no full-precision copy of the weight per step).
+
+- ``Int8Linear``: symmetric per-output-channel int8 through ``torch._weight_int8pack_mm``.
+- ``Int4Linear``: group-wise 4-bit through torch's packed int4 matmul (``_weight_int4pack_mm_for_cpu`` on CPU,
+  ``_weight_int4pack_mm`` on CUDA), dequantizing inside the kernel; AWQ's input scaling is one multiply on x.
+- ``Fp8Linear``: float8 e4m3 weights with per-channel scales through ``torch._scaled_mm`` (activations are
+  quantized per token to e4m3 on the fly, as vLLM's fp8 does); native on CUDA sm89+, oneDNN on CPU.
+
+The kernels run with bfloat16 activations (torch's packed kernels take bf16 on CPU; they are 5-15x slower with
+float32 inputs); inputs are cast to bf16 and the output back to the model's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.linear import DenseLinear
+from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight, dequantize, dequantize_fp8
+
+logger = logging.getLogger(__name__)
+
+ACT_DTYPE = torch.bfloat16
+
+
+class _Packed:
+    bias: torch.Tensor | None
+    out_dtype: torch.dtype
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+        y = y.to(self.out_dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(_Packed):
+    kind = "int8"
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        if qw.bits != 8 or not qw.symmetric or qw.group_size != qw.shape[1]:
+            raise ValueError("Int8Linear needs symmetric 8-bit weights with one scale per output channel")
+        self.out_features, self.in_features = qw.shape
+        self.weight = (qw.codes.to(torch.int16) - 128).to(torch.int8).to(device).contiguous()  # (N, K)
+        self.row_scales = qw.scales[:, 0].float().to(device)  # (N,) float32, for embedding rows
+        self.scales = self.row_scales.to(ACT_DTYPE)
+        self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(device, ACT_DTYPE)
+        self.bias = None if bias is None else bias.to(device, dtype)
+        self.out_dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(ACT_DTYPE)
+        if self.input_scale is not None:
+            x = x * self.input_scale
+        return self._finish(torch._weight_int8pack_mm(x, self.weight, self.scales))
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the (tied) weight, dequantized only for the looked-up ids."""
+        return (self.weight[ids].float() * self.row_scales[ids].unsqueeze(-1)).to(self.out_dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.scales, self.input_scale, self.bias) if t is not None]
+
+
+class Int4Linear(_Packed):
+    kind = "int4"
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        if qw.bits != 4:
+            raise ValueError("Int4Linear needs 4-bit weights")
+        self.out_features, self.in_features = qw.shape
+        self.group_size = qw.group_size
+        zeros = qw.zeros if qw.zeros is not None else torch.zeros_like(qw.scales)
+        # (K/G, N, 2): [scale, zero] per group, the layout torch's kernels expect
+        self.scales_and_zeros = torch.stack([qw.scales.float(), zeros.float()], -1).transpose(0, 1).contiguous().to(
+            device, ACT_DTYPE)
+        codes = qw.codes.to(device)
+        if device.type == "cuda":
+            packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
+            self.weight = torch._convert_weight_to_int4pack(packed_u8, 8)
+            self._mm = torch._weight_int4pack_mm
+        else:
+            self.weight = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+            self._mm = torch._weight_int4pack_mm_for_cpu
+        self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(device, ACT_DTYPE)
+        self.bias = None if bias is None else bias.to(device, dtype)
+        self.out_dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(ACT_DTYPE)
+        if self.input_scale is not None:
+            x = x * self.input_scale
+        return self._finish(self._mm(x, self.weight, self.group_size, self.scales_and_zeros))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.scales_and_zeros, self.input_scale, self.bias) if t is not None]
+
+
+class Fp8Linear(_Packed):
+    kind = "fp8"
+
+    def __init__(self, fw: Fp8Weight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = fw.shape
+        self.weight_t = fw.data.to(device).t()  # (K, N) column-major view, as _scaled_mm wants its second operand
+        self.scales = fw.scales.float().to(device).view(1, -1)
+        self.bias = None if bias is None else bias.to(device, dtype)
+        self.out_dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sx = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # per-token activation scale
+        x8 = (xf / sx).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(x8, self.weight_t, scale_a=sx, scale_b=self.scales, out_dtype=ACT_DTYPE)
+        return self._finish(y)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight_t, self.scales, self.bias) if t is not None]
+
+
+def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype):
+    """The right linear kind for ``w``: a float tensor, a ``QuantizedWeight`` or an ``Fp8Weight``.
+
+    A packed kernel that the device's torch build lacks (or rejects for this shape) falls back to a
+    full-precision copy with a warning, so a checkpoint always loads."""
+    if isinstance(w, torch.Tensor):
+        return DenseLinear(w.to(device=device, dtype=dtype).contiguous(),
+                           None if bias is None else bias.to(device=device, dtype=dtype))
+    try:
+        if isinstance(w, Fp8Weight):
+            lin = Fp8Linear(w, bias, device, dtype)
+        elif w.bits == 8 and w.symmetric and w.group_size == w.shape[1]:
+            lin = Int8Linear(w, bias, device, dtype)
+        elif w.bits == 4:
+            lin = Int4Linear(w, bias, device, dtype)
+        else:
+            raise ValueError(f"no packed kernel for {w.bits}-bit weights with group size {w.group_size} "
+                             f"(8-bit needs one symmetric scale per output channel)")
+        lin(torch.zeros(1, lin.in_features, device=device, dtype=dtype))  # probe the kernel once
+        return lin
+    except (RuntimeError, NotImplementedError) as e:
+        logger.warning("packed kernel unavailable on %s (%s); using a dequantized %s copy", device, e, dtype)
+        full = dequantize_fp8(w) if isinstance(w, Fp8Weight) else dequantize(w)
+        return DenseLinear(full.to(device=device, dtype=dtype),
+                           None if bias is None else bias.to(device=device, dtype=dtype))
