@@ -152,6 +152,28 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the tensor-parallel ranks meet (used only when ``tensor_parallel_size`` > 1).
+
+    ``distributed_init_method`` None: rank 0 (the engine) starts ranks 1..N-1 on this machine. ``tcp://HOST:PORT``
+    (rank 0 listens there) or ``env://`` (torchrun's variables): the other ranks are started separately, e.g. on
+    other machines with ``pagedllm tp-worker``."""
+
+    distributed_init_method: str | None = None
+    threads_per_rank: int | None = None  # intra-op threads per rank; None: the cores shared out between the ranks
+    timeout_s: float = 600.0  # a collective (or the start-up rendezvous) waiting longer than this fails
+
+    def __post_init__(self) -> None:
+        m = self.distributed_init_method
+        if m is not None and not (m.startswith("tcp://") or m == "env://"):
+            raise ValueError(f"distributed_init_method must be tcp://HOST:PORT or env://, got {m!r}")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"the distributed timeout must be > 0 s, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -160,14 +182,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: only 1 is implemented"
-            )
-        if self.quantization not in (None, "none"):
-            raise ValueError(f"quantization={self.quantization!r} is not supported yet")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        from pagedllm.quant.load import QUANTIZATION_CHOICES
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

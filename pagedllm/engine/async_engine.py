@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.errors import EngineOverloadedError
+from pagedllm.errors import EngineFatalError, EngineOverloadedError
 from pagedllm.outputs import IterationStats, RequestOutput, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
@@ -190,6 +190,8 @@ class AsyncLLM:
         scheduled = [r.request_id for r in self.engine.core.scheduler.running]
         try:
             outputs = self.engine.step()
+        except EngineFatalError:  # e.g. a tensor-parallel worker died: the loop dies, every request is told
+            raise
         except Exception as e:
             logger.exception("engine step failed; failing the requests of this step")
             running = {r.request_id for r in self.engine.core.scheduler.running} | set(scheduled)
@@ -225,6 +227,8 @@ class AsyncLLM:
             self._stop = True
             self._wake.notify_all()
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # a step still running would race the shutdown message
+            self.engine.shutdown()
 
 
 class _IntervalStats:

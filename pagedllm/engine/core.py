@@ -9,6 +9,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sla import BudgetController
+from pagedllm.errors import EngineFatalError
 from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pagedllm.request import Request, RequestStatus
 
@@ -74,19 +75,23 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        t0 = time.perf_counter()  # SLA mode times the whole step: scheduling, forward pass, bookkeeping
         so = self.scheduler.schedule()
         if so.is_empty:
             raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]!r} cannot be scheduled")
         failed: dict[str, str] = {}
-        t0 = time.perf_counter()
         try:
             result = self.runner.execute(so)
+        except EngineFatalError:  # e.g. a tensor-parallel worker died: nothing to isolate, the engine stops
+            raise
         except Exception as e:  # find the request(s) that fail; the others go on
             logger.warning("step failed (%s: %s); re-running its requests one at a time", type(e).__name__, e)
             result, failed = self._execute_isolated(so)
+            t0 = None  # a step re-run request by request is no sample of the step-time model
         self.num_steps += 1
-        self.scheduler.observe_step_time(so.num_batched_tokens, time.perf_counter() - t0)
         outputs = self.scheduler.update_from_output(so, result)
+        if t0 is not None:
+            self.scheduler.observe_step_time(so.num_batched_tokens, time.perf_counter() - t0)
         for rid, msg in failed.items():
             req = self.scheduler.requests.get(rid)
             if req is not None:
@@ -101,6 +106,8 @@ class EngineCore:
         for s in so.scheduled:
             try:
                 r = self.runner.execute(SchedulerOutput(scheduled=[s], num_batched_tokens=len(s.token_ids)))
+            except EngineFatalError:
+                raise
             except Exception as e:
                 logger.exception("request %s failed in the model runner", s.req_id)
                 failed[s.req_id] = f"{type(e).__name__}: {e}"
@@ -112,3 +119,7 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Stop the model runner's other ranks (tensor parallelism); a no-op otherwise."""
+        self.runner.shutdown()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig)
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
@@ -26,6 +27,8 @@ def build_config(
     max_waiting_requests: int | None = None, max_queue_delay_ms: float | None = None,
     preemption_mode: str = "recompute", swap_space: float = 4.0, num_host_blocks_override: int | None = None,
     target_ttft_ms: float | None = None, target_tpot_ms: float | None = None,
+    distributed_init_method: str | None = None, tp_threads_per_rank: int | None = None,
+    distributed_timeout_s: float = 600.0,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model, dtype, max_model_len, seed, served_model_name),
@@ -35,6 +38,7 @@ def build_config(
                                   max_waiting_requests, max_queue_delay_ms, target_ttft_ms, target_tpot_ms),
         device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
         speculative=SpeculativeConfig.from_dict(speculative_config, speculative_disable_by_batch_size),
+        parallel=ParallelConfig(distributed_init_method, tp_threads_per_rank, distributed_timeout_s),
     )
 
 
@@ -111,6 +115,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards)."""
+        self.core.shutdown()
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()

@@ -15,15 +15,20 @@ from pagedllm.layers.linear import tensor_bytes
 from pagedllm.layers.norm import rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model.loader import ModelArchConfig
-from pagedllm.quant.formats import concat, dequantize_any
+from pagedllm.quant.formats import concat
 from pagedllm.quant.linear import build_linear
 from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
 
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quant: QuantPolicy | None = None) -> None:
+                 quant: QuantPolicy | None = None, tp=None) -> None:
         """Takes (and empties) ``weights``, named as ``model.loader`` names them.
+
+        ``tp`` (a ``pagedllm.distributed.group.TPGroup``): the weights are this rank's shard
+        (``pagedllm.distributed.sharding.shard_weights``); the model keeps its rank's heads, all-reduces after the
+        row-parallel ``o``/``down`` and the vocabulary-parallel embedding, and all-gathers the logits. None: the
+        whole model in this process.
 
         A weight is a float tensor, or already quantized (``QuantizedWeight`` / ``Fp8Weight``, e.g. from a
         quantized checkpoint, where fused weights are stored under their fused names ``qkv`` / ``gate_up``).
@@ -33,6 +38,16 @@ class LlamaForCausalLM:
         self.dtype = dtype
         self.quant = quant
         self.scale = cfg.head_dim ** -0.5
+        self.tp = tp
+        # this rank's share (all of it without tensor parallelism)
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.vocab_start, self.vocab_per_rank = 0, cfg.vocab_size
+        if tp is not None:
+            from pagedllm.distributed.sharding import tp_layout
+
+            lay = tp_layout(cfg, tp.world_size, tp.rank)
+            self.num_heads, self.num_kv_heads = lay.num_heads, lay.num_kv_heads
+            self.vocab_start, self.vocab_per_rank = lay.vocab_start, lay.vocab_per_rank
 
         def pop(name: str):
             # pop: each loaded array is released as soon as it is placed (fused), so loading peaks near one
@@ -73,21 +88,23 @@ class LlamaForCausalLM:
         # the embedding table doubles as the LM head when tied; an int8 head then serves lookups as well
         if cfg.tie_word_embeddings:
             table = pop("embed")
-            weights["lm_head"] = table
+            head_src = pop("lm_head") if "lm_head" in weights else table  # a checkpoint may store its own head
+            weights["lm_head"] = head_src
             self.lm_head = linear("lm_head", ["lm_head"], "lm_head")
-            share = self.lm_head.kind == "dense" or (self.lm_head.kind == "int8" and (
-                not isinstance(table, torch.Tensor) or (quant is not None and quant.embed == "int8")))
-            if share:
+            embed_int8 = quant is not None and quant.embed == "int8"
+            if head_src is table and (self.lm_head.kind == "dense" or (self.lm_head.kind == "int8" and (
+                    not isinstance(table, torch.Tensor) or embed_int8))):
                 self.embed = self.lm_head
             else:  # lookups from a table of their own (e.g. a quantized head, full-precision embedding)
-                full = table if isinstance(table, torch.Tensor) else dequantize_any(table)
-                self.embed = build_linear(full, None, device, dtype)
+                if isinstance(table, torch.Tensor) and embed_int8:
+                    table = quantize_weight(table.float(), "int8", quant)
+                self.embed = build_linear(table, None, device, dtype)
         else:
             self.lm_head = linear("lm_head", ["lm_head"], "lm_head")
             self.embed = linear("embed", ["embed"], "embed")
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype)
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
 
     def linears(self) -> dict[str, object]:
         out = {"lm_head": self.lm_head, "embed": self.embed}
@@ -107,21 +124,38 @@ class LlamaForCausalLM:
         """input_ids, positions: (T,) -> final hidden states (T, H)."""
         cfg = self.cfg
         t = input_ids.shape[0]
-        h = self.embed.embedding(input_ids)  # (T, H)
+        h = self._embed(input_ids)  # (T, H)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
             qkv = layer["qkv"](x)  # (T, Q+2K)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rotary(positions, q.view(t, cfg.num_heads, cfg.head_dim))
-            k = self.rotary(positions, k.view(t, cfg.num_kv_heads, cfg.head_dim))
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            q = self.rotary(positions, q.view(t, self.num_heads, cfg.head_dim))
+            k = self.rotary(positions, k.view(t, self.num_kv_heads, cfg.head_dim))
+            v = v.reshape(t, self.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
-            h = h + layer["o"](attn.reshape(t, self.q_size))
+            h = h + self._reduce(layer["o"](attn.reshape(t, self.q_size)))  # row-parallel: partial sums
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            h = h + layer["down"](F.silu(gate) * up)
+            h = h + self._reduce(layer["down"](F.silu(gate) * up))
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.tp.all_reduce(x)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; with tensor parallelism each rank looks up the ids in its vocabulary slice (zeros
+        elsewhere) and the ranks' rows are summed."""
+        if self.tp is None:
+            return self.embed.embedding(ids)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_per_rank)
+        h = self.embed.embedding(torch.where(inside, local, torch.zeros_like(local)))  # (T, H)
+        return self.tp.all_reduce(h * inside.unsqueeze(-1).to(h.dtype))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """(R, H) -> (R, vocab) float32 logits; each rank computes its vocabulary slice, gathered on all ranks."""
+        logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.all_gather(logits, dim=-1)[:, : self.cfg.vocab_size]
+        return logits.float()

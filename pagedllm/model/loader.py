@@ -56,7 +56,28 @@ def _gguf_field(reader, key: str, default=None):
     return f.contents()
 
 
-def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+def _native_q4(data: np.ndarray, kind: str):
+    """GGUF Q4_0 / Q4_1 blocks of 32 -> a ``QuantizedWeight`` with the same numbers (no float round trip).
+
+    Q4_1 block: f16 d, f16 m, 16 bytes of nibbles (low nibbles are elements 0-15, high nibbles 16-31); value
+    d*q + m = (q - 8)*d + (m + 8d). Q4_0 block: f16 d, 16 bytes; value d*(q - 8)."""
+    from pagedllm.quant.formats import QuantizedWeight
+
+    head = 4 if kind == "Q4_1" else 2
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n, -1, head + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., head:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, -1)
+    zeros = None
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zeros = torch.from_numpy(m + 8 * d)
+    return QuantizedWeight(torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), zeros, 4, 32)
+
+
+def load_gguf(path: str, native_q4: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """``native_q4``: keep Q4_0/Q4_1 tensors as packed 4-bit weights instead of dequantizing them."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -113,7 +134,6 @@ def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     }
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if t.name in rename:
             name = rename[t.name]
         elif t.name.startswith("blk."):
@@ -123,8 +143,19 @@ def load_gguf(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
             name = f"layers.{idx}.{per_layer[rest]}"
         else:
             continue
-        if arch == "llama" and name.endswith((".q", ".k", ".q_bias", ".k_bias")):
-            heads = n_head if ".q" in name else n_kv
+        rotary = arch == "llama" and name.endswith((".q", ".k", ".q_bias", ".k_bias"))
+        heads = n_head if ".q" in name else n_kv
+        if native_q4 and t.tensor_type.name in ("Q4_0", "Q4_1") and t.name != "token_embd.weight":
+            from pagedllm.quant.formats import reorder_rows
+
+            qw = _native_q4(t.data, t.tensor_type.name)
+            if rotary:
+                qw = reorder_rows(qw, lambda x: torch.from_numpy(np.ascontiguousarray(
+                    _unpermute_rotary(x.numpy(), heads))))
+            weights[name] = qw
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if rotary:
             arr = _unpermute_rotary(arr, heads)
         weights[name] = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable or not arr.flags.c_contiguous))
     return cfg, weights
@@ -195,9 +226,11 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     return cfg, weights
 
 
-def load_model_files(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+def load_model_files(path: str, native_q4: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Float weights of a GGUF file or HF-style directory (GGUF 4-bit blocks kept packed with ``native_q4``).
+    Quantized checkpoints (``pagedllm quantize``) are read by ``pagedllm.quant.load``."""
     if os.path.isdir(path):
         return load_hf_dir(path)
     if path.endswith(".gguf"):
-        return load_gguf(path)
+        return load_gguf(path, native_q4)
     raise ValueError(f"{path}: expected a .gguf file or a directory with config.json and *.safetensors")

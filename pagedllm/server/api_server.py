@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -622,7 +623,7 @@ def run_server(args: argparse.Namespace) -> int:
 
         fb_config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, model=args.fallback_model, served_model_name=None),
-            speculative=None)
+            speculative=None, tensor_parallel_size=1)
         fallback = AsyncLLM(fb_config, log_stats_interval=args.log_stats_interval)
         fallback_name = os.path.basename(os.path.normpath(args.fallback_model)).split(".")[0]
         if fallback_name == name:
@@ -640,10 +641,21 @@ def run_server(args: argparse.Namespace) -> int:
 
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=30))
+    tp_failures: list[str] = []
+    if runner.tp is not None:  # a tensor-parallel rank that dies takes the server down (the watchdog calls this)
+        def _tp_failed(message: str) -> None:
+            logger.critical("stopping the server: %s", message)
+            tp_failures.append(message)
+            server.should_exit = True
+
+        runner.tp.add_failure_callback(_tp_failed)
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     server.run()
     engine.shutdown()
     if fallback is not None:
         fallback.shutdown()
+    if tp_failures:
+        print(f"error: tensor parallelism failed: {tp_failures[0]}", file=sys.stderr)
+        return 1
     logger.info("server stopped")
     return 0

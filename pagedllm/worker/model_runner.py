@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
+import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig, resolve_model_path
+from pagedllm.errors import TensorParallelError
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import ModelArchConfig, load_model_files
+from pagedllm.quant.load import load_weights
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
 from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedllm.spec.ngram import propose_ngram
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +58,36 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+class _Forward(NamedTuple):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits: torch.Tensor | None  # (rows to sample, vocab) float32
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, store=None) -> None:
+        """With ``tensor_parallel_size`` > 1, rank 0 (the engine's runner) starts or joins the other ranks and
+        holds its shard of the weights and KV cache; a runner with ``rank`` > 0 is a worker's, driven by
+        ``serve_steps`` (``store``: a local worker's rendezvous store)."""
         self.config = config
+        self.rank = rank
+        self.tp = None  # a TPGroup when tensor_parallel_size > 1
+        self.tp_workers = None  # rank 0's local worker processes (LocalWorkers), when it started them
+        self.rank_weight_bytes: list[int] = []  # weight bytes held by each rank (tensor parallelism)
         self.device = choose_device(config.device)
+        if config.tensor_parallel_size > 1:
+            from pagedllm.distributed.launcher import rank_device
+
+            self.device = rank_device(self.device, rank)
         self.dtype = choose_dtype(config.model.dtype, self.device)
         path = resolve_model_path(config.model.model)
         self.model_path = path
-        arch, weights = load_model_files(path)
+        arch, weights, policy, self.quantization = load_weights(path, config.quantization)
         self.arch: ModelArchConfig = arch
-        self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype)
+        if config.tensor_parallel_size > 1:
+            weights = self._start_tensor_parallel(arch, weights, store)
+        self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp)
         del weights
         max_len = config.model.max_model_len or arch.max_position
         if max_len > arch.max_position:
@@ -73,9 +99,11 @@ class ModelRunner:
         self.draft_model: LlamaForCausalLM | None = None
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         spec = config.speculative
-        if spec is not None and spec.method == "draft_model":
-            self.draft_model = self._load_draft(spec.model)
+        if spec is not None and spec.method == "draft_model" and rank == 0:
+            self.draft_model = self._load_draft(spec.model)  # with tensor parallelism: whole, on rank 0 only
         self.num_blocks = self._num_kv_blocks()
+        if self.tp is not None:
+            self.num_blocks = self._tp_agree(self.num_blocks)
         needed = math.ceil(self.max_model_len / self.block_size)
         if needed > self.num_blocks:
             raise ValueError(
@@ -84,7 +112,7 @@ class ModelRunner:
                 f"{needed} blocks for a single request: raise --kv-cache-memory / --gpu-memory-utilization "
                 f"or lower --max-model-len"
             )
-        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, arch.head_dim)
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(arch.num_layers)]
         self.num_host_blocks = 0
         self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -109,10 +137,56 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         logger.info(
-            "model %s (%s, %d layers) on %s/%s: weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB)",
-            path, arch.arch, arch.num_layers, self.device, self.dtype, self.model.weight_bytes() / 2**20,
+            "model %s (%s, %d layers) on %s/%s, quantization %s: weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB)",
+            path, arch.arch, arch.num_layers, self.device, self.dtype, self.quantization, self.model.weight_bytes() / 2**20,
             self.num_blocks, self.block_size, self.kv_cache_bytes / 2**20,
         )
+        if self.tp is not None and rank == 0:
+            logger.info("tensor parallelism: %d ranks, weights per rank %s MiB (%.1f MiB in all), KV cache per rank "
+                        "%d heads of %d", self.tp.world_size,
+                        " / ".join(f"{b / 2**20:.1f}" for b in self.rank_weight_bytes),
+                        sum(self.rank_weight_bytes) / 2**20, self.model.num_kv_heads, arch.num_kv_heads)
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _start_tensor_parallel(self, arch: ModelArchConfig, weights: dict, store) -> dict:
+        """Check the model splits (before any worker starts), join the ranks, and keep this rank's shard."""
+        from pagedllm.distributed.launcher import join_tensor_parallel
+        from pagedllm.distributed.sharding import check_shardable, shard_weights
+
+        check_shardable(arch, weights, self.config.tensor_parallel_size)
+        self.tp, self.tp_workers = join_tensor_parallel(self.config, self.rank, self.device, store)
+        self._tp_finalizer = weakref.finalize(self, _close_tensor_parallel, self.tp, self.tp_workers)
+        return shard_weights(arch, weights, self.rank, self.tp.world_size)
+
+    def _tp_agree(self, num_blocks: int) -> int:
+        """Start-up agreement of the ranks: the same model and settings everywhere (a hand-started rank may have
+        been given other flags), and a KV block count every rank can hold. Collects each rank's weight bytes."""
+        a, c = self.arch, self.config.cache
+        settings = [a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim,
+                    a.intermediate_size, self.block_size, list(_DTYPES.values()).index(self.dtype),
+                    zlib.crc32(str(self.quantization).encode()), int(c.preemption_mode == "swap"),
+                    int(c.swap_space * 2**30), c.num_host_blocks_override or 0]
+        rows = self.tp.gather_ints(settings + [num_blocks, self.model.weight_bytes()])
+        for r, row in enumerate(rows):
+            if row[: len(settings)] != rows[0][: len(settings)]:
+                raise ValueError(
+                    f"tensor-parallel rank {r} loaded another model or settings than rank 0 ([vocab, hidden, layers, "
+                    f"heads, kv heads, head dim, intermediate, block size, dtype, quantization, swap, swap bytes, "
+                    f"host blocks] {row[: len(settings)]} vs {rows[0][: len(settings)]}): start every rank with "
+                    f"the same model and engine flags")
+        self.rank_weight_bytes = [row[-1] for row in rows]
+        return min(row[-2] for row in rows)
+
+    def serve_steps(self) -> None:
+        """Ranks > 0: run each step rank 0 sends until it shuts the group down."""
+        while (packed := self.tp.recv()) is not None:
+            self._forward_step(StepInputs.unpack(packed))
+
+    def shutdown(self) -> None:
+        """Rank 0 tells the other ranks to stop and waits for its local workers; any rank leaves the group.
+        Without tensor parallelism there is nothing to do."""
+        if self.tp is not None:
+            self._tp_finalizer()
 
     # ------------------------------------------------------------------ memory
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -142,8 +216,8 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """KV bytes of one block across all layers (the draft model's layers included)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        archs = [self.arch] + ([self.draft_model.cfg] if self.draft_model is not None else [])
-        return sum(2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem for a in archs)
+        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+        return sum(2 * m.cfg.num_layers * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem for m in models)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -174,29 +248,55 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(sp.seed % (2**63))
             self.requests[nr.req_id] = CachedRequestState(nr.req_id, nr.prompt_token_ids, sp, gen)
-        if so.swap_out or so.swap_in:
-            self._swap(so.swap_out, so.swap_in)
-        if so.is_empty:
+        if so.is_empty and not (so.swap_out or so.swap_in):
             return ModelRunnerOutput()
 
-        input_ids, positions, meta, rows, groups = self._prepare_inputs(so)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        step, groups = StepInputs.from_scheduler_output(so, self.block_size)
+        fwd = self._run_step(step)
         out = ModelRunnerOutput()
+        if fwd is None:  # KV swaps only
+            return out
         if groups:
-            self._sample(so, hidden, rows, groups, out)
+            self._sample(so, fwd.logits, groups, out)
         if self.draft_model is not None:
             # the draft keeps its own KV for every token the target computes (same block tables and slots)
-            self.draft_model.forward(input_ids, positions, self.draft_kv_caches, meta)
+            self.draft_model.forward(fwd.input_ids, fwd.positions, self.draft_kv_caches, fwd.meta)
         if so.speculate and out.sampled_token_ids:
             out.spec_token_ids = self._propose(so, out)
         return out
 
-    def _sample(self, so: SchedulerOutput, hidden, rows, groups, out: ModelRunnerOutput) -> None:
+    def _run_step(self, step: StepInputs) -> _Forward | None:
+        """Rank 0's part of a step that every rank runs. With tensor parallelism rank 0 first hands the step to
+        the other ranks; a failure after that leaves the ranks out of step, so it is fatal for the engine."""
+        if self.tp is None:
+            return self._forward_step(step)
+        self.tp.check()
+        try:
+            self.tp.send_step(step.pack())
+            return self._forward_step(step)
+        except TensorParallelError:
+            raise
+        except Exception as e:
+            msg = f"rank 0 failed inside a tensor-parallel step ({type(e).__name__}: {e}); the ranks are out of step"
+            self.tp.fail(msg)
+            raise TensorParallelError(msg) from e
+
+    def _forward_step(self, step: StepInputs) -> _Forward | None:
+        """What every rank runs for a step: KV block swaps, the forward pass, the logits of the rows to sample."""
+        if step.swap_out or step.swap_in:
+            self._swap(step.swap_out, step.swap_in)
+        if not step.input_ids:
+            return None
+        input_ids, positions, meta, rows = self._step_tensors(step)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[rows]) if step.logit_rows else None
+        return _Forward(input_ids, positions, meta, logits)
+
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, groups, out: ModelRunnerOutput) -> None:
         """Sample every request that reached the end of its tokens; verify its drafts if it had any.
 
         A request with k drafts has k+1 rows: the target's distribution after its last token and after each
         draft. Penalties and min_tokens at row i see the drafts before it as output tokens."""
-        logits = self.model.compute_logits(hidden[rows])
         vstates, vextra = [], []
         for s, first, n in groups:
             st = self.requests[s.req_id]
@@ -345,53 +445,26 @@ class ModelRunner:
             num_decodes=len(slots), prefills=[],
         )
 
-    def _prepare_inputs(self, so: SchedulerOutput):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []  # hidden-state rows to compute logits for
-        groups: list[tuple] = []  # (scheduled request, its first index in rows, number of rows)
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
-        for s in so.scheduled:
-            start = len(input_ids)
-            n = len(s.token_ids)
-            nc = s.num_computed_tokens
-            input_ids.extend(s.token_ids)
-            positions.extend(range(nc, nc + n))
-            table = s.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(nc, nc + n))
-            if n == 1:
-                decode_rows.append(start)
-                decode_tables.append(table[: (nc + bs) // bs])
-                decode_lens.append(nc + 1)
-            else:
-                ctx = nc + n
-                prefills.append(PrefillSeq(start, start + n, ctx, torch.tensor(table[: -(-ctx // bs)], device=self.device)))
-            if s.sample:
-                groups.append((s, len(rows), s.num_spec_tokens + 1))
-                last_real = start + n - 1 - s.num_spec_tokens
-                rows.extend(range(last_real, start + n))
+    def _step_tensors(self, step: StepInputs):
+        """The step's lists as device tensors: token ids, positions, attention metadata, logit rows."""
         dev = self.device
+        prefills = [PrefillSeq(start, end, ctx, torch.tensor(table, dtype=torch.long, device=dev))
+                    for (start, end, ctx), table in zip(step.prefills, step.prefill_tables)]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
             decode_rows=None, decode_block_tables=None, decode_mask=None,
-            num_decodes=len(decode_rows), prefills=prefills,
+            num_decodes=len(step.decode_rows), prefills=prefills,
         )
-        if decode_rows:
-            dm = self._decode_metadata([], decode_tables, decode_lens)
+        if step.decode_rows:
+            dm = self._decode_metadata([], step.decode_tables, step.decode_lens)
             meta.decode_block_tables, meta.decode_mask = dm.decode_block_tables, dm.decode_mask
-            if len(decode_rows) != len(input_ids):
-                meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+            if len(step.decode_rows) != len(step.input_ids):
+                meta.decode_rows = torch.tensor(step.decode_rows, dtype=torch.long, device=dev)
         return (
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(step.positions, dtype=torch.long, device=dev),
             meta,
-            torch.tensor(rows, dtype=torch.long, device=dev),
-            groups,
+            torch.tensor(step.logit_rows, dtype=torch.long, device=dev),
         )
 
     def _sampling_metadata(self, states: list[CachedRequestState], extras: list[list[int]], vocab: int) -> SamplingMetadata:
@@ -455,3 +528,18 @@ class ModelRunner:
 def _pad(rows: list[list[int]], pad: int, dev: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=dev)
+
+
+def _close_tensor_parallel(tp, workers) -> None:
+    """Leave the group (rank 0 first sends the shutdown message); later steps raise. Runs once: on ``shutdown``,
+    when the runner is collected, or at exit."""
+    if workers is not None:
+        workers.stop_watching()
+    clean = tp.failure is None
+    if tp.rank == 0:
+        tp.shutdown_workers()
+    if workers is not None:
+        workers.stop(timeout_s=10.0 if clean else 0.5)  # after a failure, nobody is listening: end them
+    if tp.failure is None:
+        tp.failure = "the tensor-parallel group was shut down"
+    tp.close()

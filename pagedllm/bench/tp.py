@@ -1,0 +1,101 @@
+"""`pagedllm bench tp`: decode tokens/s at several tensor-parallel sizes, and what the communication costs.
+
+For each size N the engine is built with ``tensor_parallel_size=N``; for each batch size B, B prompts are
+prefilled, then the decode steps alone are timed (greedy, fixed length). Rank 0's wall time inside the model's
+collectives is read from its process group: the all-reduces (2 per layer + the embedding's) and the logits'
+all-gather, waiting for the slowest rank included. Greedy tokens are compared with the first size's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def _decode_run(llm, prompts: list[str], output_len: int) -> dict:
+    from pagedllm import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+    ids = [eng.add_request(None, p, sp) for p in prompts]
+    tokens = {rid: [] for rid in ids}
+
+    def step() -> int:
+        new = 0
+        for out in eng.step():
+            if out.request_id in tokens:
+                toks = out.outputs[0].token_ids
+                new += len(toks) - len(tokens[out.request_id])
+                tokens[out.request_id] = list(toks)
+        return new
+
+    while any(not t for t in tokens.values()):  # prefill (and first token) of every prompt
+        step()
+    tp = eng.core.runner.tp
+    c0 = (tp.all_reduce_seconds, tp.all_gather_seconds, tp.num_all_reduces) if tp else (0.0, 0.0, 0)
+    steps, n_tok = 0, 0
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        n_tok += step()
+        steps += 1
+    dt = time.perf_counter() - t0
+    c1 = (tp.all_reduce_seconds, tp.all_gather_seconds, tp.num_all_reduces) if tp else (0.0, 0.0, 0)
+    return {"decode_tok_s": n_tok / dt, "ms_per_step": 1000 * dt / steps, "decode_steps": steps,
+            "all_reduce_ms_per_step": 1000 * (c1[0] - c0[0]) / steps,
+            "all_gather_ms_per_step": 1000 * (c1[1] - c0[1]) / steps,
+            "all_reduces_per_step": (c1[2] - c0[2]) / steps,
+            "token_ids": [tokens[r] for r in ids]}
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.bench.offline import load_prompts
+    from pagedllm.distributed.launcher import threads_per_rank
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    prompts = load_prompts(None)
+    threads0 = torch.get_num_threads()
+    rows, base = [], {}
+    for n in sizes:
+        llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=n, tp_threads_per_rank=args.threads_per_rank,
+                  max_model_len=args.max_model_len)
+        threads = threads_per_rank(llm.engine.config) if n > 1 else threads0
+        runner = llm.engine.core.runner
+        weights = runner.rank_weight_bytes or [runner.model.weight_bytes()]
+        _decode_run(llm, prompts[:2], 4)  # warm-up
+        for b in batches:
+            r = _decode_run(llm, prompts[:b], args.output_len)
+            ids = r.pop("token_ids")
+            base.setdefault(b, ids)
+            rows.append({"tp": n, "batch": b, "threads_per_rank": threads, "weight_mib_per_rank": max(weights) / 2**20,
+                         **r, "greedy_identical_to_first_size": ids == base[b]})
+        llm.engine.shutdown()
+        del llm
+        torch.set_num_threads(threads0)  # rank 0 ran in this process with its own thread count
+    print(f"\ndecode, greedy, {args.output_len} tokens per request, model {args.model or 'default'}")
+    print(f"{'TP':>3s} {'batch':>5s} {'thr/rank':>8s} {'MiB/rank':>8s} {'decode tok/s':>12s} {'ms/step':>8s} "
+          f"{'all-reduce ms/step':>18s} {'(count)':>7s} {'all-gather ms/step':>18s} {'same tokens':>11s}")
+    for r in rows:
+        print(f"{r['tp']:3d} {r['batch']:5d} {r['threads_per_rank']:8d} {r['weight_mib_per_rank']:8.1f} "
+              f"{r['decode_tok_s']:12.1f} {r['ms_per_step']:8.1f} {r['all_reduce_ms_per_step']:18.2f} "
+              f"{r['all_reduces_per_step']:7.0f} {r['all_gather_ms_per_step']:18.2f} "
+              f"{str(r['greedy_identical_to_first_size']):>11s}")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="default: the embedded model (9 query / 3 KV heads: TP 1 or 3)")
+    p.add_argument("--sizes", default="1,3", help="tensor-parallel sizes, comma-separated")
+    p.add_argument("--batch-sizes", default="1,8", help="concurrent requests, comma-separated")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--threads-per-rank", type=int, default=None, help="default: the cores divided by N")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--result-json", default=None)

@@ -1,0 +1,68 @@
+"""`pagedllm eval`: baseline vs candidate quality gate (exit status 1 when the candidate fails it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--baseline", default="default", help="model path (default: SmolLM2-135M, dequantized)")
+    p.add_argument("--baseline-quantization", default=None)
+    p.add_argument("--candidate", default=None, help="model path or quantized checkpoint directory")
+    p.add_argument("--candidate-quantization", default=None, help="e.g. int8 / fp8 / gguf for load-time schemes")
+    p.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative perplexity increase allowed")
+    p.add_argument("--max-accuracy-drop", type=float, default=0.01, help="absolute accuracy drop allowed")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="held-out text tokens for perplexity/KL")
+    p.add_argument("--items", default=None, help="business test set JSONL (default: the shipped one)")
+    p.add_argument("--json", default=None, help="write the scores here")
+    p.add_argument("--select-from", default=None,
+                   help="maintenance: answer these candidate items with the baseline, in float32 and in bfloat16, "
+                        "and write the ones it gets right both times to --write (items that float rounding alone "
+                        "flips would measure noise, not quantization)")
+    p.add_argument("--write", default=None)
+
+
+def _llm(path: str, quantization: str | None, dtype: str = "float32"):
+    from pagedllm.engine.llm import LLM
+
+    return LLM(model=path, quantization=quantization, max_model_len=1024, dtype=dtype)
+
+
+def main(args) -> int:
+    from pagedllm.eval.quality import (
+        BUSINESS_SET, answer_items, eval_chunks, gate, is_correct, load_items, score_model, table, to_json)
+
+    if args.select_from:
+        if not args.write:
+            raise ValueError("--select-from needs --write")
+        items = load_items(args.select_from)
+        runs = [answer_items(_llm(args.baseline, args.baseline_quantization, dt), items)
+                for dt in ("float32", "bfloat16")]
+        kept = [it for it, *outs in zip(items, *runs) if all(is_correct(o, it["answers"]) for o in outs)]
+        with open(args.write, "w") as f:
+            for it in kept:
+                f.write(json.dumps(it) + "\n")
+        print(f"kept {len(kept)} of {len(items)} items -> {args.write}")
+        return 0
+    if not args.candidate:
+        raise ValueError("give --candidate (or --select-from)")
+    items = load_items(args.items or BUSINESS_SET)
+    base_llm = _llm(args.baseline, args.baseline_quantization)
+    chunks = eval_chunks(base_llm.get_tokenizer(), args.eval_tokens)
+    base, base_lp, _ = score_model(base_llm, f"baseline {args.baseline} ({args.baseline_quantization or 'none'})",
+                                   chunks, items)
+    del base_llm
+    cand_llm = _llm(args.candidate, args.candidate_quantization)
+    cand, _, _ = score_model(cand_llm, f"candidate {args.candidate} ({args.candidate_quantization or 'auto'})",
+                             chunks, items, base_lp)
+    fails = gate(base, cand, args.max_ppl_increase, args.max_accuracy_drop)
+    print(table([base, cand]))
+    print(f"\ngate: perplexity increase <= {args.max_ppl_increase:.2%}, accuracy drop <= {args.max_accuracy_drop:.2%} "
+          f"({len(items)} items, {sum(len(c) for c in chunks)} text tokens)")
+    print("PASS" if not fails else "FAIL: " + "; ".join(fails))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"scores": to_json([base, cand]), "passed": not fails, "failures": fails}, f, indent=2)
+    return 0 if not fails else 1

@@ -1,0 +1,35 @@
+"""Whole-sequence forward passes for offline tools (calibration, perplexity): one sequence at a time through the
+model's normal prefill path, with a private KV cache just large enough for it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+
+BLOCK = 16
+
+
+@torch.inference_mode()
+def sequence_hidden(model, token_ids: list[int]) -> torch.Tensor:
+    """Final hidden states (L, H) of ``token_ids`` run as one prefill."""
+    cfg, dev = model.cfg, model.device
+    n = len(token_ids)
+    nb = math.ceil(n / BLOCK)
+    shape = (nb, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=model.dtype, device=dev), torch.zeros(shape, dtype=model.dtype, device=dev))
+              for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), decode_rows=None, decode_block_tables=None,
+                             decode_mask=None, num_decodes=0,
+                             prefills=[PrefillSeq(0, n, n, torch.arange(nb, device=dev))])
+    ids = torch.tensor(token_ids, device=dev)
+    return model.forward(ids, torch.arange(n, device=dev), caches, meta)
+
+
+@torch.inference_mode()
+def sequence_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """Log-softmax over the vocabulary after each position: (L, V) float32 on the CPU."""
+    hidden = sequence_hidden(model, token_ids)
+    return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1).cpu()

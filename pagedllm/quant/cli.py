@@ -1,0 +1,60 @@
+"""`pagedllm quantize`: write a quantized checkpoint (safetensors + quant_config.json + tokenizer)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="a .gguf file or HF-style directory (default: SmolLM2-135M)")
+    p.add_argument("--method", choices=["rtn", "awq", "gptq"], default="awq")
+    p.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    p.add_argument("--group-size", type=int, default=None,
+                   help="4-bit group size along the input dimension (32/64/128/256; default 64, which divides "
+                        "SmolLM2's 576). 8-bit weights always use one scale per output channel (torch's int8 kernel)")
+    p.add_argument("--symmetric", action="store_true", help="4-bit: no zero point")
+    p.add_argument("--policy", default=None,
+                   help="per-layer-type schemes, e.g. 'attn=int8,mlp=int4,lm_head=int8,embed=int8' "
+                        "(default: body in --bits, LM head and embedding int8)")
+    p.add_argument("--calib-file", default=None,
+                   help="calibration text (.txt, or .jsonl with text/prompt fields); default: the calibration "
+                        "half of Python's own documentation topics (held apart from `pagedllm eval`'s text)")
+    p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens to use")
+    p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--out", required=True, help="output directory")
+
+
+def main(args) -> int:
+    from pagedllm.config import resolve_model_path
+    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.quant.checkpoint import save_checkpoint
+    from pagedllm.quant.policy import QuantPolicy
+    from pagedllm.quant.quantize import default_policy, quantize_model
+    from pagedllm.quant.texts import python_doc_text, read_text_file, token_chunks
+
+    if args.bits == 8 and args.group_size is not None:
+        raise ValueError("8-bit weights use one scale per output channel (torch's packed int8 kernel has no "
+                         "groups); --group-size applies to 4-bit")
+    gs = args.group_size or 64
+    path = resolve_model_path(args.model)
+    if args.policy:
+        policy = QuantPolicy.parse(args.policy, group_size=gs, symmetric=args.symmetric)
+    else:
+        policy = default_policy(args.bits, gs, args.symmetric)
+    tok = load_tokenizer(path)
+    text = read_text_file(args.calib_file) if args.calib_file else python_doc_text("calib")
+    calib = token_chunks(tok, text, args.calib_seq_len, args.calib_tokens)
+    if args.method != "rtn" and not calib:
+        raise ValueError(f"the calibration text has fewer than {args.calib_seq_len} tokens")
+    arch, weights, report = quantize_model(path, args.method, policy, calib)
+    info = {"method": args.method, "bits": args.bits, "group_size": gs if args.bits == 4 else -1,
+            "symmetric": args.symmetric or args.bits == 8, "policy": policy.to_dict(), "source": path,
+            "calibration": {"file": args.calib_file or "pydoc_data.topics (calib split)",
+                            "sequences": len(calib), "seq_len": args.calib_seq_len}}
+    save_checkpoint(args.out, arch, weights, info, tok)
+    alphas = [v["alpha"] for v in report["layers"].values() if "alpha" in v]
+    extra = f"; AWQ mean alpha {sum(alphas) / len(alphas):.2f}" if alphas else ""
+    print(json.dumps({"out": args.out, "seconds": report["seconds"], **{k: info[k] for k in ("method", "bits")}}))
+    print(f"wrote {args.out} ({args.method}, {args.bits}-bit{extra})")
+    return 0

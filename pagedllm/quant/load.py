@@ -1,0 +1,41 @@
+"""What ``--quantization`` means at load time, for any model path.
+
+- a ``pagedllm quantize`` checkpoint directory: its packed weights (``--quantization`` may name its method or be
+  left out; another value is an error);
+- ``int8`` / ``fp8``: quantize a full-precision model at load time (round to nearest, per-layer-type policy);
+- ``gguf``: keep a GGUF file's Q4_0/Q4_1 blocks packed (group 32, exactly the file's numbers) and run them
+  through the int4 kernel; other GGUF types (the Q8_0 embedding) are dequantized and the LM head is int8;
+- ``awq`` / ``gptq`` / ``rtn`` without such a checkpoint: an error pointing to ``pagedllm quantize``."""
+
+from __future__ import annotations
+
+from pagedllm.quant.checkpoint import is_quantized_checkpoint, load_checkpoint
+from pagedllm.quant.policy import ON_THE_FLY, QuantPolicy
+
+QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
+
+
+def load_weights(path: str, quantization: str | None):
+    """-> (arch, weights, policy or None, label for logs/metrics)."""
+    from pagedllm.model.loader import load_model_files
+
+    q = None if quantization in (None, "none") else quantization
+    if q is not None and q not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
+    if is_quantized_checkpoint(path):
+        arch, weights, info = load_checkpoint(path)
+        if q is not None and q != info["method"]:
+            raise ValueError(f"{path} is a {info['method']} checkpoint but --quantization {q} was given")
+        return arch, weights, None, f"{info['method']} (checkpoint)"
+    if q in ("rtn", "awq", "gptq"):
+        raise ValueError(f"--quantization {q} loads a checkpoint made by `pagedllm quantize --method {q}`; "
+                         f"{path} is not one (for load-time quantization use int8 or fp8)")
+    if q == "gguf":
+        if not path.endswith(".gguf"):
+            raise ValueError("--quantization gguf needs a .gguf model file")
+        arch, weights = load_model_files(path, native_q4=True)
+        return arch, weights, QuantPolicy(lm_head="int8", embed="int8"), "gguf (native 4-bit blocks)"
+    arch, weights = load_model_files(path)
+    if q is None:
+        return arch, weights, None, "none"
+    return arch, weights, ON_THE_FLY[q], f"{q} (at load time)"

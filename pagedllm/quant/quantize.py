@@ -1,0 +1,89 @@
+"""`pagedllm quantize`: full-precision model in, quantized checkpoint out (RTN, AWQ or GPTQ; 4 or 8 bits)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from pagedllm.quant.awq import awq_quantize
+from pagedllm.quant.calibrate import collect_stats
+from pagedllm.quant.formats import QuantizedWeight, dequantize
+from pagedllm.quant.gptq import gptq_quantize
+from pagedllm.quant.policy import LINEAR_TYPES, QuantPolicy, quantize_weight
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("rtn", "awq", "gptq")
+
+
+def default_policy(bits: int, group_size: int, symmetric: bool) -> QuantPolicy:
+    """4-bit: attention and MLP int4, LM head (and a tied embedding) int8; 8-bit: everything int8."""
+    body = "int4" if bits == 4 else "int8"
+    return QuantPolicy(attn=body, mlp=body, lm_head="int8", embed="int8", group_size=group_size,
+                       symmetric=symmetric)
+
+
+def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequences: list[list[int]] | None,
+                   progress: bool = True):
+    """-> (arch, weights dict ready for ``save_checkpoint`` / ``LlamaForCausalLM``, report dict)."""
+    from pagedllm.config import resolve_model_path
+    from pagedllm.model.llama import LlamaForCausalLM
+    from pagedllm.model.loader import load_model_files
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}")
+    t0 = time.perf_counter()
+    arch, raw = load_model_files(resolve_model_path(model_path))
+    model = LlamaForCausalLM(arch, raw, torch.device("cpu"), torch.float32)
+    del raw
+    linear_names = [f"layers.{i}.{k}" for i in range(arch.num_layers) for k in LINEAR_TYPES]
+    targets = [n for n in linear_names if policy.scheme(LINEAR_TYPES[n.split(".")[2]]) in ("int4", "int8")]
+    stats = {}
+    if method != "rtn" and targets:
+        if not calib_sequences:
+            raise ValueError(f"{method} needs calibration text")
+        stats = collect_stats(model, calib_sequences, targets, want_hessian=method == "gptq")
+    weights: dict = {"norm": model.norm}
+    report: dict = {"layers": {}}
+    for n in tqdm(linear_names, desc=f"quantize ({method})", unit="layer", disable=not progress):
+        i, kind = n.split(".")[1:3]
+        lin = model.layers[int(i)][kind]
+        scheme = policy.scheme(LINEAR_TYPES[kind])
+        w = lin.weight.float()
+        if scheme in ("int4", "int8") and method != "rtn":
+            bits = 4 if scheme == "int4" else 8
+            gs = policy.group_size if bits == 4 else w.shape[1]
+            sym = policy.symmetric if bits == 4 else True
+            if method == "awq":
+                qw, info = awq_quantize(w, stats[n], bits, gs, sym)
+            else:
+                qw, info = gptq_quantize(w, stats[n].hessian, bits, gs, sym)
+            report["layers"][n] = info
+        else:
+            qw = quantize_weight(w, scheme, policy)
+        weights[n] = qw
+        if lin.bias is not None:
+            weights[f"layers.{i}.qkv_bias"] = lin.bias
+    for i, layer in enumerate(model.layers):
+        weights[f"layers.{i}.input_norm"] = layer["input_norm"]
+        weights[f"layers.{i}.post_norm"] = layer["post_norm"]
+    # embedding and LM head: round to nearest (salience scaling would break a tied table)
+    head = model.lm_head.weight.float()
+    weights["lm_head"] = quantize_weight(head, policy.lm_head, policy)
+    if arch.tie_word_embeddings and policy.lm_head == "int8" and policy.embed == "int8":
+        weights["embed"] = weights.pop("lm_head")  # one int8 table for both
+    elif arch.tie_word_embeddings and policy.lm_head == "none":
+        weights["embed"] = weights.pop("lm_head")
+    else:
+        weights["embed"] = quantize_weight(model.embed.weight.float(), policy.embed, policy)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    return arch, weights, report
+
+
+def weight_error(qw, w: torch.Tensor) -> float:
+    """Relative Frobenius error of a quantized weight against the original."""
+    deq = dequantize(qw) if isinstance(qw, QuantizedWeight) else qw
+    return ((deq - w).norm() / w.norm()).item()

@@ -1,0 +1,97 @@
+"""One step's model inputs as plain int lists: what the model runner builds from a ``SchedulerOutput``, and what
+rank 0 hands the other tensor-parallel ranks (packed into one int64 tensor, no pickling).
+
+The lists are everything a rank needs to run the step's forward pass: flat tokens and positions, the KV slot of
+each token, per decode its row, context length and block table, per prefill chunk its rows, context length and
+block table, the rows whose logits are computed, and KV block swaps to do first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.outputs import SchedulerOutput
+
+_FLAT = ("input_ids", "positions", "slots", "decode_rows", "decode_lens", "logit_rows")
+_NESTED = ("decode_tables", "prefills", "prefill_tables", "swap_out", "swap_in")
+
+
+@dataclass
+class StepInputs:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # flat KV cache slot of each token
+    decode_rows: list[int] = field(default_factory=list)  # rows of one-token (decode) sequences
+    decode_lens: list[int] = field(default_factory=list)  # their context lengths (this token included)
+    logit_rows: list[int] = field(default_factory=list)  # rows whose logits are computed (sampled / verified)
+    decode_tables: list[list[int]] = field(default_factory=list)  # per decode: the blocks its context uses
+    prefills: list[list[int]] = field(default_factory=list)  # per prefill chunk: [start row, end row, context len]
+    prefill_tables: list[list[int]] = field(default_factory=list)  # per prefill chunk: its context's blocks
+    swap_out: list[list[int]] = field(default_factory=list)  # [device block, host block], before the forward
+    swap_in: list[list[int]] = field(default_factory=list)  # [host block, device block]
+
+    @classmethod
+    def from_scheduler_output(cls, so: SchedulerOutput, block_size: int) -> tuple["StepInputs", list[tuple]]:
+        """The step's inputs, and the groups to sample: (scheduled request, its first logit row, row count)."""
+        bs = block_size
+        st = cls(swap_out=[list(p) for p in so.swap_out], swap_in=[list(p) for p in so.swap_in])
+        groups: list[tuple] = []
+        for s in so.scheduled:
+            start = len(st.input_ids)
+            n = len(s.token_ids)
+            nc = s.num_computed_tokens
+            st.input_ids.extend(s.token_ids)
+            st.positions.extend(range(nc, nc + n))
+            table = s.block_ids
+            st.slots.extend(table[p // bs] * bs + p % bs for p in range(nc, nc + n))
+            if n == 1:
+                st.decode_rows.append(start)
+                st.decode_tables.append(table[: (nc + bs) // bs])
+                st.decode_lens.append(nc + 1)
+            else:
+                ctx = nc + n
+                st.prefills.append([start, start + n, ctx])
+                st.prefill_tables.append(table[: -(-ctx // bs)])
+            if s.sample:
+                groups.append((s, len(st.logit_rows), s.num_spec_tokens + 1))
+                last_real = start + n - 1 - s.num_spec_tokens
+                st.logit_rows.extend(range(last_real, start + n))
+        return st, groups
+
+    def pack(self) -> torch.Tensor:
+        """One int64 tensor: [field lengths..., values...]; a nested field is its row lengths, then its values."""
+        lengths: list[int] = []
+        values: list[int] = []
+        for name in _FLAT:
+            v = getattr(self, name)
+            lengths.append(len(v))
+            values.extend(v)
+        for name in _NESTED:
+            rows = getattr(self, name)
+            lengths.append(len(rows))
+            values.extend(len(r) for r in rows)
+            for r in rows:
+                values.extend(r)
+        return torch.tensor(lengths + values, dtype=torch.long)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> "StepInputs":
+        data = packed.tolist()
+        n_fields = len(_FLAT) + len(_NESTED)
+        lengths, pos = data[:n_fields], n_fields
+        st = cls()
+        for name, n in zip(_FLAT, lengths):
+            setattr(st, name, data[pos : pos + n])
+            pos += n
+        for name, n in zip(_NESTED, lengths[len(_FLAT) :]):
+            row_lens, pos = data[pos : pos + n], pos + n
+            rows = []
+            for m in row_lens:
+                rows.append(data[pos : pos + m])
+                pos += m
+            setattr(st, name, rows)
+        if pos != len(data):
+            raise ValueError(f"malformed step inputs: {len(data) - pos} trailing values")
+        return st
