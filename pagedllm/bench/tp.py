@@ -3,7 +3,8 @@
 For each size N the engine is built with ``tensor_parallel_size=N``; for each batch size B, B prompts are
 prefilled, then the decode steps alone are timed (greedy, fixed length). Rank 0's wall time inside the model's
 collectives is read from its process group: the all-reduces (2 per layer + the embedding's) and the logits'
-all-gather, waiting for the slowest rank included. Greedy tokens are compared with the first size's.
+all-gather, waiting for the slowest rank included. Greedy tokens are compared with the first size's. Apart from
+the engine, N bare processes time one all-reduce of a (batch, hidden) float32 tensor: the transport's own cost.
 """
 
 from __future__ import annotations
@@ -48,6 +49,46 @@ def _decode_run(llm, prompts: list[str], output_len: int) -> dict:
             "token_ids": [tokens[r] for r in ids]}
 
 
+def _raw_rank(rank: int, world: int, port: int, numel: int, iters: int, out) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    x = torch.ones(numel)
+    for _ in range(20):
+        dist.all_reduce(x)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    if rank == 0:
+        out.put((time.perf_counter() - t0) / iters)
+    dist.destroy_process_group()
+
+
+def raw_all_reduce_ms(world: int, numel: int, iters: int) -> float:
+    """Mean time of one gloo all-reduce of ``numel`` float32 over ``world`` fresh local processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_raw_rank, args=(r, world, port, numel, iters, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    return 1000 * out.get()
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -65,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
                   max_model_len=args.max_model_len)
         threads = threads_per_rank(llm.engine.config) if n > 1 else threads0
         runner = llm.engine.core.runner
+        hidden = runner.arch.hidden_size
         weights = runner.rank_weight_bytes or [runner.model.weight_bytes()]
         _decode_run(llm, prompts[:2], 4)  # warm-up
         for b in batches:
@@ -76,13 +118,18 @@ def main(args: argparse.Namespace) -> int:
         llm.engine.shutdown()
         del llm
         torch.set_num_threads(threads0)  # rank 0 ran in this process with its own thread count
-    print(f"\ndecode, greedy, {args.output_len} tokens per request, model {args.model or 'default'}")
+    for r in rows:  # the transport alone, with the engine gone
+        r["raw_all_reduce_ms"] = raw_all_reduce_ms(r["tp"], r["batch"] * hidden, args.raw_iters) if r["tp"] > 1 else 0.0
+    print(f"\ndecode, greedy, {args.output_len} tokens per request, model {args.model or 'default'}; all-reduce and "
+          f"all-gather: rank 0's time inside them per decode step (waiting for slower ranks included); raw: one "
+          f"all-reduce of (batch, {hidden}) float32 between bare processes")
     print(f"{'TP':>3s} {'batch':>5s} {'thr/rank':>8s} {'MiB/rank':>8s} {'decode tok/s':>12s} {'ms/step':>8s} "
-          f"{'all-reduce ms/step':>18s} {'(count)':>7s} {'all-gather ms/step':>18s} {'same tokens':>11s}")
+          f"{'all-reduce ms/step':>18s} {'(count)':>7s} {'all-gather ms/step':>18s} {'raw ms each':>11s} "
+          f"{'same tokens':>11s}")
     for r in rows:
         print(f"{r['tp']:3d} {r['batch']:5d} {r['threads_per_rank']:8d} {r['weight_mib_per_rank']:8.1f} "
               f"{r['decode_tok_s']:12.1f} {r['ms_per_step']:8.1f} {r['all_reduce_ms_per_step']:18.2f} "
-              f"{r['all_reduces_per_step']:7.0f} {r['all_gather_ms_per_step']:18.2f} "
+              f"{r['all_reduces_per_step']:7.0f} {r['all_gather_ms_per_step']:18.2f} {r['raw_all_reduce_ms']:11.3f} "
               f"{str(r['greedy_identical_to_first_size']):>11s}")
     if args.result_json:
         with open(args.result_json, "w") as f:
@@ -98,4 +145,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-rank", type=int, default=None, help="default: the cores divided by N")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--raw-iters", type=int, default=300, help="all-reduces timed between bare processes")
     p.add_argument("--result-json", default=None)

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
-    from pagedllm.bench import compare, offline, roofline, serve, spec, tp
+    from pagedllm.bench import compare, offline, quant, roofline, serve, spec, tp
     from pagedllm.model import fetch
 
     def add_module_command(subparsers, name: str, module, help_text: str) -> None:
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("compare", compare, "HF vs pagedllm offline vs pagedllm server, one workload"),
         ("roofline", roofline, "machine matmul/bandwidth limits and the engine's fraction of them"),
         ("spec", spec, "decode speed with and without speculative decoding"),
+        ("quant", quant, "quantization methods side by side: memory, quality, speed"),
         ("tp", tp, "decode tokens/s and all-reduce time per step at several tensor-parallel sizes"),
     ):
         add_module_command(bsub, name, module, help_text)

@@ -48,6 +48,7 @@ class EngineCore:
             ) if (sc.target_tpot_ms or sc.target_ttft_ms) else None,
         )
         self.num_steps = 0
+        self.fatal_error: EngineFatalError | None = None  # once set, the engine steps no more
 
     def add_request(self, request: Request) -> None:
         """Admission checks; a bad request raises ValueError and changes nothing."""
@@ -73,16 +74,19 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.fatal_error is not None:  # the scheduler's state is mid-step; nothing may run any more
+            raise self.fatal_error
         if not self.scheduler.has_unfinished_requests():
             return []
         t0 = time.perf_counter()  # SLA mode times the whole step: scheduling, forward pass, bookkeeping
         so = self.scheduler.schedule()
         if so.is_empty:
-            raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting[0]!r} cannot be scheduled")
+            raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting.peek()!r} cannot be scheduled")
         failed: dict[str, str] = {}
         try:
             result = self.runner.execute(so)
-        except EngineFatalError:  # e.g. a tensor-parallel worker died: nothing to isolate, the engine stops
+        except EngineFatalError as e:  # e.g. a tensor-parallel worker died: nothing to isolate, the engine stops
+            self.fatal_error = e
             raise
         except Exception as e:  # find the request(s) that fail; the others go on
             logger.warning("step failed (%s: %s); re-running its requests one at a time", type(e).__name__, e)
@@ -106,7 +110,8 @@ class EngineCore:
         for s in so.scheduled:
             try:
                 r = self.runner.execute(SchedulerOutput(scheduled=[s], num_batched_tokens=len(s.token_ids)))
-            except EngineFatalError:
+            except EngineFatalError as e:
+                self.fatal_error = e
                 raise
             except Exception as e:
                 logger.exception("request %s failed in the model runner", s.req_id)
