@@ -13,9 +13,16 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's (T, 1, D/2) tables, looked up once and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """x: (T, H, D) -> rotated (T, H, D)."""
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = cos_sin
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(self.cos_sin(positions), x)

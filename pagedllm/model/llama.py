@@ -125,13 +125,15 @@ class LlamaForCausalLM:
         cfg = self.cfg
         t = input_ids.shape[0]
         h = self._embed(input_ids)  # (T, H)
+        rot = self.rotary.cos_sin(positions)
+        nq, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
             qkv = layer["qkv"](x)  # (T, Q+2K)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rotary(positions, q.view(t, self.num_heads, cfg.head_dim))
-            k = self.rotary(positions, k.view(t, self.num_kv_heads, cfg.head_dim))
-            v = v.reshape(t, self.num_kv_heads, cfg.head_dim)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = self.rotary.apply(rot, qk.reshape(t, nq + nkv, d))  # q and k heads rotated in one pass
+            q, k = qk[:, :nq], qk[:, nq:]
+            v = v.reshape(t, nkv, d)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
             h = h + self._reduce(layer["o"](attn.reshape(t, self.q_size)))  # row-parallel: partial sums
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
