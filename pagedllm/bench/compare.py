@@ -74,10 +74,10 @@ def phase_hf(prompts: list[str], output_len: int, batch_size: int, dtype: str) -
     return _row(f"HF transformers {dtype}, {label}", n_out, dt, latencies, ttfts, _peak_rss())
 
 
-def phase_offline(prompts: list[str], output_len: int, dtype: str) -> dict:
+def phase_offline(prompts: list[str], output_len: int, dtype: str, quantization: str | None = None) -> dict:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype)
+    llm = LLM(dtype=dtype, quantization=quantization)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     core = llm.engine.core
     peak_blocks = 0
@@ -98,12 +98,21 @@ def phase_offline(prompts: list[str], output_len: int, dtype: str) -> dict:
     runner = core.runner
     bytes_per_token = runner.bytes_per_block // runner.block_size
     return _row(
-        f"pagedllm offline LLM.generate ({runner.dtype})".replace("torch.", ""), n_out, dt,
+        f"pagedllm offline LLM.generate ({runner.dtype}{_qlabel(quantization)})".replace("torch.", ""), n_out, dt,
         [o.metrics.last_token_time - t0_mono for o in outs], [o.metrics.first_token_time - t0_mono for o in outs],
         _peak_rss(),
         kv_bytes_used_peak=peak_blocks * runner.bytes_per_block,
         kv_bytes_static_max_len=len(prompts) * runner.max_model_len * bytes_per_token,
     )
+
+
+def _server_label(dtype: str, quantization: str | None) -> str:
+    parts = ([] if dtype == "auto" else [dtype]) + ([f"--quantization {quantization}"] if quantization else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _qlabel(quantization: str | None) -> str:
+    return f", --quantization {quantization}" if quantization else ""
 
 
 # ---------------------------------------------------------------------- server phase
@@ -124,7 +133,7 @@ def _scrape(base: str) -> dict[str, float]:
 
 
 def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list[int], dtype: str,
-                 results_dir: str) -> list[dict]:
+                 results_dir: str, quantization: str | None = None) -> list[dict]:
     import httpx
 
     from pagedllm.bench.serve import BenchRequest, run_load
@@ -133,7 +142,9 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
     port = _free_port()
     log = open(os.path.join(results_dir, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
-                             "--dtype", dtype, "--log-stats-interval", "5"], stdout=log, stderr=subprocess.STDOUT)
+                             "--dtype", dtype, "--log-stats-interval", "5",
+                             *(["--quantization", quantization] if quantization else [])],
+                            stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     rows = []
     try:
@@ -177,7 +188,8 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
             res = asyncio.run(run_and_watch())
             bytes_per_token = capacity / max(_scrape(base)["pagedllm:kv_cache_capacity_tokens"], 1)
             rows.append({
-                "system": f"pagedllm server, concurrency {c}", "output_tokens": res["total_output_tokens"],
+                "system": f"pagedllm server{_server_label(dtype, quantization)}, concurrency {c}",
+                "output_tokens": res["total_output_tokens"],
                 "duration_s": res["duration_s"], "output_tok_s": res["output_throughput"],
                 "mean_latency_s": res["mean_e2el_ms"] / 1000, "p99_latency_s": res["p99_e2el_ms"] / 1000,
                 "mean_ttft_s": res["mean_ttft_ms"] / 1000, "failed": res["failed"],
@@ -278,9 +290,10 @@ def main(args: argparse.Namespace) -> int:
             rows.append(_run_phase(["--phase", "hf", "--batch-size", "1", "--dtype", dt, *common]))
             for b in args.hf_batch_sizes:
                 rows.append(_run_phase(["--phase", "hf", "--batch-size", str(b), "--dtype", dt, *common]))
-    rows.append(_run_phase(["--phase", "offline", "--dtype", args.dtype, *common]))
+    qflag = ["--quantization", args.quantization] if args.quantization else []
+    rows.append(_run_phase(["--phase", "offline", "--dtype", args.dtype, *qflag, *common]))
     rows += phase_server(args.prompts_file, len(prompts), args.output_len, args.concurrency, args.dtype,
-                         args.results_dir)
+                         args.results_dir, args.quantization)
     table = write_report(rows, meta, args.results_dir)
     print("\n" + table)
     print(f"results in {args.results_dir}/ (results.json, results.md, chart.png)")
@@ -295,6 +308,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32])
     p.add_argument("--hf-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     p.add_argument("--dtype", default="auto", help="pagedllm dtype")
+    p.add_argument("--quantization", default=None, help="pagedllm --quantization (e.g. gguf, int8)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--results-dir", default="results/compare")
     p.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens: a smoke run")
@@ -310,12 +324,13 @@ def _phase_main() -> int:
     p.add_argument("--num-prompts", type=int, required=True)
     p.add_argument("--output-len", type=int, required=True)
     p.add_argument("--prompts-file", default=None)
+    p.add_argument("--quantization", default=None)
     a = p.parse_args()
     prompts = load_prompts(a.prompts_file)[: a.num_prompts]
     if a.phase == "hf":
         row = phase_hf(prompts, a.output_len, a.batch_size, "float32" if a.dtype == "auto" else a.dtype)
     else:
-        row = phase_offline(prompts, a.output_len, a.dtype)
+        row = phase_offline(prompts, a.output_len, a.dtype, a.quantization)
     print(json.dumps(row))
     return 0
 
