@@ -146,3 +146,26 @@ def test_eval_cli_exit_status(tmp_path, capsys):
     rc = main(args + ["--max-ppl-increase", "-0.5"])  # demands a 50% lower perplexity: must fail
     assert rc == 1 and "FAIL: perplexity" in capsys.readouterr().out
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
+
+
+def test_server_serves_a_quantized_checkpoint(awq_checkpoint, tmp_path_factory):
+    """`pagedllm serve --model CKPT` over HTTP (openai client) gives the offline engine's greedy text."""
+    import openai
+
+    from pagedllm import LLM, SamplingParams
+    from test_server import start_server
+
+    out = awq_checkpoint[0]
+    prompt = "The three primary colors are"
+    offline = LLM(model=out, max_model_len=512).generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0].outputs[0].text
+    proc, base, log = start_server(tmp_path_factory, "--model", out, "--quantization", "awq", "--max-model-len", "512")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+        name = client.models.list().data[0].id
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0)
+        assert r.choices[0].text == offline
+        assert "quantization awq" in log.read_text()  # the start-up line names the checkpoint's method
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
