@@ -181,10 +181,15 @@ class EngineConfig:
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    # with packed quantized weights, steps of at least this many tokens compute from a bfloat16 copy of each
+    # packed weight (packed kernels are compute-bound at large M); 0: never (no copy kept)
+    quant_dense_min_tokens: int = 0
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.quant_dense_min_tokens < 0:
+            raise ValueError(f"quant_dense_min_tokens must be >= 0, got {self.quant_dense_min_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         from pagedllm.quant.load import QUANTIZATION_CHOICES

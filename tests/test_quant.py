@@ -134,3 +134,25 @@ def test_gguf_native_q4_1_blocks_equal_the_files_numbers():
     ref = torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
     assert qw.group_size == 32 and qw.shape == tuple(ref.shape)
     torch.testing.assert_close(dequantize(qw), ref, atol=1e-6, rtol=1e-6)
+
+
+def test_dense_copy_for_large_steps():
+    """--quant-dense-min-tokens: steps with many rows use a bf16 copy of the effective weight, small ones the
+    packed kernel; both compute the same layer."""
+    torch.manual_seed(3)
+    w = torch.randn(128, 256)
+    qw = quantize_rtn(w, 4, 64, False)
+    qw.input_scale = torch.rand(256) + 0.5
+    lin = build_linear(qw, None, torch.device("cpu"), torch.float32, dense_min_tokens=8)
+    assert lin.dense is not None and lin.dense.dtype == torch.bfloat16 and any(t is lin.dense for t in lin.tensors())
+    ref_w = dequantize(qw)
+    calls = []
+    packed = lin._mm
+    lin._mm = lambda *a: calls.append(a[0].shape[0]) or packed(*a)
+    for m in (1, 7, 8, 40):
+        x = torch.randn(m, 256)
+        ref = x @ ref_w.T
+        assert ((lin(x) - ref).abs().max() / ref.abs().max()).item() < 2e-2
+    assert calls == [1, 7]  # 8 and 40 rows went to the dense copy
+    plain = build_linear(qw, None, torch.device("cpu"), torch.float32)
+    assert plain.dense is None

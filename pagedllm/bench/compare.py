@@ -106,8 +106,9 @@ def phase_offline(prompts: list[str], output_len: int, dtype: str, quantization:
     )
 
 
-def _server_label(dtype: str, quantization: str | None) -> str:
+def _server_label(dtype: str, quantization: str | None, extra: str = "") -> str:
     parts = ([] if dtype == "auto" else [dtype]) + ([f"--quantization {quantization}"] if quantization else [])
+    parts += [extra] if extra else []
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -133,7 +134,7 @@ def _scrape(base: str) -> dict[str, float]:
 
 
 def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list[int], dtype: str,
-                 results_dir: str, quantization: str | None = None) -> list[dict]:
+                 results_dir: str, quantization: str | None = None, extra: str = "") -> list[dict]:
     import httpx
 
     from pagedllm.bench.serve import BenchRequest, run_load
@@ -143,7 +144,7 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
     log = open(os.path.join(results_dir, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
                              "--dtype", dtype, "--log-stats-interval", "5",
-                             *(["--quantization", quantization] if quantization else [])],
+                             *(["--quantization", quantization] if quantization else []), *extra.split()],
                             stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     rows = []
@@ -188,7 +189,7 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
             res = asyncio.run(run_and_watch())
             bytes_per_token = capacity / max(_scrape(base)["pagedllm:kv_cache_capacity_tokens"], 1)
             rows.append({
-                "system": f"pagedllm server{_server_label(dtype, quantization)}, concurrency {c}",
+                "system": f"pagedllm server{_server_label(dtype, quantization, extra)}, concurrency {c}",
                 "output_tokens": res["total_output_tokens"],
                 "duration_s": res["duration_s"], "output_tok_s": res["output_throughput"],
                 "mean_latency_s": res["mean_e2el_ms"] / 1000, "p99_latency_s": res["p99_e2el_ms"] / 1000,
@@ -293,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
     qflag = ["--quantization", args.quantization] if args.quantization else []
     rows.append(_run_phase(["--phase", "offline", "--dtype", args.dtype, *qflag, *common]))
     rows += phase_server(args.prompts_file, len(prompts), args.output_len, args.concurrency, args.dtype,
-                         args.results_dir, args.quantization)
+                         args.results_dir, args.quantization, args.server_args)
     table = write_report(rows, meta, args.results_dir)
     print("\n" + table)
     print(f"results in {args.results_dir}/ (results.json, results.md, chart.png)")
@@ -309,6 +310,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     p.add_argument("--dtype", default="auto", help="pagedllm dtype")
     p.add_argument("--quantization", default=None, help="pagedllm --quantization (e.g. gguf, int8)")
+    p.add_argument("--server-args", default="", help="extra flags for the pagedllm server, e.g. "
+                                                       "'--quant-dense-min-tokens 16'")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--results-dir", default="results/compare")
     p.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens: a smoke run")

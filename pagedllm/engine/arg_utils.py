@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["none", "int8", "fp8", "gguf", "rtn", "awq", "gptq"],
                    help="int8/fp8: quantize weights at load time; gguf: run a GGUF file's 4-bit blocks packed; "
                         "awq/gptq/rtn: a checkpoint made by `pagedllm quantize` (detected without this flag too)")
+    g.add_argument("--quant-dense-min-tokens", type=int, default=0,
+                   help="with packed quantized weights, steps of at least N tokens use a bfloat16 copy of the "
+                        "weights (faster large batches on CPU, +2 bytes per weight); 0 = off")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA); without "
                         "--distributed-init-method the engine starts ranks 1..N-1 on this machine")
@@ -64,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
-        quantization=args.quantization,
+        quantization=args.quantization, quant_dense_min_tokens=args.quant_dense_min_tokens,
         speculative_config=args.speculative_config,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         scheduling_policy=args.scheduling_policy, max_waiting_requests=args.max_waiting_requests,

@@ -28,7 +28,7 @@ def build_config(
     preemption_mode: str = "recompute", swap_space: float = 4.0, num_host_blocks_override: int | None = None,
     target_ttft_ms: float | None = None, target_tpot_ms: float | None = None,
     distributed_init_method: str | None = None, tp_threads_per_rank: int | None = None,
-    distributed_timeout_s: float = 600.0,
+    distributed_timeout_s: float = 600.0, quant_dense_min_tokens: int = 0,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model, dtype, max_model_len, seed, served_model_name),
@@ -37,6 +37,7 @@ def build_config(
         scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, scheduling_policy,
                                   max_waiting_requests, max_queue_delay_ms, target_ttft_ms, target_tpot_ms),
         device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
+        quant_dense_min_tokens=quant_dense_min_tokens,
         speculative=SpeculativeConfig.from_dict(speculative_config, speculative_disable_by_batch_size),
         parallel=ParallelConfig(distributed_init_method, tp_threads_per_rank, distributed_timeout_s),
     )

@@ -22,7 +22,7 @@ from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quant: QuantPolicy | None = None, tp=None) -> None:
+                 quant: QuantPolicy | None = None, tp=None, dense_min_tokens: int = 0) -> None:
         """Takes (and empties) ``weights``, named as ``model.loader`` names them.
 
         ``tp`` (a ``pagedllm.distributed.group.TPGroup``): the weights are this rank's shard
@@ -32,7 +32,8 @@ class LlamaForCausalLM:
 
         A weight is a float tensor, or already quantized (``QuantizedWeight`` / ``Fp8Weight``, e.g. from a
         quantized checkpoint, where fused weights are stored under their fused names ``qkv`` / ``gate_up``).
-        ``quant`` quantizes float weights at load time (round to nearest) by layer type."""
+        ``quant`` quantizes float weights at load time (round to nearest) by layer type. ``dense_min_tokens`` > 0:
+        packed layers also keep a bfloat16 copy, used for steps of at least that many tokens."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -67,7 +68,7 @@ class LlamaForCausalLM:
                 w = torch.cat(ws, dim=0) if isinstance(ws[0], torch.Tensor) else concat(ws)
             if isinstance(w, torch.Tensor) and quant is not None:
                 w = quantize_weight(w.float(), quant.scheme(layer_type), quant)
-            return build_linear(w, bias, device, dtype)
+            return build_linear(w, bias, device, dtype, dense_min_tokens)
 
         self.norm = take("norm")
         self.layers = []

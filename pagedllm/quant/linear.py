@@ -28,10 +28,26 @@ ACT_DTYPE = torch.bfloat16
 class _Packed:
     bias: torch.Tensor | None
     out_dtype: torch.dtype
+    dense: torch.Tensor | None = None  # optional bf16 copy for large steps (see ``keep_dense``)
+    dense_min_tokens: int = 0
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         y = y.to(self.out_dtype)
         return y if self.bias is None else y + self.bias
+
+    def keep_dense(self, full: torch.Tensor, min_tokens: int) -> None:
+        """Also keep ``full`` (the effective weight) in bf16 and use it for steps of >= ``min_tokens`` rows: the
+        packed kernels are compute-bound at large M, where oneDNN's bf16 GEMM (AMX) is several times faster."""
+        self.dense = full.to(ACT_DTYPE).contiguous()
+        self.dense_min_tokens = min_tokens
+
+    def _dense_call(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.dense is None or x.shape[0] < self.dense_min_tokens:
+            return None
+        return self._finish(F.linear(x.to(ACT_DTYPE), self.dense))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self._tensors() if t is not None] + ([self.dense] if self.dense is not None else [])
 
 
 class Int8Linear(_Packed):
@@ -50,6 +66,9 @@ class Int8Linear(_Packed):
         self.out_dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._dense_call(x)
+        if y is not None:
+            return y
         x = x.to(ACT_DTYPE)
         if self.input_scale is not None:
             x = x * self.input_scale
@@ -59,8 +78,8 @@ class Int8Linear(_Packed):
         """Rows of the (tied) weight, dequantized only for the looked-up ids."""
         return (self.weight[ids].float() * self.row_scales[ids].unsqueeze(-1)).to(self.out_dtype)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.scales, self.input_scale, self.bias) if t is not None]
+    def _tensors(self) -> list:
+        return [self.weight, self.scales, self.input_scale, self.bias]
 
 
 class Int4Linear(_Packed):
@@ -89,13 +108,16 @@ class Int4Linear(_Packed):
         self.out_dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._dense_call(x)
+        if y is not None:
+            return y
         x = x.to(ACT_DTYPE)
         if self.input_scale is not None:
             x = x * self.input_scale
         return self._finish(self._mm(x, self.weight, self.group_size, self.scales_and_zeros))
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.scales_and_zeros, self.input_scale, self.bias) if t is not None]
+    def _tensors(self) -> list:
+        return [self.weight, self.scales_and_zeros, self.input_scale, self.bias]
 
 
 class Fp8Linear(_Packed):
@@ -109,19 +131,23 @@ class Fp8Linear(_Packed):
         self.out_dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._dense_call(x)
+        if y is not None:
+            return y
         xf = x.float()
         sx = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # per-token activation scale
         x8 = (xf / sx).to(torch.float8_e4m3fn)
         y = torch._scaled_mm(x8, self.weight_t, scale_a=sx, scale_b=self.scales, out_dtype=ACT_DTYPE)
         return self._finish(y)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight_t, self.scales, self.bias) if t is not None]
+    def _tensors(self) -> list:
+        return [self.weight_t, self.scales, self.bias]
 
 
-def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype):
+def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype, dense_min_tokens: int = 0):
     """The right linear kind for ``w``: a float tensor, a ``QuantizedWeight`` or an ``Fp8Weight``.
 
+    ``dense_min_tokens`` > 0 also keeps a bf16 copy for steps of at least that many rows.
     A packed kernel that the device's torch build lacks (or rejects for this shape) falls back to a
     full-precision copy with a warning, so a checkpoint always loads."""
     if isinstance(w, torch.Tensor):
@@ -138,6 +164,9 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
             raise ValueError(f"no packed kernel for {w.bits}-bit weights with group size {w.group_size} "
                              f"(8-bit needs one symmetric scale per output channel)")
         lin(torch.zeros(1, lin.in_features, device=device, dtype=dtype))  # probe the kernel once
+        if dense_min_tokens > 0:
+            full = dequantize_fp8(w) if isinstance(w, Fp8Weight) else dequantize(w)
+            lin.keep_dense(full.to(device), dense_min_tokens)
         return lin
     except (RuntimeError, NotImplementedError) as e:
         logger.warning("packed kernel unavailable on %s (%s); using a dequantized %s copy", device, e, dtype)

@@ -87,7 +87,8 @@ class ModelRunner:
         self.arch: ModelArchConfig = arch
         if config.tensor_parallel_size > 1:
             weights = self._start_tensor_parallel(arch, weights, store)
-        self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp)
+        self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp,
+                                      dense_min_tokens=config.quant_dense_min_tokens)
         del weights
         max_len = config.model.max_model_len or arch.max_position
         if max_len > arch.max_position:
