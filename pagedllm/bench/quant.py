@@ -48,23 +48,14 @@ def _speed(llm) -> dict:
 
 
 def _checkpoint(args, method: str, group: int) -> str:
-    from pagedllm.config import resolve_model_path
-    from pagedllm.engine.tokenizer import load_tokenizer
-    from pagedllm.quant.checkpoint import is_quantized_checkpoint, save_checkpoint
-    from pagedllm.quant.quantize import default_policy, quantize_model
-    from pagedllm.quant.texts import python_doc_text, token_chunks
+    from pagedllm.quant.checkpoint import is_quantized_checkpoint
+    from pagedllm.quant.quantize import default_policy, quantize_to_dir
 
     out = os.path.join(args.ckpt_dir, f"{method}-int4-g{group}")
-    if is_quantized_checkpoint(out):
-        return out
-    path = resolve_model_path(args.model)
-    tok = load_tokenizer(path)
-    calib = token_chunks(tok, python_doc_text("calib"), 256, args.calib_tokens)
-    policy = default_policy(4, group, False)
-    arch, weights, report = quantize_model(path, method, policy, calib)
-    save_checkpoint(out, arch, weights, {"method": method, "bits": 4, "group_size": group,
-                                         "policy": policy.to_dict(), "seconds": report["seconds"]}, tok)
-    print(f"quantized {method} g{group} in {report['seconds']} s -> {out}", flush=True)
+    if not is_quantized_checkpoint(out):
+        info, _ = quantize_to_dir(args.model, method, 4, default_policy(4, group, False), out,
+                                  calib_tokens=args.calib_tokens)
+        print(f"quantized {method} g{group} in {info['seconds']} s -> {out}", flush=True)
     return out
 
 

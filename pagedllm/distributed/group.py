@@ -13,6 +13,7 @@ A failed collective leaves the ranks out of step, so every failure is final: it 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
@@ -103,28 +104,30 @@ class TPGroup:
             raise TensorParallelError(reason) from e
 
     # ------------------------------------------------------------------ model collectives
+    @contextlib.contextmanager
+    def _timed(self, counter: str):
+        """Add the block's wall time to ``counter`` (only on CPU, where collectives are synchronous)."""
+        if not self.time_collectives:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns it."""
-        t0 = time.perf_counter() if self.time_collectives else 0.0
-        self._collective("all_reduce", dist.all_reduce, t)
-        if self.time_collectives:
-            if t.is_cuda:
-                torch.cuda.synchronize(t.device)
-            self.all_reduce_seconds += time.perf_counter() - t0
+        with self._timed("all_reduce_seconds"):
+            self._collective("all_reduce", dist.all_reduce, t)
         self.num_all_reduces += 1
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``t``, concatenated in rank order along ``dim``."""
-        t0 = time.perf_counter() if self.time_collectives else 0.0
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._collective("all_gather", dist.all_gather, parts, t)
-        out = torch.cat(parts, dim=dim)
-        if self.time_collectives:
-            if t.is_cuda:
-                torch.cuda.synchronize(t.device)
-            self.all_gather_seconds += time.perf_counter() - t0
+        with self._timed("all_gather_seconds"):
+            t = t.contiguous()
+            parts = [torch.empty_like(t) for _ in range(self.world_size)]
+            self._collective("all_gather", dist.all_gather, parts, t)
+            out = torch.cat(parts, dim=dim)
         self.num_all_gathers += 1
         return out
 

@@ -37,7 +37,6 @@ class LlamaForCausalLM:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
-        self.quant = quant
         self.scale = cfg.head_dim ** -0.5
         self.tp = tp
         # this rank's share (all of it without tensor parallelism)

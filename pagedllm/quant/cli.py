@@ -26,33 +26,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from pagedllm.config import resolve_model_path
-    from pagedllm.engine.tokenizer import load_tokenizer
-    from pagedllm.quant.checkpoint import save_checkpoint
     from pagedllm.quant.policy import QuantPolicy
-    from pagedllm.quant.quantize import default_policy, quantize_model
-    from pagedllm.quant.texts import python_doc_text, read_text_file, token_chunks
+    from pagedllm.quant.quantize import default_policy, quantize_to_dir
+    from pagedllm.quant.texts import read_text_file
 
     if args.bits == 8 and args.group_size is not None:
         raise ValueError("8-bit weights use one scale per output channel (torch's packed int8 kernel has no "
                          "groups); --group-size applies to 4-bit")
     gs = args.group_size or 64
-    path = resolve_model_path(args.model)
     if args.policy:
         policy = QuantPolicy.parse(args.policy, group_size=gs, symmetric=args.symmetric)
     else:
         policy = default_policy(args.bits, gs, args.symmetric)
-    tok = load_tokenizer(path)
-    text = read_text_file(args.calib_file) if args.calib_file else python_doc_text("calib")
-    calib = token_chunks(tok, text, args.calib_seq_len, args.calib_tokens)
-    if args.method != "rtn" and not calib:
-        raise ValueError(f"the calibration text has fewer than {args.calib_seq_len} tokens")
-    arch, weights, report = quantize_model(path, args.method, policy, calib)
-    info = {"method": args.method, "bits": args.bits, "group_size": gs if args.bits == 4 else -1,
-            "symmetric": args.symmetric or args.bits == 8, "policy": policy.to_dict(), "source": path,
-            "calibration": {"file": args.calib_file or "pydoc_data.topics (calib split)",
-                            "sequences": len(calib), "seq_len": args.calib_seq_len}}
-    save_checkpoint(args.out, arch, weights, info, tok)
+    info, report = quantize_to_dir(
+        args.model, args.method, args.bits, policy, args.out,
+        calib_text=read_text_file(args.calib_file) if args.calib_file else None,
+        calib_label=args.calib_file or "pydoc_data.topics (calib split)",
+        calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len)
     alphas = [v["alpha"] for v in report["layers"].values() if "alpha" in v]
     extra = f"; AWQ mean alpha {sum(alphas) / len(alphas):.2f}" if alphas else ""
     print(json.dumps({"out": args.out, "seconds": report["seconds"], **{k: info[k] for k in ("method", "bits")}}))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.linear import DenseLinear
-from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight, dequantize, dequantize_fp8
+from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight, dequantize_any
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,21 @@ class _Packed:
         self.dense = full.to(ACT_DTYPE).contiguous()
         self.dense_min_tokens = min_tokens
 
-    def _dense_call(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.dense is None or x.shape[0] < self.dense_min_tokens:
-            return None
-        return self._finish(F.linear(x.to(ACT_DTYPE), self.dense))
+    def _common_init(self, input_scale: torch.Tensor | None, bias: torch.Tensor | None, device: torch.device,
+                     dtype: torch.dtype) -> None:
+        self.input_scale = None if input_scale is None else (1.0 / input_scale.float()).to(device, ACT_DTYPE)
+        self.bias = None if bias is None else bias.to(device, dtype)
+        self.out_dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
+            return self._finish(F.linear(x.to(ACT_DTYPE), self.dense))
+        return self._finish(self._kernel(x))
+
+    def _scaled_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the packed kernels' bf16, with AWQ's per-channel input scaling applied."""
+        x = x.to(ACT_DTYPE)
+        return x if self.input_scale is None else x * self.input_scale
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self._tensors() if t is not None] + ([self.dense] if self.dense is not None else [])
@@ -61,18 +72,10 @@ class Int8Linear(_Packed):
         self.weight = (qw.codes.to(torch.int16) - 128).to(torch.int8).to(device).contiguous()  # (N, K)
         self.row_scales = qw.scales[:, 0].float().to(device)  # (N,) float32, for embedding rows
         self.scales = self.row_scales.to(ACT_DTYPE)
-        self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(device, ACT_DTYPE)
-        self.bias = None if bias is None else bias.to(device, dtype)
-        self.out_dtype = dtype
+        self._common_init(qw.input_scale, bias, device, dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._dense_call(x)
-        if y is not None:
-            return y
-        x = x.to(ACT_DTYPE)
-        if self.input_scale is not None:
-            x = x * self.input_scale
-        return self._finish(torch._weight_int8pack_mm(x, self.weight, self.scales))
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(self._scaled_input(x), self.weight, self.scales)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the (tied) weight, dequantized only for the looked-up ids."""
@@ -103,18 +106,10 @@ class Int4Linear(_Packed):
         else:
             self.weight = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
             self._mm = torch._weight_int4pack_mm_for_cpu
-        self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(device, ACT_DTYPE)
-        self.bias = None if bias is None else bias.to(device, dtype)
-        self.out_dtype = dtype
+        self._common_init(qw.input_scale, bias, device, dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._dense_call(x)
-        if y is not None:
-            return y
-        x = x.to(ACT_DTYPE)
-        if self.input_scale is not None:
-            x = x * self.input_scale
-        return self._finish(self._mm(x, self.weight, self.group_size, self.scales_and_zeros))
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mm(self._scaled_input(x), self.weight, self.group_size, self.scales_and_zeros)
 
     def _tensors(self) -> list:
         return [self.weight, self.scales_and_zeros, self.input_scale, self.bias]
@@ -127,18 +122,13 @@ class Fp8Linear(_Packed):
         self.out_features, self.in_features = fw.shape
         self.weight_t = fw.data.to(device).t()  # (K, N) column-major view, as _scaled_mm wants its second operand
         self.scales = fw.scales.float().to(device).view(1, -1)
-        self.bias = None if bias is None else bias.to(device, dtype)
-        self.out_dtype = dtype
+        self._common_init(None, bias, device, dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._dense_call(x)
-        if y is not None:
-            return y
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         sx = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # per-token activation scale
         x8 = (xf / sx).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(x8, self.weight_t, scale_a=sx, scale_b=self.scales, out_dtype=ACT_DTYPE)
-        return self._finish(y)
+        return torch._scaled_mm(x8, self.weight_t, scale_a=sx, scale_b=self.scales, out_dtype=ACT_DTYPE)
 
     def _tensors(self) -> list:
         return [self.weight_t, self.scales, self.bias]
@@ -165,11 +155,8 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
                              f"(8-bit needs one symmetric scale per output channel)")
         lin(torch.zeros(1, lin.in_features, device=device, dtype=dtype))  # probe the kernel once
         if dense_min_tokens > 0:
-            full = dequantize_fp8(w) if isinstance(w, Fp8Weight) else dequantize(w)
-            lin.keep_dense(full.to(device), dense_min_tokens)
+            lin.keep_dense(dequantize_any(w).to(device), dense_min_tokens)
         return lin
     except (RuntimeError, NotImplementedError) as e:
         logger.warning("packed kernel unavailable on %s (%s); using a dequantized %s copy", device, e, dtype)
-        full = dequantize_fp8(w) if isinstance(w, Fp8Weight) else dequantize(w)
-        return DenseLinear(full.to(device=device, dtype=dtype),
-                           None if bias is None else bias.to(device=device, dtype=dtype))
+        return build_linear(dequantize_any(w), bias, device, dtype)

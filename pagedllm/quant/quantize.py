@@ -10,7 +10,6 @@ from tqdm import tqdm
 
 from pagedllm.quant.awq import awq_quantize
 from pagedllm.quant.calibrate import collect_stats
-from pagedllm.quant.formats import QuantizedWeight, dequantize
 from pagedllm.quant.gptq import gptq_quantize
 from pagedllm.quant.policy import LINEAR_TYPES, QuantPolicy, quantize_weight
 
@@ -83,7 +82,26 @@ def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequ
     return arch, weights, report
 
 
-def weight_error(qw, w: torch.Tensor) -> float:
-    """Relative Frobenius error of a quantized weight against the original."""
-    deq = dequantize(qw) if isinstance(qw, QuantizedWeight) else qw
-    return ((deq - w).norm() / w.norm()).item()
+def quantize_to_dir(model_path: str, method: str, bits: int, policy: QuantPolicy, out: str,
+                    calib_text: str | None = None, calib_label: str = "pydoc_data.topics (calib split)",
+                    calib_tokens: int = 8192, calib_seq_len: int = 256, progress: bool = True):
+    """Calibrate (on ``calib_text``, default the calibration half of Python's docs), quantize and write a
+    checkpoint with the tokenizer to ``out``. -> (quantization info recorded in the checkpoint, report)."""
+    from pagedllm.config import resolve_model_path
+    from pagedllm.engine.tokenizer import load_tokenizer
+    from pagedllm.quant.checkpoint import save_checkpoint
+    from pagedllm.quant.texts import python_doc_text, token_chunks
+
+    path = resolve_model_path(model_path)
+    tok = load_tokenizer(path)
+    text = calib_text if calib_text is not None else python_doc_text("calib")
+    calib = token_chunks(tok, text, calib_seq_len, calib_tokens)
+    if method != "rtn" and not calib:
+        raise ValueError(f"the calibration text has fewer than {calib_seq_len} tokens")
+    arch, weights, report = quantize_model(path, method, policy, calib, progress)
+    info = {"method": method, "bits": bits, "group_size": policy.group_size if bits == 4 else -1,
+            "symmetric": policy.symmetric or bits == 8, "policy": policy.to_dict(), "source": path,
+            "seconds": report["seconds"],
+            "calibration": {"file": calib_label, "sequences": len(calib), "seq_len": calib_seq_len}}
+    save_checkpoint(out, arch, weights, info, tok)
+    return info, report
