@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -133,6 +134,46 @@ def _scrape(base: str) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def running_server(dtype: str, quantization: str | None, extra: str, log_path: str):
+    """A pagedllm server subprocess on a free port, healthy: yields (process, base URL); stopped on exit."""
+    import httpx
+
+    port = _free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
+                             "--dtype", dtype, "--log-stats-interval", "5",
+                             *(["--quantization", quantization] if quantization else []), *extra.split()],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start; see {log_path}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield proc, base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def load_args(base: str, concurrency: int) -> argparse.Namespace:
+    """``bench serve``'s arguments for a greedy, EOS-ignoring run at a fixed concurrency."""
+    return argparse.Namespace(base_url=base, endpoint="completions", model=None, api_key=None,
+                              max_concurrency=concurrency, request_rate=float("inf"), burstiness=1.0, seed=0,
+                              ignore_eos=True, temperature=0.0, goodput=None, dataset="file")
+
+
 def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list[int], dtype: str,
                  results_dir: str, quantization: str | None = None, extra: str = "") -> list[dict]:
     import httpx
@@ -140,33 +181,14 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
     from pagedllm.bench.serve import BenchRequest, run_load
     from pagedllm.bench.offline import load_prompts
 
-    port = _free_port()
-    log = open(os.path.join(results_dir, "server.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
-                             "--dtype", dtype, "--log-stats-interval", "5",
-                             *(["--quantization", quantization] if quantization else []), *extra.split()],
-                            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     rows = []
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start; see {log.name}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with running_server(dtype, quantization, extra, os.path.join(results_dir, "server.log")) as (proc, base):
         prompts = load_prompts(prompts_file)[:n]
         reqs = [BenchRequest(p, output_len) for p in prompts]
         capacity = _scrape(base)["pagedllm:kv_cache_capacity_bytes"]
         max_len = httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"]
         for c in concurrencies:
-            args = argparse.Namespace(base_url=base, endpoint="completions", model=None, api_key=None,
-                                      max_concurrency=c, request_rate=float("inf"), burstiness=1.0, seed=0,
-                                      ignore_eos=True, temperature=0.0, goodput=None, dataset="file")
+            args = load_args(base, c)
             peak = {"usage": 0.0}
 
             async def run_and_watch():
@@ -204,12 +226,6 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
                     hwm = int(line.split()[1]) * 1024
         for r in rows:
             r["peak_rss_bytes"] = hwm  # the server process's peak over all its runs
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return rows
 
 

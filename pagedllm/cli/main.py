@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
-    from pagedllm.bench import compare, offline, quant, roofline, serve, spec, tp
+    from pagedllm.bench import compare, offline, overhead, quant, roofline, serve, spec, tp
     from pagedllm.model import fetch
 
     def add_module_command(subparsers, name: str, module, help_text: str) -> None:
@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("spec", spec, "decode speed with and without speculative decoding"),
         ("quant", quant, "quantization methods side by side: memory, quality, speed"),
         ("tp", tp, "decode tokens/s and all-reduce time per step at several tensor-parallel sizes"),
+        ("overhead", overhead, "engine overhead vs forward pass in a loaded server's steps (py-spy profile)"),
     ):
         add_module_command(bsub, name, module, help_text)
     return p

@@ -1,7 +1,9 @@
 """Paged attention: K/V live in fixed-size blocks; each sequence reads its context through its block table.
 
 Two paths, chosen per sequence by the model runner:
-- decode (one query token): all such sequences in one batched computation over their gathered context;
+- decode (one query token): all such sequences in one batched computation; on CPU with the fused kernels
+  (``pagedllm.kernels``) each sequence's K/V blocks are read in place through its block table, otherwise the
+  context is gathered and handed to PyTorch's fused SDPA;
 - prefill / chunked prefill (several query tokens, maybe after cached or earlier-computed context): exact tiled
   attention with an online softmax (FlashAttention, Dao et al. 2022) that never builds the N x N score matrix.
 """
@@ -33,6 +35,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # (Bd, max_blocks) long, padded
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) bool: True where a key is valid
     num_decodes: int = 0
+    decode_lens: torch.Tensor | None = None  # (Bd,) long: context length of each decode (its new token included)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -107,17 +110,25 @@ def decode_attention(
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, ops=None,
 ) -> torch.Tensor:
-    """q: (T, Hq, D); k, v: (T, Hkv, D) for the step's new tokens. Writes them to the cache, then attends."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    """q: (T, Hq, D); k, v: (T, Hkv, D) for the step's new tokens, written to the cache first (None: already
+    written, e.g. by the fused rotary kernel). ``ops``: the fused CPU kernels, or None for torch operations."""
+    if k is not None:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+
+    def decode(qd: torch.Tensor) -> torch.Tensor:
+        if ops is not None:
+            return ops.decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
+        return decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+
     if meta.num_decodes and meta.decode_rows is None:  # all rows are decodes
-        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
-    out = torch.empty_like(q)
+        return decode(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         rows = meta.decode_rows
-        out[rows] = decode_attention(q[rows], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+        out[rows] = decode(q[rows])
     nb, bs, hkv, d = k_cache.shape
     for p in meta.prefills:
         kc = k_cache.index_select(0, p.block_table).view(-1, hkv, d)[: p.context_len]

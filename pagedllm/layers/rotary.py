@@ -12,6 +12,9 @@ class RotaryEmbedding:
         freqs = torch.outer(pos, inv_freq)  # (P, D/2)
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
+        # float32 tables for the fused CPU kernel (it rotates in float32 and rounds once)
+        self.cos32 = self.cos if dtype == torch.float32 else freqs.cos().to(device)
+        self.sin32 = self.sin if dtype == torch.float32 else freqs.sin().to(device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's (T, 1, D/2) tables, looked up once and shared by every layer."""

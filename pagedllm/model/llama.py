@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
 from pagedllm.layers.linear import tensor_bytes
 from pagedllm.layers.norm import rms_norm
@@ -105,6 +106,12 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
+        # bfloat16 dense weights on CPU: oneDNN's pre-packed layout (a tied head keeps its rows for lookups)
+        for lin in self.linears().values():
+            if lin.kind == "dense":
+                lin.prepack(keep_weight=lin is self.embed)
+        # fused CPU kernels for the small per-layer operations (None: the same math as torch operations)
+        self.ops = cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
 
     def linears(self) -> dict[str, object]:
         out = {"lm_head": self.lm_head, "embed": self.embed}
@@ -122,6 +129,8 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, H)."""
+        if self.ops is not None:
+            return self._forward_fused(input_ids, positions, kv_caches, meta)
         cfg = self.cfg
         t = input_ids.shape[0]
         h = self._embed(input_ids)  # (T, H)
@@ -140,6 +149,27 @@ class LlamaForCausalLM:
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             h = h + self._reduce(layer["down"](F.silu(gate) * up))
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """The same layers with the fused CPU kernels: the residual add is folded into the next RMSNorm (h is
+        updated in place), rotary + the K/V cache write are one pass, decode attention reads blocks in place."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        t = input_ids.shape[0]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.cfg.head_dim
+        cos, sin = self.rotary.cos32, self.rotary.sin32
+        h = self._embed(input_ids).contiguous()  # (T, H): the residual stream, added to in place
+        x = ops.rms_norm(h, self.layers[0]["input_norm"], eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            qkv = layer["qkv"](x)  # (T, Q+2K)
+            ops.rope_write_kv(qkv, positions, cos, sin, meta.slot_mapping, k_cache, v_cache, nq, nkv)
+            q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
+            attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale, ops)  # (T, Hq, D)
+            x = ops.add_rms_norm(h, self._reduce(layer["o"](attn.reshape(t, self.q_size))), layer["post_norm"], eps)
+            mlp = self._reduce(layer["down"](ops.silu_and_mul(layer["gate_up"](x))))
+            nxt = self.layers[i + 1]["input_norm"] if i + 1 < len(self.layers) else self.norm
+            x = ops.add_rms_norm(h, mlp, nxt, eps)
+        return x
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp is None else self.tp.all_reduce(x)

@@ -28,7 +28,7 @@ ACT_DTYPE = torch.bfloat16
 class _Packed:
     bias: torch.Tensor | None
     out_dtype: torch.dtype
-    dense: torch.Tensor | None = None  # optional bf16 copy for large steps (see ``keep_dense``)
+    dense: DenseLinear | None = None  # optional bf16 copy for large steps (see ``keep_dense``)
     dense_min_tokens: int = 0
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ class _Packed:
     def keep_dense(self, full: torch.Tensor, min_tokens: int) -> None:
         """Also keep ``full`` (the effective weight) in bf16 and use it for steps of >= ``min_tokens`` rows: the
         packed kernels are compute-bound at large M, where oneDNN's bf16 GEMM (AMX) is several times faster."""
-        self.dense = full.to(ACT_DTYPE).contiguous()
+        self.dense = DenseLinear(full.to(ACT_DTYPE).contiguous()).prepack(keep_weight=False)
         self.dense_min_tokens = min_tokens
 
     def _common_init(self, input_scale: torch.Tensor | None, bias: torch.Tensor | None, device: torch.device,
@@ -49,7 +49,7 @@ class _Packed:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
-            return self._finish(F.linear(x.to(ACT_DTYPE), self.dense))
+            return self._finish(self.dense(x.to(ACT_DTYPE)))
         return self._finish(self._kernel(x))
 
     def _scaled_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ class _Packed:
         return x if self.input_scale is None else x * self.input_scale
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in self._tensors() if t is not None] + ([self.dense] if self.dense is not None else [])
+        return [t for t in self._tensors() if t is not None] + (self.dense.tensors() if self.dense is not None else [])
 
 
 class Int8Linear(_Packed):

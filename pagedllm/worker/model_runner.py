@@ -32,6 +32,8 @@ from pagedllm.worker.step_inputs import StepInputs
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# prefill chunks with at most this much context run through the fused row kernel (see ``_step_tensors``)
+ROW_KERNEL_MAX_CONTEXT = 2048  # measured: 1 x 2000 tokens costs the same both ways; 32 x 180 is 4.6x faster here
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -437,30 +439,43 @@ class ModelRunner:
         bs = self.block_size
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        lens_t = torch.tensor(lens, device=dev)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        mask = None
+        if self.model.ops is None:  # the fused kernel stops at each row's length; SDPA needs the mask
+            mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             decode_rows=None,
             decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
-            decode_mask=(torch.arange(max_blocks * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :],
-            num_decodes=len(slots), prefills=[],
+            decode_mask=mask, num_decodes=len(slots), prefills=[], decode_lens=lens_t,
         )
 
     def _step_tensors(self, step: StepInputs):
-        """The step's lists as device tensors: token ids, positions, attention metadata, logit rows."""
+        """The step's lists as device tensors: token ids, positions, attention metadata, logit rows.
+
+        With the fused CPU kernels, the query rows of short prefill chunks (context up to
+        ``ROW_KERNEL_MAX_CONTEXT``) join the decode rows: each row attends over its own context length, so one
+        kernel call covers them all (no per-sequence gather); longer chunks use the tiled attention's matmuls."""
         dev = self.device
-        prefills = [PrefillSeq(start, end, ctx, torch.tensor(table, dtype=torch.long, device=dev))
-                    for (start, end, ctx), table in zip(step.prefills, step.prefill_tables)]
+        rows, tables, lens = list(step.decode_rows), list(step.decode_tables), list(step.decode_lens)
+        prefills = []
+        for (start, end, ctx), table in zip(step.prefills, step.prefill_tables):
+            if self.model.ops is not None and ctx <= ROW_KERNEL_MAX_CONTEXT:
+                rows.extend(range(start, end))
+                tables.extend([table] * (end - start))
+                lens.extend(range(ctx - (end - start) + 1, ctx + 1))
+            else:
+                prefills.append(PrefillSeq(start, end, ctx, torch.tensor(table, dtype=torch.long, device=dev)))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
             decode_rows=None, decode_block_tables=None, decode_mask=None,
-            num_decodes=len(step.decode_rows), prefills=prefills,
+            num_decodes=len(rows), prefills=prefills,
         )
-        if step.decode_rows:
-            dm = self._decode_metadata([], step.decode_tables, step.decode_lens)
-            meta.decode_block_tables, meta.decode_mask = dm.decode_block_tables, dm.decode_mask
-            if len(step.decode_rows) != len(step.input_ids):
-                meta.decode_rows = torch.tensor(step.decode_rows, dtype=torch.long, device=dev)
+        if rows:
+            dm = self._decode_metadata([], tables, lens)
+            meta.decode_block_tables, meta.decode_mask, meta.decode_lens = dm.decode_block_tables, dm.decode_mask, dm.decode_lens
+            if rows != list(range(len(step.input_ids))):  # None: every row, in order
+                meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         return (
             torch.tensor(step.input_ids, dtype=torch.long, device=dev),
             torch.tensor(step.positions, dtype=torch.long, device=dev),
