@@ -47,13 +47,21 @@ def eval_setup():
     return base, base_lp, chunks, items
 
 
-def _greedy_by_forward(model, prompt_ids, n):
+def _assert_greedy_by_forward(model, prompt_ids, ours):
+    """``ours`` are the greedy tokens of the model run step by step; the reference scores the whole sequence
+    at once (other matmul shapes, so float noise can flip an exact near-tie: at the first difference the two
+    tokens must be within 1e-3 in the reference's log-probabilities, and nothing after it is compared)."""
     from pagedllm.model.scoring import sequence_logprobs
 
     ids = list(prompt_ids)
-    for _ in range(n):
-        ids.append(int(sequence_logprobs(model, ids)[-1].argmax()))
-    return ids[len(prompt_ids):]
+    for i, tok in enumerate(ours):
+        lp = sequence_logprobs(model, ids)[-1]
+        ref = int(lp.argmax())
+        if ref != tok:
+            gap = (lp[ref] - lp[tok]).item()
+            assert gap < 1e-3, f"token {i}: ours {tok}, reference {ref}, logprob gap {gap:.4f}"
+            return
+        ids.append(tok)
 
 
 def test_checkpoint_reloads_to_the_same_greedy_tokens(awq_checkpoint):
@@ -74,7 +82,7 @@ def test_checkpoint_reloads_to_the_same_greedy_tokens(awq_checkpoint):
     prompts = ["The capital of France is", "def add(a, b):\n"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == _greedy_by_forward(in_memory, o.prompt_token_ids, 12)
+        _assert_greedy_by_forward(in_memory, o.prompt_token_ids, o.outputs[0].token_ids)
 
 
 def test_quantization_flag_errors(awq_checkpoint, tmp_path):

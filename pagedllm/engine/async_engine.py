@@ -9,6 +9,7 @@ error) and the loop keeps serving the rest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -79,6 +80,8 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._stop = False
         self._dirty = False  # something changed (an abort) that metrics should see even without a step
+        self._in_forward = False  # the engine thread is in a forward pass, with the lock released
+        self._pending_aborts: list[str] = []  # aborts that arrived during a forward pass, applied after it
         self._dead: BaseException | None = None
         self._interval = _IntervalStats()
         # The engine is built and stepped in one thread: torch ops issued from two threads run two OpenMP
@@ -100,8 +103,23 @@ class AsyncLLM:
             self._init_error = e
             self._ready.set()
             return
+        self.engine.core.forward_section = self._unlocked_forward
         self._ready.set()
         self._run()
+
+    @contextlib.contextmanager
+    def _unlocked_forward(self):
+        """The model's forward pass runs without the lock (the engine thread holds it for scheduling and
+        bookkeeping only): a new request is queued, and stats are read, without waiting for the step. Measured
+        with `bench overhead` at C=32: the event loop spent ~20% of the run blocked on this lock before."""
+        self._in_forward = True
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self._in_forward = False
+            self._wake.notify_all()  # a shutdown waits for the forward pass to end
 
     # ------------------------------------------------------------------ state
     @property
@@ -142,6 +160,9 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             self._dirty = True
             self._wake.notify()
+            if self._in_forward:  # the request may be in the step being computed: abort it once the step ends
+                self._pending_aborts.append(request_id)
+                return request_id in self.engine.output_processor.parents
             return self.engine.abort_request(request_id) is not None
 
     # ------------------------------------------------------------------ loop
@@ -158,6 +179,9 @@ class AsyncLLM:
                         break
                     self._dirty = False
                     outputs, stats, sched_stats = self._step_locked()
+                    for rid in self._pending_aborts:
+                        self.engine.abort_request(rid)
+                    self._pending_aborts.clear()
                 for out in outputs:
                     errors = [c for c in out.outputs if c.finish_reason in ("error", "overloaded")]
                     if errors:
@@ -216,6 +240,9 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Abort what is still running, stop the loop thread."""
         with self._wake:
+            deadline = time.monotonic() + timeout
+            while self._in_forward and time.monotonic() < deadline:  # let the step being computed end first
+                self._wake.wait(timeout=max(deadline - time.monotonic(), 0.01))
             for rid in list(self.engine.output_processor.parents):
                 out = self.engine.abort_request(rid)
                 stream = self._streams.pop(rid, None)

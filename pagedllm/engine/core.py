@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -48,6 +49,9 @@ class EngineCore:
             ) if (sc.target_tpot_ms or sc.target_ttft_ms) else None,
         )
         self.num_steps = 0
+        # entered around the model runner's forward pass; AsyncLLM uses it to release its lock meanwhile, so the
+        # event loop can queue requests and read stats while the step computes
+        self.forward_section = contextlib.nullcontext
         self.fatal_error: EngineFatalError | None = None  # once set, the engine steps no more
 
     def add_request(self, request: Request) -> None:
@@ -84,7 +88,8 @@ class EngineCore:
             raise RuntimeError(f"scheduler made no progress: {self.scheduler.waiting.peek()!r} cannot be scheduled")
         failed: dict[str, str] = {}
         try:
-            result = self.runner.execute(so)
+            with self.forward_section():
+                result = self.runner.execute(so)
         except EngineFatalError as e:  # e.g. a tensor-parallel worker died: nothing to isolate, the engine stops
             self.fatal_error = e
             raise
