@@ -59,6 +59,8 @@ def test_decode_attention_strided_query_and_bad_input(ops):
         ops.decode_attention(q, kc, vc, tables, torch.tensor([20, 33]), 0.125)
     with pytest.raises(RuntimeError, match="dtype"):
         ops.decode_attention(q.bfloat16(), kc, vc, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="outside the cache"):  # a bad block id is refused, not read
+        ops.decode_attention(q, kc, vc, torch.tensor([[3, 8], [0, 5]]), lens, 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

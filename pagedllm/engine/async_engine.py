@@ -240,6 +240,7 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Abort what is still running, stop the loop thread."""
         with self._wake:
+            self._stop = True  # no new step starts; the one being computed may finish
             deadline = time.monotonic() + timeout
             while self._in_forward and time.monotonic() < deadline:  # let the step being computed end first
                 self._wake.wait(timeout=max(deadline - time.monotonic(), 0.01))

@@ -8,6 +8,7 @@ returns None and the model runs the same math as separate torch operations.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -15,6 +16,19 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and feature flags (a shared extensions cache must not hand a build to a
+    CPU that lacks its instructions)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        import platform
+
+        lines = [platform.processor(), platform.machine()]
+    return hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
 
 
 @functools.cache
@@ -26,7 +40,7 @@ def cpu_ops():
         from torch.utils.cpp_extension import load
 
         return load(
-            name="pagedllm_cpu_ops",
+            name=f"pagedllm_cpu_ops_{_cpu_tag()}",  # -march=native: a build is only reused on the same CPU kind
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],

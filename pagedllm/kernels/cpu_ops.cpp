@@ -216,12 +216,15 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t tok_stride = Hkv * D;  // elements between consecutive tokens of a block
+  const int64_t num_blocks = k_cache.size(0);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), row(D), scores;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t L = lens[b];
       TORCH_CHECK(L >= 1 && L <= max_blocks * BS, "context length ", L, " does not fit the block table");
       const int64_t* table = tables + b * max_blocks;
+      for (int64_t i = 0; i < (L + BS - 1) / BS; ++i)
+        TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block ", table[i], " outside the cache");
       for (int64_t hq = 0; hq < Hq; ++hq) {
         const T* src = qp + b * q_sb + hq * q_sh;
         for (int64_t i = 0; i < D; ++i) qf[hq * D + i] = to_f(src[i]) * static_cast<float>(scale);
