@@ -62,6 +62,17 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// Calls f with a value of the element type (float or at::BFloat16) of dtype t; any other dtype is an error.
+template <typename F>
+void dispatch_float_bf16(at::ScalarType t, const char* kernel, F&& f) {
+  if (t == at::kFloat)
+    f(float{});
+  else if (t == at::kBFloat16)
+    f(at::BFloat16{});
+  else
+    TORCH_CHECK(false, kernel, ": float32 or bfloat16 only");
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
@@ -276,12 +287,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
                   context_lens.numel() == q.size(0), "context_lens must be contiguous int64 (B,)");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.scalar_type() == at::kFloat)
-    decode_attention_impl<float>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
-  else if (q.scalar_type() == at::kBFloat16)
-    decode_attention_impl<at::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
-  else
-    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only");
+  dispatch_float_bf16(q.scalar_type(), "decode_attention", [&](auto tag) {
+    decode_attention_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+  });
   return out;
 }
 
@@ -325,15 +333,11 @@ at::Tensor rms_norm_common(at::Tensor& h, const at::Tensor* delta, const at::Ten
                 "the residual branch must be contiguous and shaped like hidden");
   auto out = at::empty_like(h);
   const int64_t rows = h.size(0), n = h.size(1);
-  if (h.scalar_type() == at::kFloat)
-    rms_norm_impl<float>(out.data_ptr<float>(), h.data_ptr<float>(), delta ? delta->data_ptr<float>() : nullptr,
-                         weight.data_ptr<float>(), rows, n, eps);
-  else if (h.scalar_type() == at::kBFloat16)
-    rms_norm_impl<at::BFloat16>(out.data_ptr<at::BFloat16>(), h.data_ptr<at::BFloat16>(),
-                                delta ? delta->data_ptr<at::BFloat16>() : nullptr, weight.data_ptr<at::BFloat16>(),
-                                rows, n, eps);
-  else
-    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+  dispatch_float_bf16(h.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_impl<T>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
+                     weight.data_ptr<T>(), rows, n, eps);
+  });
   return out;
 }
 
@@ -408,12 +412,9 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.numel(); ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache");
-  if (qkv.scalar_type() == at::kFloat)
-    rope_write_kv_impl<float>(qkv, positions, cos, sin, slots, k_cache, v_cache, nq, nkv);
-  else if (qkv.scalar_type() == at::kBFloat16)
-    rope_write_kv_impl<at::BFloat16>(qkv, positions, cos, sin, slots, k_cache, v_cache, nq, nkv);
-  else
-    TORCH_CHECK(false, "rope_write_kv: float32 or bfloat16 only");
+  dispatch_float_bf16(qkv.scalar_type(), "rope_write_kv", [&](auto tag) {
+    rope_write_kv_impl<decltype(tag)>(qkv, positions, cos, sin, slots, k_cache, v_cache, nq, nkv);
+  });
 }
 
 // ------------------------------------------------------------------ SiLU(gate) * up
@@ -445,12 +446,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
               "gate_up must be contiguous (T, 2I)");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = at::empty({rows, n}, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat)
-    silu_and_mul_impl<float>(out.data_ptr<float>(), gate_up.data_ptr<float>(), rows, n);
-  else if (gate_up.scalar_type() == at::kBFloat16)
-    silu_and_mul_impl<at::BFloat16>(out.data_ptr<at::BFloat16>(), gate_up.data_ptr<at::BFloat16>(), rows, n);
-  else
-    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only");
+  dispatch_float_bf16(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_and_mul_impl<T>(out.data_ptr<T>(), gate_up.data_ptr<T>(), rows, n);
+  });
   return out;
 }
 
