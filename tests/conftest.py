@@ -20,7 +20,7 @@ PROMPTS = [
 def llm():
     from pagedllm import LLM
 
-    return LLM()
+    return LLM(dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ def test_bench_compare_quick(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     systems = [row["system"] for row in res["rows"]]
+    assert res["meta"]["cpu"]["model"] and isinstance(res["meta"]["cpu"]["flags"], list)
     assert any("one at a time" in s for s in systems)
     assert any("static batches" in s for s in systems)
     assert any("offline" in s for s in systems)

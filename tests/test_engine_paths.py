@@ -21,7 +21,7 @@ def alone(llm):
 
 
 def test_chunked_prefill_tiny_token_budget(alone):
-    small = LLM(max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False)
+    small = LLM(dtype="float32", max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False)
     sched = small.engine.core.scheduler
     seen_chunks = []
     orig = sched.schedule
@@ -55,7 +55,7 @@ def test_prefix_cache_hit_same_tokens_and_counted(llm):
     assert kv.prefix_cache_hits - h0 >= second.num_cached_tokens + again.num_cached_tokens
     assert kv.prefix_cache_queries - q0 == sum(len(o.prompt_token_ids) for o in (first, second, again))
     # the cached paths give exactly the tokens of an engine without prefix caching
-    nocache = LLM(enable_prefix_caching=False)
+    nocache = LLM(dtype="float32", enable_prefix_caching=False)
     ref = nocache.generate([p1, p2], GREEDY, use_tqdm=False)
     assert first.outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert second.outputs[0].token_ids == ref[1].outputs[0].token_ids
@@ -65,7 +65,7 @@ def test_prefix_cache_hit_same_tokens_and_counted(llm):
 
 def test_preemption_small_kv_pool(alone):
     # 24 blocks x 16 tokens: 8 concurrent requests of ~20-40 + 48 tokens cannot all fit.
-    tight = LLM(num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8)
+    tight = LLM(dtype="float32", num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8)
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
     core = tight.engine.core
     assert core.scheduler.num_preemptions > 0, "the pool was large enough: no preemption happened"
@@ -77,7 +77,7 @@ def test_preemption_small_kv_pool(alone):
 
 def test_startup_fails_when_max_model_len_does_not_fit():
     with pytest.raises(ValueError, match="max_model_len=1024 needs 64 blocks"):
-        LLM(num_gpu_blocks_override=10, max_model_len=1024)
+        LLM(dtype="float32", num_gpu_blocks_override=10, max_model_len=1024)
 
 
 def test_kv_usage_reported_as_fraction(llm):
@@ -92,7 +92,7 @@ def test_kv_usage_reported_as_fraction(llm):
 
 
 def test_sla_mode_adapts_budget_and_keeps_outputs(alone):
-    sla = LLM(target_tpot_ms=40)
+    sla = LLM(dtype="float32", target_tpot_ms=40)
     outs = sla.generate(PROMPTS, GREEDY, use_tqdm=False)
     for p, o in zip(PROMPTS, outs):
         assert o.outputs[0].token_ids == alone[p], p

@@ -128,7 +128,7 @@ def test_engine_rows_through_the_kernel_keep_their_order():
     from pagedllm import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=4)
-    llm = LLM()
+    llm = LLM(dtype="float32")
     assert llm.engine.core.runner.model.ops is not None
     alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
@@ -142,7 +142,7 @@ def test_fused_and_torch_paths_agree():
     from pagedllm import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
-    llm = LLM(enable_prefix_caching=False)
+    llm = LLM(dtype="float32", enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     fused = llm.generate(PROMPTS, sp, use_tqdm=False)
     ops, model.ops = model.ops, None
@@ -154,3 +154,101 @@ def test_fused_and_torch_paths_agree():
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert abs(la.logprob - lb.logprob) < 1e-3
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", [(4, 32, False), (4, 32, True), (4, 64, False), (8, 32, True),
+                                                       (8, 128, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_quant_linear_matches_dequantized_matmul(ops, bits, group_size, symmetric, dtype):
+    """qlinear on packed blocks = the dequantized weight's matmul, up to the int8 rounding of the activations
+    (per block of 32, as llama.cpp's Q8 activations): well under 1% relative error; every batch size gives each
+    row exactly the result it gets alone (K = 576: 18 blocks, two groups of 8 and a tail of 2)."""
+    from pagedllm.quant.formats import dequantize, quantize_rtn
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    torch.manual_seed(bits * 100 + group_size)
+    n, k = 203, 576 if group_size != 128 else 640  # 203 rows: the last group of 8 is partial
+    qw = quantize_rtn(torch.randn(n, k) * torch.rand(n, 1), bits, group_size, symmetric)
+    bias = torch.randn(n)
+    lin = BlockQuantLinear(qw, bias, torch.device("cpu"), dtype, ops)
+    w = dequantize(qw)
+    torch.testing.assert_close(lin.dequantized(), w, rtol=0, atol=1e-5)
+    x = torch.randn(11, k, dtype=dtype)
+    x[3] = 0.0  # an all-zero row (scale 0) must give exactly the bias
+    y = lin(x)
+    assert y.dtype == dtype and y.shape == (11, n)
+    ref = F.linear(x.float(), w, bias)
+    rel = ((y.float() - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
+    assert rel < (0.01 if dtype == torch.float32 else 0.02), rel
+    torch.testing.assert_close(y[3].float(), bias.to(dtype).float(), rtol=0, atol=0)
+    for m in (1, 2, 4, 5):
+        assert torch.equal(lin(x[:m]), y[:m]), m  # batch-invariant rows
+    ids = torch.tensor([0, 7, n - 1])
+    torch.testing.assert_close(lin.embedding(ids), w[ids].to(dtype), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_block_quant_linear_keeps_awq_input_scaling(ops):
+    from pagedllm.quant.formats import dequantize, quantize_rtn
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    torch.manual_seed(5)
+    qw = quantize_rtn(torch.randn(64, 256), 4, 32, False)
+    qw.input_scale = torch.rand(256) + 0.5  # the layer computes (x / s) W'^T
+    lin = BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, ops)
+    x = torch.randn(3, 256)
+    w = dequantize(qw)  # the effective weight, 1/s folded in
+    torch.testing.assert_close(lin.dequantized(), w, rtol=1e-5, atol=1e-5)
+    ref = F.linear(x, w)
+    assert ((lin(x) - ref).norm() / ref.norm()).item() < 0.01
+
+
+def test_qlinear_rejects_bad_shapes(ops):
+    x = torch.randn(2, 40)  # 40 is not a multiple of 32
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.qlinear(x, torch.zeros(1, 128, dtype=torch.uint8), torch.zeros(1, 8), torch.zeros(1, 8), 4, 8)
+    x = torch.randn(2, 64)  # 2 blocks; 12 outputs: 2 groups of 8
+    ok = (torch.zeros(2, 256, dtype=torch.uint8), torch.zeros(2, 16), torch.zeros(2, 16))
+    assert ops.qlinear(x, *ok, 4, 12).shape == (2, 12)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.qlinear(x, torch.zeros(2, 128, dtype=torch.uint8), *ok[1:], 4, 12)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.qlinear(x, *ok, 4, 17)  # 3 groups needed
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.qlinear(x, ok[0], torch.zeros(2, 8), ok[2], 4, 12)
+    with pytest.raises(RuntimeError, match="bits"):
+        ops.qlinear(x, *ok, 3, 12)
+
+
+# ------------------------------------------------------------------ every x86-64 level, from a clean build
+# Each level is compiled in a fresh process with its own extensions directory (no cache can hide a failed
+# build); where this CPU can execute it, this file's kernel tests then run against that build.
+LEVELS = ["x86-64", "x86-64-v3", "x86-64-v4"]
+
+
+@pytest.mark.parametrize("march", LEVELS)
+def test_kernels_build_and_pass_at_each_x86_level(march, tmp_path):
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    from pagedllm.kernels import can_run
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 levels: this is not an x86-64 machine (the native build is tested above)")
+    env = {**os.environ, "PAGEDLLM_CPU_MARCH": march, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    if not can_run(march):  # this CPU lacks the level's instructions: the build must still compile
+        r = subprocess.run([sys.executable, "-c", f"from pagedllm.kernels import build; print(build({march!r}).isa())"],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.split()[-1].startswith("avx512" if march == "x86-64-v4" else "")
+        return
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                        "-k", "not engine and not fused_and_torch and not each_x86_level"],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
+    expect = {"x86-64": "scalar", "x86-64-v3": "avx2", "x86-64-v4": "avx512"}[march]
+    isa = subprocess.run([sys.executable, "-c", "from pagedllm.kernels import cpu_ops; print(cpu_ops().isa())"],
+                         env=env, capture_output=True, text=True, timeout=600).stdout.split()[-1]
+    assert isa.startswith(expect), isa

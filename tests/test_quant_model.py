@@ -39,7 +39,7 @@ def eval_setup():
     from pagedllm import LLM
     from pagedllm.eval.quality import eval_chunks, load_items, score_model
 
-    base_llm = LLM(max_model_len=1024)
+    base_llm = LLM(dtype="float32", max_model_len=1024)
     items = load_items()
     chunks = eval_chunks(base_llm.get_tokenizer(), EVAL_TOKENS)
     base, base_lp, _ = score_model(base_llm, "fp32", chunks, items)
@@ -76,7 +76,7 @@ def test_checkpoint_reloads_to_the_same_greedy_tokens(awq_checkpoint):
     assert cfg["tensors"]["layers.0.qkv"]["bits"] == 4 and cfg["tensors"]["layers.0.qkv"]["group_size"] == 32
     assert cfg["tensors"]["embed"]["bits"] == 8  # tied embedding / LM head: one int8 table
     in_memory = LlamaForCausalLM(arch, dict(weights), torch.device("cpu"), torch.float32)
-    llm = LLM(model=out)  # the checkpoint directory is recognised without --quantization
+    llm = LLM(dtype="float32", model=out)  # the checkpoint directory is recognised without --quantization
     assert llm.engine.core.runner.quantization.startswith("awq")
     assert llm.engine.core.runner.model.layers[0]["qkv"].kind == "int4"
     prompts = ["The capital of France is", "def add(a, b):\n"]
@@ -89,18 +89,18 @@ def test_quantization_flag_errors(awq_checkpoint, tmp_path):
     from pagedllm import LLM
 
     with pytest.raises(ValueError, match="pagedllm quantize"):
-        LLM(quantization="gptq")  # a GGUF file is no GPTQ checkpoint
+        LLM(dtype="float32", quantization="gptq")  # a GGUF file is no GPTQ checkpoint
     with pytest.raises(ValueError, match="awq checkpoint"):
-        LLM(model=awq_checkpoint[0], quantization="gptq")
+        LLM(dtype="float32", model=awq_checkpoint[0], quantization="gptq")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        LLM(quantization="int3")
+        LLM(dtype="float32", quantization="int3")
 
 
 def test_quantized_weights_are_smaller(awq_checkpoint):
     from pagedllm import LLM
 
-    fp = LLM(max_model_len=256).engine.core.runner.model.weight_bytes()
-    q4 = LLM(model=awq_checkpoint[0], max_model_len=256).engine.core.runner.model.weight_bytes()
+    fp = LLM(dtype="float32", max_model_len=256).engine.core.runner.model.weight_bytes()
+    q4 = LLM(dtype="float32", model=awq_checkpoint[0], max_model_len=256).engine.core.runner.model.weight_bytes()
     assert fp / q4 >= 3.0  # int4 body with int8 LM head: about 5.7x here
 
 
@@ -109,7 +109,7 @@ def test_int8_passes_the_gate(eval_setup):
     from pagedllm.eval.quality import gate, score_model
 
     base, base_lp, chunks, items = eval_setup
-    cand, _, _ = score_model(LLM(quantization="int8", max_model_len=1024), "int8", chunks, items, base_lp)
+    cand, _, _ = score_model(LLM(dtype="float32", quantization="int8", max_model_len=1024), "int8", chunks, items, base_lp)
     assert cand.kl < 0.02 and cand.top1_agreement > 0.9
     assert gate(base, cand, MAX_PPL_INCREASE, MAX_ACC_DROP) == [], (base, cand)
 
@@ -122,7 +122,7 @@ def test_awq_int4_passes_the_gate_and_a_broken_quantizer_fails(eval_setup, awq_c
 
     base, base_lp, chunks, items = eval_setup
     out, arch, weights = awq_checkpoint
-    cand, _, _ = score_model(LLM(model=out, max_model_len=1024), "awq", chunks, items, base_lp)
+    cand, _, _ = score_model(LLM(dtype="float32", model=out, max_model_len=1024), "awq", chunks, items, base_lp)
     assert gate(base, cand, MAX_PPL_INCREASE, MAX_ACC_DROP) == [], (base, cand)
 
     # wrong scales (a quantizer that mis-computes its steps by 30%) must not get through
@@ -134,7 +134,7 @@ def test_awq_int4_passes_the_gate_and_a_broken_quantizer_fails(eval_setup, awq_c
     for f in os.listdir(out):
         if f.startswith("tokenizer") or f.endswith(".jinja"):
             shutil.copy(os.path.join(out, f), tmp_path)
-    bad, _, _ = score_model(LLM(model=str(tmp_path), max_model_len=1024), "broken", chunks, items, base_lp)
+    bad, _, _ = score_model(LLM(dtype="float32", model=str(tmp_path), max_model_len=1024), "broken", chunks, items, base_lp)
     fails = gate(base, bad, MAX_PPL_INCREASE, MAX_ACC_DROP)
     assert fails and "perplexity" in fails[0], (base, bad)
 
@@ -165,7 +165,7 @@ def test_server_serves_a_quantized_checkpoint(awq_checkpoint, tmp_path_factory):
 
     out = awq_checkpoint[0]
     prompt = "The three primary colors are"
-    offline = LLM(model=out, max_model_len=512).generate(
+    offline = LLM(dtype="float32", model=out, max_model_len=512).generate(
         [prompt], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0].outputs[0].text
     proc, base, log = start_server(tmp_path_factory, "--model", out, "--quantization", "awq", "--max-model-len", "512")
     try:

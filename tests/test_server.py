@@ -33,7 +33,7 @@ def start_server(tmp_path_factory, *extra):
     fh = open(log, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
-         "--log-stats-interval", "1", *extra],
+         "--log-stats-interval", "1", *([] if "--dtype" in extra else ["--dtype", "float32"]), *extra],
         stdout=fh, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"

@@ -34,7 +34,7 @@ def _check_identity(llm, reference):
 
 
 def test_ngram_greedy_identity_batched(reference):
-    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     st = _check_identity(llm, reference)
     assert st.spec_num_drafts > 0 and st.spec_num_accepted_tokens > 0
     assert st.spec_num_accepted_tokens < st.spec_num_draft_tokens  # some drafts were rejected and rolled back
@@ -44,7 +44,7 @@ def test_ngram_greedy_identity_batched(reference):
 
 
 def test_ngram_with_chunked_prefill_and_preemption(reference):
-    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    llm = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               max_num_batched_tokens=24, num_gpu_blocks_override=20, max_model_len=256)
     st = _check_identity(llm, reference)
     assert st.num_preemptions > 0, "the pool was large enough: no preemption happened"
@@ -53,7 +53,7 @@ def test_ngram_with_chunked_prefill_and_preemption(reference):
 
 def test_self_draft_accepts_nearly_everything_with_chunking_and_preemption(reference):
     """The model drafting for itself: every draft should be accepted, so a broken verifier cannot pass."""
-    llm = LLM(speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 3},
+    llm = LLM(dtype="float32", speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 3},
               max_num_batched_tokens=32, num_gpu_blocks_override=24, max_model_len=256)
     st = _check_identity(llm, reference)
     assert st.num_preemptions > 0
@@ -64,7 +64,7 @@ def test_self_draft_accepts_nearly_everything_with_chunking_and_preemption(refer
 def test_random_verification_path_with_top_k_1_equals_greedy(reference):
     """temperature > 0 goes through rejection sampling; top_k=1 makes the target one-hot, so it must give the
     greedy tokens exactly."""
-    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     outs = llm.generate(SPEC_PROMPTS, SamplingParams(temperature=0.8, top_k=1, max_tokens=N_NEW, seed=3),
                         use_tqdm=False)
     for p, o in zip(SPEC_PROMPTS, outs):
@@ -78,7 +78,7 @@ def test_random_verification_path_with_top_k_1_equals_greedy(reference):
 
 
 def test_aborts_with_drafts_leak_no_blocks():
-    llm = LLM(speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 4})
+    llm = LLM(dtype="float32", speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 4})
     eng = llm.engine
     for i, p in enumerate(SPEC_PROMPTS):
         eng.add_request(f"a{i}", p, SamplingParams(temperature=0.7, max_tokens=60, seed=i))
@@ -96,20 +96,20 @@ def test_aborts_with_drafts_leak_no_blocks():
 
 def test_disable_by_batch_size():
     cfg = {"method": "ngram", "num_speculative_tokens": 4}
-    off = LLM(speculative_config=cfg, speculative_disable_by_batch_size=1)
+    off = LLM(dtype="float32", speculative_config=cfg, speculative_disable_by_batch_size=1)
     off.generate([CODE, PROMPTS[0]], GREEDY, use_tqdm=False)
     assert off.engine.core.stats().spec_num_drafts == 0
 
 
 def test_bad_speculative_configs(tmp_path):
     with pytest.raises(ValueError, match="speculative method"):
-        LLM(speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+        LLM(dtype="float32", speculative_config={"method": "medusa", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="needs 'model'"):
-        LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+        LLM(dtype="float32", speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="not valid JSON"):
-        LLM(speculative_config="{method: ngram")
+        LLM(dtype="float32", speculative_config="{method: ngram")
     with pytest.raises(ValueError, match="needs --speculative-config"):
-        LLM(speculative_disable_by_batch_size=4)
+        LLM(dtype="float32", speculative_disable_by_batch_size=4)
     # a draft with another vocabulary: a tiny llama in HF layout (config.json + safetensors)
     from safetensors.torch import save_file
 
@@ -131,7 +131,7 @@ def test_bad_speculative_configs(tmp_path):
          "model.layers.0.mlp.down_proj.weight": torch.randn(64, 128)}
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="does not share the target's vocabulary"):
-        LLM(speculative_config={"method": "draft_model", "model": str(d), "num_speculative_tokens": 2})
+        LLM(dtype="float32", speculative_config={"method": "draft_model", "model": str(d), "num_speculative_tokens": 2})
 
 
 def test_server_with_speculation_reports_spec_metrics(tmp_path_factory, reference):

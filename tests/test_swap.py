@@ -10,7 +10,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 
 def test_swap_preemption_identical_and_no_leaks(llm):
     alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    tight = LLM(num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8, preemption_mode="swap",
+    tight = LLM(dtype="float32", num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8, preemption_mode="swap",
                 swap_space=0.25)
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
     core = tight.engine.core
@@ -25,7 +25,7 @@ def test_swap_preemption_identical_and_no_leaks(llm):
 
 def test_swap_falls_back_to_recompute_when_host_pool_is_full(llm):
     alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    tight = LLM(num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8, preemption_mode="swap",
+    tight = LLM(dtype="float32", num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8, preemption_mode="swap",
                 num_host_blocks_override=3)
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
     st = tight.engine.core.stats()
@@ -36,4 +36,4 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_full(llm):
 
 def test_swap_needs_swap_space():
     with pytest.raises(ValueError, match="swap"):
-        LLM(preemption_mode="swap", swap_space=0)
+        LLM(dtype="float32", preemption_mode="swap", swap_space=0)

@@ -114,8 +114,8 @@ def test_step_inputs_pack_round_trip():
 @pytest.fixture(scope="module")
 def engines():
     threads = torch.get_num_threads()
-    tp = LLM(tensor_parallel_size=N, tp_threads_per_rank=1, **SETTINGS)
-    ref = LLM(**SETTINGS)
+    tp = LLM(dtype="float32", tensor_parallel_size=N, tp_threads_per_rank=1, **SETTINGS)
+    ref = LLM(dtype="float32", **SETTINGS)
     yield tp, ref
     tp.engine.shutdown()
     torch.set_num_threads(threads)  # rank 0 ran in this process with 1 thread
@@ -212,7 +212,7 @@ def test_hand_started_workers_over_tcp_with_a_draft_model_on_rank_0(engines):
                                  "--tp-threads-per-rank", "1"])
                for r in range(1, N)]
     try:
-        llm = LLM(tensor_parallel_size=N, distributed_init_method=url, tp_threads_per_rank=1, max_model_len=128,
+        llm = LLM(dtype="float32", tensor_parallel_size=N, distributed_init_method=url, tp_threads_per_rank=1, max_model_len=128,
                   speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 3})
         runner = llm.engine.core.runner
         assert runner.tp_workers is None and runner.draft_model is not None and runner.draft_model.tp is None

@@ -1,5 +1,7 @@
 """`pagedllm bench compare`: one fixed workload through HuggingFace transformers (one at a time, static batches),
-the pagedllm engine offline, and the pagedllm server under `bench serve` at several concurrencies.
+the pagedllm engine offline, the pagedllm server under `bench serve` at several concurrencies, and any peer
+OpenAI-compatible servers the user started (`--peer NAME=URL`, e.g. llama.cpp's `llama-server`), measured by the same
+client at the same concurrencies.
 
 Every system gets the same prompts (the shipped set), the same number of output tokens (greedy, EOS ignored).
 Offline systems receive all requests at t=0, so their latency includes waiting for earlier requests/batches, as a
@@ -19,8 +21,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 
 import numpy as np
+
+from pagedllm.bench.cpuinfo import cpu_info, cpu_line
 
 
 def _peak_rss() -> int:
@@ -174,6 +179,14 @@ def load_args(base: str, concurrency: int) -> argparse.Namespace:
                               ignore_eos=True, temperature=0.0, goodput=None, dataset="file")
 
 
+def _load_row(system: str, res: dict, **extra) -> dict:
+    """A table row from a `run_load` result."""
+    return {"system": system, "output_tokens": res["total_output_tokens"], "duration_s": res["duration_s"],
+            "output_tok_s": res["output_throughput"], "mean_latency_s": res["mean_e2el_ms"] / 1000,
+            "p99_latency_s": res["p99_e2el_ms"] / 1000, "mean_ttft_s": res["mean_ttft_ms"] / 1000,
+            "failed": res["failed"], **extra}
+
+
 def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list[int], dtype: str,
                  results_dir: str, quantization: str | None = None, extra: str = "") -> list[dict]:
     import httpx
@@ -210,15 +223,11 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
 
             res = asyncio.run(run_and_watch())
             bytes_per_token = capacity / max(_scrape(base)["pagedllm:kv_cache_capacity_tokens"], 1)
-            rows.append({
-                "system": f"pagedllm server{_server_label(dtype, quantization, extra)}, concurrency {c}",
-                "output_tokens": res["total_output_tokens"],
-                "duration_s": res["duration_s"], "output_tok_s": res["output_throughput"],
-                "mean_latency_s": res["mean_e2el_ms"] / 1000, "p99_latency_s": res["p99_e2el_ms"] / 1000,
-                "mean_ttft_s": res["mean_ttft_ms"] / 1000, "failed": res["failed"],
-                "kv_bytes_used_peak": peak["usage"] * capacity,
-                "kv_bytes_static_max_len": min(c, n) * max_len * bytes_per_token,
-            })
+            rows.append(_load_row(
+                f"pagedllm server{_server_label(dtype, quantization, extra)}, concurrency {c}", res,
+                kv_bytes_used_peak=peak["usage"] * capacity,
+                kv_bytes_static_max_len=min(c, n) * max_len * bytes_per_token,
+            ))
         hwm = 0
         with open(f"/proc/{proc.pid}/status") as f:
             for line in f:
@@ -226,6 +235,56 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
                     hwm = int(line.split()[1]) * 1024
         for r in rows:
             r["peak_rss_bytes"] = hwm  # the server process's peak over all its runs
+    return rows
+
+
+# ---------------------------------------------------------------------- peer servers
+def parse_peer(value: str) -> tuple[str, str]:
+    """``--peer NAME=URL`` -> (name, base URL without a trailing slash); an argparse type."""
+    name, sep, url = value.partition("=")
+    name, url = name.strip(), url.strip().rstrip("/")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=URL (e.g. llama.cpp=http://127.0.0.1:8080), got {value!r}")
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise argparse.ArgumentTypeError(f"peer {name!r}: URL must be http(s)://HOST[:PORT], got {url!r}")
+    return name, url
+
+
+def check_peer(name: str, url: str) -> str:
+    """The model the peer serves (the first of its /v1/models); ValueError if it cannot be reached."""
+    import httpx
+
+    try:
+        resp = httpx.get(url + "/v1/models", timeout=10)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"peer {name} at {url} is not an OpenAI-compatible server that answers GET /v1/models "
+                         f"({type(e).__name__}: {e}); start it first, e.g. "
+                         f"`llama-server -m MODEL.gguf --port 8080`") from None
+
+
+def phase_peer(name: str, url: str, model: str, prompts: list[str], output_len: int,
+               concurrencies: list[int]) -> list[dict]:
+    """The server phase's workload against a peer server: same prompts, streaming /v1/completions, greedy, EOS
+    ignored (``ignore_eos``, honoured by llama.cpp's server and vLLM), same client."""
+    from pagedllm.bench.serve import BenchRequest, run_load
+
+    reqs = [BenchRequest(p, output_len) for p in prompts]
+    rows = []
+    for c in concurrencies:
+        args = load_args(url, c)
+        args.model = model
+        res = asyncio.run(run_load(args, reqs, show_progress=True))
+        row = _load_row(f"peer {name}, concurrency {c}", res, peak_rss_bytes=None, url=url, model=model)
+        if res["failed"]:
+            print(f"warning: peer {name}: {res['failed']} of {len(reqs)} requests failed, first error: "
+                  f"{res['errors'][0]}", file=sys.stderr)
+        elif res["total_output_tokens"] != len(reqs) * output_len:
+            print(f"warning: peer {name} generated {res['total_output_tokens']} tokens, not "
+                  f"{len(reqs) * output_len}: it may not honour ignore_eos", file=sys.stderr)
+        rows.append(row)
     return rows
 
 
@@ -237,6 +296,12 @@ def write_report(rows: list[dict], meta: dict, results_dir: str) -> str:
     lines = [
         f"Workload: {meta['num_prompts']} prompts (shipped set, {meta['prompt_tokens_min']}-"
         f"{meta['prompt_tokens_max']} tokens), {meta['output_len']} output tokens each, greedy, EOS ignored.",
+    ]
+    if meta.get("cpu"):
+        lines.append(f"CPU: {cpu_line(meta['cpu'])}, {meta['cpus']} logical CPUs.")
+    for name, peer in meta.get("peers", {}).items():
+        lines.append(f"Peer {name}: {peer['url']}, model {peer['model']}.")
+    lines += [
         "",
         "| system | output tok/s | vs HF one-at-a-time | mean latency (s) | p99 latency (s) | mean TTFT (s) | "
         "peak RSS (MiB) | KV used / static max-len reservation |",
@@ -247,9 +312,10 @@ def write_report(rows: list[dict], meta: dict, results_dir: str) -> str:
         if r.get("kv_bytes_static_max_len"):
             kv = (f"{r['kv_bytes_used_peak'] / 2**20:.0f} MiB / {r['kv_bytes_static_max_len'] / 2**20:.0f} MiB "
                   f"({100 * r['kv_bytes_used_peak'] / r['kv_bytes_static_max_len']:.1f}%)")
+        rss = "—" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 2**20:.0f}"  # peers: unknown
         lines.append(
             f"| {r['system']} | {r['output_tok_s']:.1f} | {r['output_tok_s'] / base:.2f}x | {r['mean_latency_s']:.2f} | "
-            f"{r['p99_latency_s']:.2f} | {r['mean_ttft_s']:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | {kv} |"
+            f"{r['p99_latency_s']:.2f} | {r['mean_ttft_s']:.2f} | {rss} | {kv} |"
         )
     table = "\n".join(lines) + "\n"
     with open(os.path.join(results_dir, "results.md"), "w") as f:
@@ -288,6 +354,10 @@ def main(args: argparse.Namespace) -> int:
     from pagedllm.engine.tokenizer import load_tokenizer
     from pagedllm.config import default_model_path
 
+    names = [name for name, _ in args.peer]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--peer names must differ, got {names}")
+    peers = {name: {"url": url, "model": check_peer(name, url)} for name, url in args.peer}  # before any measuring
     if args.quick:
         args.num_prompts, args.output_len = min(args.num_prompts, 4), min(args.output_len, 16)
         args.concurrency, args.hf_batch_sizes = [1, 4], [4]
@@ -297,7 +367,9 @@ def main(args: argparse.Namespace) -> int:
     lens = [len(tok.encode(p)) for p in prompts]
     meta = {"num_prompts": len(prompts), "output_len": args.output_len, "prompt_tokens_min": min(lens),
             "prompt_tokens_max": max(lens), "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
-            "command": " ".join(sys.argv)}
+            "cpu": cpu_info(), "command": " ".join(sys.argv)}
+    if peers:
+        meta["peers"] = peers
     common = ["--num-prompts", str(len(prompts)), "--output-len", str(args.output_len)]
     if args.prompts_file:
         common += ["--prompts-file", args.prompts_file]
@@ -311,6 +383,8 @@ def main(args: argparse.Namespace) -> int:
     rows.append(_run_phase(["--phase", "offline", "--dtype", args.dtype, *qflag, *common]))
     rows += phase_server(args.prompts_file, len(prompts), args.output_len, args.concurrency, args.dtype,
                          args.results_dir, args.quantization, args.server_args)
+    for name, peer in peers.items():
+        rows += phase_peer(name, peer["url"], peer["model"], prompts, args.output_len, args.concurrency)
     table = write_report(rows, meta, args.results_dir)
     print("\n" + table)
     print(f"results in {args.results_dir}/ (results.json, results.md, chart.png)")
@@ -328,6 +402,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, help="pagedllm --quantization (e.g. gguf, int8)")
     p.add_argument("--server-args", default="", help="extra flags for the pagedllm server, e.g. "
                                                        "'--quant-dense-min-tokens 16'")
+    p.add_argument("--peer", action="append", type=parse_peer, default=[], metavar="NAME=URL",
+                   help="also measure an OpenAI-compatible server you started (e.g. llama.cpp's llama-server) with the "
+                        "same workload and client; repeatable, e.g. --peer llama.cpp=http://127.0.0.1:8080")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--results-dir", default="results/compare")
     p.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens: a smoke run")

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from pagedllm.bench.cpuinfo import cpu_info, cpu_line
+
 
 def _time(fn, min_time: float = 0.3, warmup: int = 2) -> float:
     for _ in range(warmup):
@@ -95,7 +97,8 @@ def main(args: argparse.Namespace) -> int:
     from pagedllm import LLM
 
     torch.manual_seed(0)
-    res: dict = {"threads": torch.get_num_threads()}
+    res: dict = {"threads": torch.get_num_threads(), "cpu": cpu_info()}
+    print(f"CPU: {cpu_line(res['cpu'])}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     res["bandwidth_gbs"] = bandwidth_gbs()
     print(f"memory bandwidth (copy): {res['bandwidth_gbs']:.1f} GB/s")

@@ -95,6 +95,7 @@ class AsyncLLM:
             raise self._init_error
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.runtime = self.engine.runtime
 
     def _main(self, config: EngineConfig) -> None:
         try:

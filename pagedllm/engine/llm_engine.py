@@ -57,6 +57,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self._ids = itertools.count()
         self.last_iteration_stats = IterationStats()
+        self.runtime = self.core.runner.describe()  # device, dtype, weight format, kernel path, weight plan
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

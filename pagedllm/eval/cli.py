@@ -12,6 +12,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-quantization", default=None)
     p.add_argument("--candidate", default=None, help="model path or quantized checkpoint directory")
     p.add_argument("--candidate-quantization", default=None, help="e.g. int8 / fp8 / gguf for load-time schemes")
+    p.add_argument("--candidate-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="auto: the engine's default path on this machine (e.g. packed GGUF blocks on CPU)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative perplexity increase allowed")
     p.add_argument("--max-accuracy-drop", type=float, default=0.01, help="absolute accuracy drop allowed")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out text tokens for perplexity/KL")
@@ -54,9 +56,11 @@ def main(args) -> int:
     base, base_lp, _ = score_model(base_llm, f"baseline {args.baseline} ({args.baseline_quantization or 'none'})",
                                    chunks, items)
     del base_llm
-    cand_llm = _llm(args.candidate, args.candidate_quantization)
-    cand, _, _ = score_model(cand_llm, f"candidate {args.candidate} ({args.candidate_quantization or 'auto'})",
-                             chunks, items, base_lp)
+    cand_llm = _llm(args.candidate, args.candidate_quantization, args.candidate_dtype)
+    label = f"candidate {args.candidate} ({args.candidate_quantization or 'none'}, dtype {args.candidate_dtype})"
+    if args.candidate_dtype == "auto":
+        label += f": {cand_llm.engine.runtime['weights']}"
+    cand, _, _ = score_model(cand_llm, label, chunks, items, base_lp)
     fails = gate(base, cand, args.max_ppl_increase, args.max_accuracy_drop)
     print(table([base, cand]))
     print(f"\ngate: perplexity increase <= {args.max_ppl_increase:.2%}, accuracy drop <= {args.max_accuracy_drop:.2%} "

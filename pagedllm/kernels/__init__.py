@@ -1,8 +1,12 @@
 """Fused CPU kernels (``cpu_ops.cpp``), compiled on first use with torch's C++ extension loader.
 
-The build happens once per machine and source version (cached under torch's extensions directory; about a
-minute with 2 cores) and needs a C++ compiler. Without one, or with ``PAGEDLLM_CPU_KERNELS=0``, ``cpu_ops()``
-returns None and the model runs the same math as separate torch operations.
+The source has three vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), and portable scalar
+loops that compile anywhere (ARM included). The engine builds it for ``-march=native`` once per machine kind and
+source version (cached under torch's extensions directory; about a minute with 2 cores; the cache key hashes the
+source, the flags, the CPU's model and feature flags, and the torch version). ``PAGEDLLM_CPU_MARCH`` builds for
+another ``-march`` instead (an x86-64 level, to run e.g. the AVX2 path on an AVX-512 machine). It needs a C++ compiler. Without
+one, or with ``PAGEDLLM_CPU_KERNELS=0``, ``cpu_ops()`` returns None, a warning is logged, and the model runs the
+same math as separate torch operations (the start-up log names the path in use).
 """
 
 from __future__ import annotations
@@ -11,42 +15,113 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
+
+# what each x86-64 micro-architecture level needs from /proc/cpuinfo's flags (levels 2 and up, as gcc defines them)
+X86_LEVEL_FLAGS = {
+    "x86-64": (),
+    "x86-64-v2": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"),
+    "x86-64-v3": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1", "bmi2", "f16c",
+                  "fma", "abm", "movbe", "xsave"),
+    "x86-64-v4": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1", "bmi2", "f16c",
+                  "fma", "abm", "movbe", "xsave", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model and feature flags (a shared extensions cache must not hand a build to a
-    CPU that lacks its instructions)."""
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """(model name, feature flags) of the first processor in the text of /proc/cpuinfo (x86 "flags", ARM
+    "Features")."""
+    model, flags = "", frozenset()
+    for line in text.splitlines():
+        key, sep, val = line.partition(":")
+        if not sep:
+            continue
+        key, val = key.strip().lower(), val.strip()
+        if key in ("model name", "cpu model", "hardware") and not model:
+            model = val
+        elif key in ("flags", "features") and not flags:
+            flags = frozenset(val.split())
+    return model, flags
+
+
+@functools.cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(CPU model name, feature flags) of this machine; without /proc/cpuinfo the platform's processor string."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+            model, flags = parse_cpuinfo(f.read())
     except OSError:
-        import platform
+        model, flags = "", frozenset()
+    return model or platform.processor() or platform.machine() or "unknown", flags
 
-        lines = [platform.processor(), platform.machine()]
-    return hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
+
+def can_run(march: str) -> bool:
+    """Whether this CPU executes code built with ``-march=march`` (``native`` always; x86-64 levels by flag)."""
+    if march == "native":
+        return True
+    if platform.machine() not in ("x86_64", "AMD64") or march not in X86_LEVEL_FLAGS:
+        return False
+    _, flags = cpu_info()
+    return set(X86_LEVEL_FLAGS[march]) <= flags
+
+
+def build_key(march: str) -> str:
+    """Hash of what decides the binary: source, flags, torch version, and (for ``native``) the CPU itself."""
+    import torch
+
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join((*BASE_CFLAGS, f"-march={march}")).encode())
+    h.update(torch.__version__.encode())
+    if march == "native":
+        model, flags = cpu_info()
+        h.update(model.encode())
+        h.update(" ".join(sorted(flags)).encode())
+    return h.hexdigest()[:12]
+
+
+def build(march: str = "native", verbose: bool = False):
+    """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build."""
+    from torch.utils.cpp_extension import load
+
+    tag = march.replace("-", "_")
+    return load(
+        name=f"pagedllm_cpu_ops_{tag}_{build_key(march)}",
+        sources=[str(SOURCE)],
+        extra_cflags=[*BASE_CFLAGS, f"-march={march}"],
+        extra_ldflags=["-fopenmp"],
+        verbose=verbose,
+    )
 
 
 @functools.cache
 def cpu_ops():
-    """The compiled module (decode_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul), or None."""
+    """The compiled module (decode_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul, qlinear, isa),
+    or None (disabled, or the build failed: logged as a warning)."""
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        return load(
-            name=f"pagedllm_cpu_ops_{_cpu_tag()}",  # -march=native: a build is only reused on the same CPU kind
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return build(target_march())
     except Exception as e:  # no compiler, or a failed build: the torch path still works
         logger.warning("fused CPU kernels unavailable (%s: %s); using plain torch operations",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+def target_march() -> str:
+    """``-march`` of the engine's build: ``native``, or ``PAGEDLLM_CPU_MARCH`` (e.g. ``x86-64-v3`` to run the AVX2
+    path on an AVX-512 machine, as the kernel tests do for each level)."""
+    return os.environ.get("PAGEDLLM_CPU_MARCH", "native")
+
+
+def kernel_path() -> str:
+    """A short description of the CPU kernel path in use, for logs and /health."""
+    ops = cpu_ops()
+    if ops is None:
+        return "torch operations (fused CPU kernels off)"
+    return f"fused CPU kernels ({ops.isa()}, -march={target_march()})"

@@ -11,13 +11,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -33,7 +34,7 @@ template <typename T> inline T from_f(float x);
 template <> inline float from_f<float>(float x) { return x; }
 template <> inline at::BFloat16 from_f<at::BFloat16>(float x) { return at::BFloat16(x); }  // round to nearest even
 
-// rows converted to float32 and back, 16 lanes at a time where AVX-512 is there (bf16 rounding: to nearest even)
+// rows converted to float32 and back, a vector at a time where AVX2/AVX-512 is there (bf16 rounding: to nearest even)
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
@@ -42,6 +43,11 @@ inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
   for (; i + 16 <= n; i += 16) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
   }
 #endif
   for (; i < n; ++i) dst[i] = to_f(src[i]);
@@ -77,110 +83,187 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
-// ------------------------------------------------------------------ decode attention
-
+// ------------------------------------------------------------------ vector layer
+// One float vector type per instruction set: 16 lanes (AVX-512), 8 lanes (AVX2 + FMA), or none (the portable
+// scalar loops below serve every other CPU, ARM included). The kernels are written once against these helpers.
 #if defined(__AVX512F__)
-// AVX-512 path for head dims that are a multiple of 16 (NC chunks of 16 floats): the G query heads of a KV head
-// and their output accumulators stay in registers while the context streams past.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
+#define PAGEDLLM_VEC 16
+using vf = __m512;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   // a*b + c
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a*b
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2n(vf x, vf n) { return _mm512_scalef_ps(x, n); }  // x * 2^n
+inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_VEC 8
+using vf = __m256;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2n(vf x, vf n) {  // x * 2^n for integral n in [-126, 127] (vexp clamps its input so n stays there)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(x, _mm256_castsi256_ps(e));
+}
+inline float vsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vhmax(vf x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+#define PAGEDLLM_VEC 0
+#endif
 
-// e^x (softmax after subtracting the max, SiLU): x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor series to
-// r^7 (relative error < 1e-8, under float32's precision), times 2^n by scalef (0 below about -87, inf above about 88).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(100.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in a high and a low part
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+#if PAGEDLLM_VEC
+constexpr int W = PAGEDLLM_VEC;
+// e^x (softmax after subtracting the max, SiLU): x = n ln2 + r, |r| <= ln2/2, e^r by its Taylor series to r^7
+// (relative error < 1e-8, under float32's precision), times 2^n. The input is clamped to [-87, 88]: e^x then
+// stays a normal float (under 1e-37 at the low end, where softmax and SiLU need 0 to within float32 rounding).
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vset1(-87.f)), vset1(88.f));
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfnma(n, vset1(0.693359375f), x);  // ln2 split in a high and a low part
+  r = vfnma(n, vset1(-2.12194440e-4f), r);
+  vf p = vset1(1.f / 5040);
+  p = vfma(p, r, vset1(1.f / 720));
+  p = vfma(p, r, vset1(1.f / 120));
+  p = vfma(p, r, vset1(1.f / 24));
+  p = vfma(p, r, vset1(1.f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.f));
+  p = vfma(p, r, vset1(1.f));
+  return vpow2n(p, n);
 }
 
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
 }
+#endif
 
-// One sequence, all heads. Each block of 16 tokens is one contiguous run of memory (16 x Hkv x D): it is read
-// once, head after head, while the next block is prefetched; a KV head's G query rows (pass 1) or output rows
-// (pass 3) stay in registers over the block.
+const char* vector_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif PAGEDLLM_VEC == 8
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// ------------------------------------------------------------------ decode attention
+
+// softmax of s[0..L) in place; returns nothing, leaves probabilities (exact: max, exp, sum, scale)
+inline void softmax_row(float* s, int64_t L) {
+  int64_t t = 0;
+  float m = -INFINITY, sum = 0.f;
+#if PAGEDLLM_VEC
+  vf mx = vset1(-INFINITY);
+  for (; t + W <= L; t += W) mx = vmax(mx, vload(s + t));
+  m = vhmax(mx);
+#endif
+  for (; t < L; ++t) m = std::max(m, s[t]);
+  t = 0;
+#if PAGEDLLM_VEC
+  const vf mv = vset1(m);
+  vf acc = vzero();
+  for (; t + W <= L; t += W) {
+    const vf e = vexp(vsub(vload(s + t), mv));
+    vstore(s + t, e);
+    acc = vadd(acc, e);
+  }
+  sum = vsum(acc);
+#endif
+  for (; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
+  const float inv = 1.f / sum;
+  for (t = 0; t < L; ++t) s[t] *= inv;
+}
+
+#if PAGEDLLM_VEC
+// Vector path for head dims that are a multiple of the vector width (NC chunks): the G query heads of a KV head
+// and their output accumulators stay in registers (AVX-512) or L1 (AVX2 spills some) while the context streams
+// past. Each block of 16 tokens is one contiguous run of memory (16 x Hkv x D): it is read once, head after
+// head, while the next block is prefetched.
 template <typename T, int G, int NC>
 void attend_seq(const float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
                 float* scores, float* out) {
-  constexpr int64_t D = NC * 16;
+  constexpr int64_t D = NC * W;
   const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS, Hq = Hkv * G;
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
     if (bi + 1 < nblocks) prefetch(kc + table[bi + 1] * blk, std::min(BS, L - t0 - BS) * tok * int64_t(sizeof(T)));
     const T* kb = kc + table[bi] * blk;
     for (int64_t h = 0; h < Hkv; ++h) {
-      __m512 qv[G][NC];
+      vf qv[G][NC];
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(qf + (h * G + g) * D + c * 16);
+        for (int c = 0; c < NC; ++c) qv[g][c] = vload(qf + (h * G + g) * D + c * W);
       for (int64_t j = 0; j < n; ++j) {
-        __m512 kv[NC];
-        for (int c = 0; c < NC; ++c) kv[c] = load16(kb + j * tok + h * D + c * 16);
+        vf kv[NC];
+        for (int c = 0; c < NC; ++c) kv[c] = vload(kb + j * tok + h * D + c * W);
         for (int g = 0; g < G; ++g) {
-          __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-          for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-          scores[(h * G + g) * L + t0 + j] = _mm512_reduce_add_ps(acc);
+          vf acc = vmul(qv[g][0], kv[0]);
+          for (int c = 1; c < NC; ++c) acc = vfma(qv[g][c], kv[c], acc);
+          scores[(h * G + g) * L + t0 + j] = vsum(acc);
         }
       }
     }
   }
   if (nblocks > 0) prefetch(vc + table[0] * blk, std::min(BS, L) * tok * int64_t(sizeof(T)));
-  std::vector<float> inv_sum(Hq);
-  for (int64_t r = 0; r < Hq; ++r) {  // exact softmax of each query head's row: max, exp, sum
-    float* s = scores + r * L;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < L; t += 16) {
-      const __mmask16 k = L - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (L - t)) - 1);
-      mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, s + t));
-    }
-    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; t += 16) {
-      const __mmask16 k = L - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (L - t)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), mv));
-      _mm512_mask_storeu_ps(s + t, k, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-    }
-    inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
-  }
+  for (int64_t r = 0; r < Hq; ++r) softmax_row(scores + r * L, L);
   std::fill(out, out + Hq * D, 0.f);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
     if (bi + 1 < nblocks) prefetch(vc + table[bi + 1] * blk, std::min(BS, L - t0 - BS) * tok * int64_t(sizeof(T)));
     const T* vb = vc + table[bi] * blk;
     for (int64_t h = 0; h < Hkv; ++h) {
-      __m512 o[G][NC];
+      vf o[G][NC];
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NC; ++c) o[g][c] = _mm512_loadu_ps(out + (h * G + g) * D + c * 16);
+        for (int c = 0; c < NC; ++c) o[g][c] = vload(out + (h * G + g) * D + c * W);
       for (int64_t j = 0; j < n; ++j) {
-        __m512 vv[NC];
-        for (int c = 0; c < NC; ++c) vv[c] = load16(vb + j * tok + h * D + c * 16);
+        vf vv[NC];
+        for (int c = 0; c < NC; ++c) vv[c] = vload(vb + j * tok + h * D + c * W);
         for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[(h * G + g) * L + t0 + j]);
-          for (int c = 0; c < NC; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+          const vf p = vset1(scores[(h * G + g) * L + t0 + j]);
+          for (int c = 0; c < NC; ++c) o[g][c] = vfma(p, vv[c], o[g][c]);
         }
       }
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + (h * G + g) * D + c * 16, o[g][c]);
+        for (int c = 0; c < NC; ++c) vstore(out + (h * G + g) * D + c * W, o[g][c]);
     }
-  }
-  for (int64_t r = 0; r < Hq; ++r) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + r * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(out + r * D + c * 16), inv));
   }
 }
 
@@ -195,22 +278,19 @@ bool attend_seq_g(int64_t G, const float* qf, const T* kc, const T* vc, const in
     default: return false;
   }
 }
+#endif
 
-// The AVX-512 path for head dims 64 and 128 and up to 8 query heads per KV head; false: use the portable loop.
+// The vector path for head dims 64 and 128 and up to 8 query heads per KV head; false: use the portable loop.
 template <typename T>
 bool attend_fast(int64_t G, int64_t D, const float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
                  int64_t BS, int64_t Hkv, float* scores, float* out) {
-  if (D == 64) return attend_seq_g<T, 4>(G, qf, kc, vc, table, L, BS, Hkv, scores, out);
-  if (D == 128) return attend_seq_g<T, 8>(G, qf, kc, vc, table, L, BS, Hkv, scores, out);
-  return false;
-}
-#else
-template <typename T>
-bool attend_fast(int64_t, int64_t, const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
-                 int64_t, float*, float*) {
-  return false;
-}
+#if PAGEDLLM_VEC
+  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, scores, out);
+  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, scores, out);
 #endif
+  (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)scores, (void)out;
+  return false;
+}
 
 template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -248,13 +328,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
             load_row(kc + (table[t / BS] * BS + t % BS) * tok_stride + h * D, row.data(), D);
             for (int64_t g = 0; g < G; ++g) sc[g * L + t] = dot(qf.data() + (h * G + g) * D, row.data(), D);
           }
-          for (int64_t g = 0; g < G; ++g) {
-            float* sg = sc + g * L;
-            float m = -INFINITY, sum = 0.f;
-            for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-            for (int64_t t = 0; t < L; ++t) sum += (sg[t] = std::exp(sg[t] - m));
-            for (int64_t t = 0; t < L; ++t) sg[t] /= sum;
-          }
+          for (int64_t g = 0; g < G; ++g) softmax_row(sc + g * L, L);
           float* a = acc.data() + h * G * D;
           std::fill(a, a + G * D, 0.f);
           for (int64_t t = 0; t < L; ++t) {
@@ -426,12 +500,11 @@ void silu_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
       load_row(gu + r * 2 * n, g.data(), n);
       load_row(gu + r * 2 * n + n, u.data(), n);
       int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= n; i += 16) {  // x * sigmoid(x) * up
-        const __m512 x = _mm512_loadu_ps(g.data() + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        _mm512_storeu_ps(g.data() + i,
-                         _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u.data() + i)));
+#if PAGEDLLM_VEC
+      for (; i + W <= n; i += W) {  // x * sigmoid(x) * up
+        const vf x = vload(g.data() + i);
+        const vf e = vexp(vsub(vzero(), x));
+        vstore(g.data() + i, vmul(vdiv(x, vadd(vset1(1.f), e)), vload(u.data() + i)));
       }
 #endif
       for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
@@ -453,6 +526,254 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ------------------------------------------------------------------ block-quantized linear (GGUF-style weights)
+// y = x W^T with W in blocks of 32 input channels, each block with a float scale d and offset m per row:
+//   4-bit codes u in [0, 16): w = d*u + m (GGUF Q4_1 as it is; Q4_0 with m = -8d);
+//   8-bit signed codes s:     w = d*s + m (GGUF Q8_0 with m = 0).
+// Activations are quantized per row and block to int8 (sx = max|x|/127, xq = round(x/sx), as llama.cpp does for
+// its Q4/Q8 dot products); then per block  sum_i w_i x_i = d*sx*sum_i(u_i xq_i) + m*sx*sum_i(xq_i).
+//
+// Layout: output rows in groups of 8, interleaved so that one 32-byte vector holds 4 consecutive inputs of each
+// of the 8 rows ("unit" i of a block: inputs 4i..4i+3, byte 4*row + t). A unit times the 4 activation bytes
+// broadcast to every lane is one vpdpbusd (AVX512-VNNI) or vpmaddubsw + vpmaddwd (AVX2): lane `row` collects
+// that row's dot product with no horizontal sums, and the 8 rows' scales are one vector load.
+//   4-bit: per group and block 128 bytes: byte (i, row, t) = code[4i+t] | code[16+4i+t] << 4 (units i, 4+i);
+//   8-bit: per group and block 256 bytes: byte (i, row, t) = code[4i+t], i in [0, 8);
+//   d, m: (N/8, K/32, 8) float32.
+// A row's arithmetic does not depend on how many rows the batch has (the same operations in the same order).
+constexpr int QB = 32;
+
+struct QuantizedRows {
+  std::vector<int8_t> q;   // (M, K)
+  std::vector<float> s;    // (M, K/32) sx
+  std::vector<float> ss;   // (M, K/32) sx * sum(xq)
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
+  const int64_t nb = K / QB;
+  out.q.resize(M * K);
+  out.s.resize(M * nb);
+  out.ss.resize(M * nb);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    float buf[QB];
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        load_row(x + r * K + b * QB, buf, QB);
+#if defined(__AVX2__) && defined(__FMA__)
+        {  // the same numbers as the scalar loop below: |x| max, x * (127 / max) rounded to nearest even
+          const __m256 sign = _mm256_set1_ps(-0.f);
+          __m256 v[4];
+          __m256 mx = _mm256_setzero_ps();
+          for (int j = 0; j < 4; ++j) {
+            v[j] = _mm256_loadu_ps(buf + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+          }
+          __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+          h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+          h = _mm_max_ss(h, _mm_movehdup_ps(h));
+          const float amax = _mm_cvtss_f32(h);
+          const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+          __m256i q[4];
+          __m256i sum = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+            sum = _mm256_add_epi32(sum, q[j]);
+          }
+          const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+          const __m256i p8 = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + r * K + b * QB), p8);
+          __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+          const float sx = amax / 127.f;
+          out.s[r * nb + b] = sx;
+          out.ss[r * nb + b] = sx * static_cast<float>(_mm_cvtsi128_si32(s4));
+          continue;
+        }
+#endif
+        float amax = 0.f;
+        for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(buf[i]));
+        const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* q = out.q.data() + r * K + b * QB;
+        int sum = 0;
+        for (int i = 0; i < QB; ++i) {
+          const int v = static_cast<int>(std::nearbyint(buf[i] * inv));
+          q[i] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        out.s[r * nb + b] = sx;
+        out.ss[r * nb + b] = sx * static_cast<float>(sum);
+      }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {  // acc + 8 int32 sums of 4 u8*s8 products; u < 128
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// One group of 8 weight rows against activation rows [r0, r0 + MT): out[r] = the 8 rows' results for row r0 + r.
+template <int BITS, int MT>
+inline void qgroup_rows(const uint8_t* wg, const float* dg, const float* mg, const QuantizedRows& xa, int64_t r0,
+                        int64_t K, int64_t nb, __m256* out) {
+  constexpr int64_t gbytes = BITS * 32;  // bytes per group and block: 128 (4-bit) or 256 (8-bit)
+  __m256 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i u[8];
+    const uint8_t* wb = wg + b * gbytes;
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
+        u[i] = _mm256_and_si256(v, low4);
+        u[4 + i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) u[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
+    }
+    const __m256 dv = _mm256_loadu_ps(dg + 8 * b), mv = _mm256_loadu_ps(mg + 8 * b);
+    for (int r = 0; r < MT; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xq = xa.q.data() + row * K + b * QB;
+      __m256i s = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {  // unit i: inputs 4i..4i+3 (4-bit: units 4..7 are the high nibbles, 16..31)
+        const __m256i xb = _mm256_set1_epi32(load_i32(xq + 4 * i));
+        if constexpr (BITS == 4) {
+          s = dot_acc(s, u[i], xb);
+        } else {  // signed codes: |w| times x with w's sign
+          s = dot_acc(s, _mm256_sign_epi8(u[i], u[i]), _mm256_sign_epi8(xb, u[i]));
+        }
+      }
+      const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row * nb + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) out[r] = acc[r];
+}
+#endif
+
+// The portable loop over the same layout: the 8 rows' results for activation row `row`.
+template <int BITS>
+inline void qgroup_scalar(const uint8_t* wg, const float* dg, const float* mg, const QuantizedRows& xa, int64_t row,
+                          int64_t K, int64_t nb, float* out) {
+  constexpr int64_t gbytes = BITS * 32;
+  for (int j = 0; j < 8; ++j) out[j] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xq = xa.q.data() + row * K + b * QB;
+    const uint8_t* wb = wg + b * gbytes;
+    int32_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < (BITS == 4 ? 4 : 8); ++i)
+      for (int j = 0; j < 8; ++j)
+        for (int t = 0; t < 4; ++t) {
+          const uint8_t byte = wb[32 * i + 4 * j + t];
+          if constexpr (BITS == 4) {
+            s[j] += (byte & 0x0F) * xq[4 * i + t] + (byte >> 4) * xq[16 + 4 * i + t];
+          } else {
+            s[j] += static_cast<int8_t>(byte) * xq[4 * i + t];
+          }
+        }
+    const float sx = xa.s[row * nb + b], ss = xa.ss[row * nb + b];
+    for (int j = 0; j < 8; ++j) out[j] += dg[8 * b + j] * sx * static_cast<float>(s[j]) + mg[8 * b + j] * ss;
+  }
+}
+
+template <typename T>
+inline void store_group(T* y, int64_t N, int64_t n0, const float* v) {  // up to 8 outputs, cut at N
+  const int64_t cnt = std::min<int64_t>(8, N - n0);
+  for (int64_t j = 0; j < cnt; ++j) y[n0 + j] = from_f<T>(v[j]);
+}
+
+template <int BITS, typename T>
+void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const float* d, const float* m, int64_t N,
+                  T* y) {
+  const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32;
+  QuantizedRows xa;
+  quantize_rows(x, M, K, xa);
+  // groups of 8 weight rows are split over the threads; a group is read once per tile of up to 4 activation rows
+  at::parallel_for(0, NG, 2, [&](int64_t begin, int64_t end) {
+    float res[8];
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* wg = w + g * gstride;
+      const float* dg = d + g * nb * 8;
+      const float* mg = m + g * nb * 8;
+      int64_t r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      __m256 out[4];
+      for (; r + 4 <= M; r += 4) {
+        qgroup_rows<BITS, 4>(wg, dg, mg, xa, r, K, nb, out);
+        for (int i = 0; i < 4; ++i) {
+          _mm256_storeu_ps(res, out[i]);
+          store_group(y + (r + i) * N, N, 8 * g, res);
+        }
+      }
+      for (; r < M; ++r) {
+        qgroup_rows<BITS, 1>(wg, dg, mg, xa, r, K, nb, out);
+        _mm256_storeu_ps(res, out[0]);
+        store_group(y + r * N, N, 8 * g, res);
+      }
+#endif
+      for (; r < M; ++r) {
+        qgroup_scalar<BITS>(wg, dg, mg, xa, r, K, nb, res);
+        store_group(y + r * N, N, 8 * g, res);
+      }
+    }
+  });
+}
+
+// x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout above;
+// d, m: (ceil(N/8), K/32 * 8) float32. Returns (M, N) in x's dtype.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
+                   int64_t N) {
+  check_cpu(x, "x");
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear: x must be contiguous (M, K)");
+  const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8;
+  TORCH_CHECK(K % QB == 0, "qlinear: in_features ", K, " is not a multiple of 32");
+  TORCH_CHECK(N >= 1, "qlinear: out_features must be >= 1");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == NG &&
+                  w.size(1) == K / QB * bits * 32, "qlinear: weight must be contiguous uint8 (ceil(N/8), K*bits)");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.is_contiguous() &&
+                  m.is_contiguous() && d.numel() == NG * (K / QB) * 8 && m.numel() == NG * (K / QB) * 8,
+              "qlinear: scales and offsets must be contiguous float32 (ceil(N/8), K/32 * 8)");
+  auto y = at::empty({M, N}, x.options());
+  dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
+    using T = decltype(tag);
+    if (bits == 4)
+      qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), N,
+                         y.data_ptr<T>());
+    else
+      qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), N,
+                         y.data_ptr<T>());
+  });
+  return y;
+}
+
+std::string isa() {
+  std::string s = vector_isa();
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  s += "+vnni";
+#endif
+#endif
+#if defined(__AVX512BF16__)
+  s += "+bf16";
+#endif
+  return s;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -461,4 +782,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)");
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block)");
+  m.def("isa", &isa, "the instruction set this build's vector paths use");
 }

@@ -18,6 +18,7 @@ class DenseLinear:
         self.bias = bias
         self.packed: torch.Tensor | None = None  # oneDNN's blocked layout of the weight (see ``prepack``)
         self.out_features, self.in_features = weight.shape
+        self.weight_dtype = weight.dtype  # the dtype its inputs are cast to (kept when only the packed copy is)
 
     def prepack(self, keep_weight: bool) -> "DenseLinear":
         """bfloat16 on CPU: keep the weight in oneDNN's pre-packed (blocked) layout, so each call skips the

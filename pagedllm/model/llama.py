@@ -25,7 +25,8 @@ LM_HEAD_DENSE_MIN_TOKENS = 2  # with a dense copy kept (--quant-dense-min-tokens
 
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quant: QuantPolicy | None = None, tp=None, dense_min_tokens: int = 0) -> None:
+                 quant: QuantPolicy | None = None, tp=None, dense_min_tokens: int = 0, block_ops=None,
+                 head_dense_min_tokens: int | None = None, dense_dtype: torch.dtype = torch.bfloat16) -> None:
         """Takes (and empties) ``weights``, named as ``model.loader`` names them.
 
         ``tp`` (a ``pagedllm.distributed.group.TPGroup``): the weights are this rank's shard
@@ -35,8 +36,10 @@ class LlamaForCausalLM:
 
         A weight is a float tensor, or already quantized (``QuantizedWeight`` / ``Fp8Weight``, e.g. from a
         quantized checkpoint, where fused weights are stored under their fused names ``qkv`` / ``gate_up``).
-        ``quant`` quantizes float weights at load time (round to nearest) by layer type. ``dense_min_tokens`` > 0:
-        packed layers also keep a bfloat16 copy, used for steps of at least that many tokens."""
+        ``quant`` quantizes float weights at load time (round to nearest) by layer type. ``block_ops`` (the fused
+        CPU kernels): integer weights in groups of 32 run through their ``qlinear`` kernel (``BlockQuantLinear``).
+        ``dense_min_tokens`` > 0: packed layers also keep a ``dense_dtype`` copy, used for steps of at least that
+        many tokens (the LM head: ``head_dense_min_tokens``, by default the smaller of the two)."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -71,10 +74,12 @@ class LlamaForCausalLM:
             if isinstance(w, torch.Tensor) and quant is not None:
                 w = quantize_weight(w.float(), quant.scheme(layer_type), quant)
             min_tokens = dense_min_tokens
-            if layer_type == "lm_head" and dense_min_tokens > 0:
+            if layer_type == "lm_head" and head_dense_min_tokens is not None:
+                min_tokens = head_dense_min_tokens
+            elif layer_type == "lm_head" and dense_min_tokens > 0:
                 # the packed int8 head only wins at one row (measured 1.0 vs 1.5 ms; 3.3 vs 1.4 ms at 8 rows)
                 min_tokens = min(dense_min_tokens, LM_HEAD_DENSE_MIN_TOKENS)
-            return build_linear(w, bias, device, dtype, min_tokens)
+            return build_linear(w, bias, device, dtype, min_tokens, block_ops, dense_dtype)
 
         self.norm = take("norm")
         self.layers = []
@@ -99,13 +104,13 @@ class LlamaForCausalLM:
             weights["lm_head"] = head_src
             self.lm_head = linear("lm_head", ["lm_head"], "lm_head")
             embed_int8 = quant is not None and quant.embed == "int8"
-            if head_src is table and (self.lm_head.kind == "dense" or (self.lm_head.kind == "int8" and (
-                    not isinstance(table, torch.Tensor) or embed_int8))):
+            if head_src is table and (self.lm_head.kind in ("dense", "q4-block", "q8-block") or (
+                    self.lm_head.kind == "int8" and (not isinstance(table, torch.Tensor) or embed_int8))):
                 self.embed = self.lm_head
             else:  # lookups from a table of their own (e.g. a quantized head, full-precision embedding)
                 if isinstance(table, torch.Tensor) and embed_int8:
                     table = quantize_weight(table.float(), "int8", quant)
-                self.embed = build_linear(table, None, device, dtype)
+                self.embed = build_linear(table, None, device, dtype, block_ops=block_ops)
         else:
             self.lm_head = linear("lm_head", ["lm_head"], "lm_head")
             self.embed = linear("embed", ["embed"], "embed")

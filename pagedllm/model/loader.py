@@ -76,9 +76,24 @@ def _native_q4(data: np.ndarray, kind: str):
     return QuantizedWeight(torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), zeros, 4, 32)
 
 
-def load_gguf(path: str, native_q4: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
-    """``native_q4``: keep Q4_0/Q4_1 tensors as packed 4-bit weights instead of dequantizing them."""
+def _native_q8(data: np.ndarray):
+    """GGUF Q8_0 blocks of 32 (f16 d, 32 signed bytes; value d*s) -> a symmetric 8-bit ``QuantizedWeight`` with
+    the same numbers (codes s + 128)."""
+    from pagedllm.quant.formats import QuantizedWeight
+
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, -1)
+    return QuantizedWeight(torch.from_numpy(codes), torch.from_numpy(d), None, 8, 32)
+
+
+def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """``native_q4``: keep Q4_0/Q4_1 tensors (other than the embedding) as packed 4-bit weights instead of
+    dequantizing them; ``native_q8``: keep Q8_0 tensors (the embedding too) as packed 8-bit weights."""
     import gguf
+
+    from pagedllm.quant.formats import reorder_rows
 
     reader = gguf.GGUFReader(path)
     arch = _gguf_field(reader, "general.architecture")
@@ -146,9 +161,14 @@ def load_gguf(path: str, native_q4: bool = False) -> tuple[ModelArchConfig, dict
         rotary = arch == "llama" and name.endswith((".q", ".k", ".q_bias", ".k_bias"))
         heads = n_head if ".q" in name else n_kv
         if native_q4 and t.tensor_type.name in ("Q4_0", "Q4_1") and t.name != "token_embd.weight":
-            from pagedllm.quant.formats import reorder_rows
-
             qw = _native_q4(t.data, t.tensor_type.name)
+            if rotary:
+                qw = reorder_rows(qw, lambda x: torch.from_numpy(np.ascontiguousarray(
+                    _unpermute_rotary(x.numpy(), heads))))
+            weights[name] = qw
+            continue
+        if native_q8 and t.tensor_type.name == "Q8_0":
+            qw = _native_q8(t.data)
             if rotary:
                 qw = reorder_rows(qw, lambda x: torch.from_numpy(np.ascontiguousarray(
                     _unpermute_rotary(x.numpy(), heads))))
@@ -226,11 +246,12 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     return cfg, weights
 
 
-def load_model_files(path: str, native_q4: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
-    """Float weights of a GGUF file or HF-style directory (GGUF 4-bit blocks kept packed with ``native_q4``).
-    Quantized checkpoints (``pagedllm quantize``) are read by ``pagedllm.quant.load``."""
+def load_model_files(path: str, native_q4: bool = False, native_q8: bool = False,
+                     ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """Float weights of a GGUF file or HF-style directory (GGUF 4-/8-bit blocks kept packed with ``native_q4`` /
+    ``native_q8``). Quantized checkpoints (``pagedllm quantize``) are read by ``pagedllm.quant.load``."""
     if os.path.isdir(path):
         return load_hf_dir(path)
     if path.endswith(".gguf"):
-        return load_gguf(path, native_q4)
+        return load_gguf(path, native_q4, native_q8)
     raise ValueError(f"{path}: expected a .gguf file or a directory with config.json and *.safetensors")

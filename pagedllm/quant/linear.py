@@ -3,10 +3,14 @@
 - ``Int8Linear``: symmetric per-output-channel int8 through ``torch._weight_int8pack_mm``.
 - ``Int4Linear``: group-wise 4-bit through torch's packed int4 matmul (``_weight_int4pack_mm_for_cpu`` on CPU,
   ``_weight_int4pack_mm`` on CUDA), dequantizing inside the kernel; AWQ's input scaling is one multiply on x.
+- ``BlockQuantLinear``: 4-bit or 8-bit codes in blocks of 32 input channels with a scale and an offset per block
+  (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are, or any group size that is a multiple of 32) through the fused
+  CPU kernel ``qlinear``: activations quantized to int8 per block, integer dot products (AVX2 / AVX512-VNNI),
+  float activations in and out, as llama.cpp computes its quantized matmuls.
 - ``Fp8Linear``: float8 e4m3 weights with per-channel scales through ``torch._scaled_mm`` (activations are
   quantized per token to e4m3 on the fly, as vLLM's fp8 does); native on CUDA sm89+, oneDNN on CPU.
 
-The kernels run with bfloat16 activations (torch's packed kernels take bf16 on CPU; they are 5-15x slower with
+torch's kernels run with bfloat16 activations (torch's packed kernels take bf16 on CPU; they are 5-15x slower with
 float32 inputs); inputs are cast to bf16 and the output back to the model's dtype.
 """
 
@@ -23,6 +27,7 @@ from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight, dequanti
 logger = logging.getLogger(__name__)
 
 ACT_DTYPE = torch.bfloat16
+QBLOCK = 32  # input channels per block of BlockQuantLinear
 
 
 class _Packed:
@@ -35,10 +40,11 @@ class _Packed:
         y = y.to(self.out_dtype)
         return y if self.bias is None else y + self.bias
 
-    def keep_dense(self, full: torch.Tensor, min_tokens: int) -> None:
-        """Also keep ``full`` (the effective weight) in bf16 and use it for steps of >= ``min_tokens`` rows: the
-        packed kernels are compute-bound at large M, where oneDNN's bf16 GEMM (AMX) is several times faster."""
-        self.dense = DenseLinear(full.to(ACT_DTYPE).contiguous()).prepack(keep_weight=False)
+    def keep_dense(self, full: torch.Tensor, min_tokens: int, dtype: torch.dtype = ACT_DTYPE) -> None:
+        """Also keep ``full`` (the effective weight) in ``dtype`` (bf16: oneDNN pre-packed) and use it for steps of
+        >= ``min_tokens`` rows: the packed kernels are compute-bound at large M, where a dense GEMM can be faster
+        (several times with AMX)."""
+        self.dense = DenseLinear(full.to(dtype).contiguous()).prepack(keep_weight=False)
         self.dense_min_tokens = min_tokens
 
     def _common_init(self, input_scale: torch.Tensor | None, bias: torch.Tensor | None, device: torch.device,
@@ -49,7 +55,7 @@ class _Packed:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
-            return self._finish(self.dense(x.to(ACT_DTYPE)))
+            return self._finish(self.dense(x.to(self.dense.weight_dtype)))
         return self._finish(self._kernel(x))
 
     def _scaled_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +121,86 @@ class Int4Linear(_Packed):
         return [self.weight, self.scales_and_zeros, self.input_scale, self.bias]
 
 
+class BlockQuantLinear(_Packed):
+    """Blocks of 32 input channels: ``w = d * u + m`` per block (``u`` 4-bit codes in [0, 16) or signed 8-bit
+    codes), computed by the fused CPU kernel ``qlinear`` from the packed codes (0.5 or 1 byte per weight plus 8
+    bytes of scale and offset per block), output rows interleaved in groups of 8 (layout: ``kernels/cpu_ops.cpp``).
+    """
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                 ops) -> None:
+        if ops is None or device.type != "cpu":
+            raise ValueError("BlockQuantLinear needs the fused CPU kernels")
+        if qw.group_size % QBLOCK or qw.bits not in (4, 8):
+            raise ValueError(f"BlockQuantLinear needs 4/8-bit weights in groups of a multiple of {QBLOCK}")
+        self.kind = f"q{qw.bits}-block"
+        self.bits = qw.bits
+        self.ops = ops
+        self.out_features, self.in_features = n, k = qw.shape
+        nb, ng = k // QBLOCK, (n + 7) // 8
+        rep = qw.group_size // QBLOCK
+        d = qw.scales.float().repeat_interleave(rep, dim=1)  # (N, K/32)
+        zero = torch.zeros_like(d) if qw.zeros is None else qw.zeros.float().repeat_interleave(rep, dim=1)
+        half = 2 ** (qw.bits - 1)  # w = (q - half) * d + zero
+        if qw.bits == 4:
+            m, codes = zero - half * d, qw.codes  # w = d*q + (zero - 8d)
+        else:
+            m, codes = zero, (qw.codes.to(torch.int16) - half).to(torch.int8).view(torch.uint8)  # w = d*s + zero
+        pad = ng * 8 - n  # zero rows up to a whole group of 8 (their outputs are not stored)
+        codes = F.pad(codes, (0, 0, 0, pad))
+        if qw.bits == 4:  # (g, row, b, h, i, t) -> (g, b, i, row, t): low nibble h=0, high nibble h=1
+            c = codes.reshape(ng, 8, nb, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+            self.codes = (c[..., 0] | (c[..., 1] << 4)).reshape(ng, nb * 128).contiguous()
+        else:  # (g, row, b, i, t) -> (g, b, i, row, t)
+            self.codes = codes.reshape(ng, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(ng, nb * 256).contiguous()
+
+        def groups(v: torch.Tensor) -> torch.Tensor:  # (N, K/32) -> (N/8, K/32 * 8)
+            return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, nb).transpose(1, 2).reshape(ng, nb * 8).contiguous()
+
+        self.scales, self.offsets = groups(d), groups(m)
+        self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(dtype)
+        self.bias = None if bias is None else bias.to(device, dtype)
+        self.out_dtype = dtype
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        if self.input_scale is not None:
+            x = x * self.input_scale.to(x.dtype)
+        return self.ops.qlinear(x.contiguous(), self.codes, self.scales, self.offsets, self.bits, self.out_features)
+
+    def _rows(self, ids: torch.Tensor | None) -> torch.Tensor:
+        """Float32 weight rows ``ids`` (all rows when None), decoded from the interleaved layout."""
+        n, k = self.out_features, self.in_features
+        nb = k // QBLOCK
+        g = torch.arange(n) if ids is None else ids.reshape(-1)
+        grp, row = g // 8, g % 8
+        t = len(g)
+        if self.bits == 4:
+            c = self.codes[grp].reshape(t, nb, 4, 8, 4)[torch.arange(t), :, :, row]  # (T, nb, i, t)
+            q = torch.stack([c & 0xF, c >> 4], dim=2).float()  # (T, nb, h, i, t): element 16h + 4i + t
+        else:
+            q = self.codes[grp].view(torch.int8).reshape(t, nb, 8, 8, 4)[torch.arange(t), :, :, row].float()
+        sc = self.scales[grp].reshape(t, nb, 8)[torch.arange(t), :, row]  # (T, nb)
+        off = self.offsets[grp].reshape(t, nb, 8)[torch.arange(t), :, row]
+        w = q.reshape(t, nb, QBLOCK) * sc.unsqueeze(-1) + off.unsqueeze(-1)
+        return w.reshape(t, k)
+
+    def dequantized(self) -> torch.Tensor:
+        """The effective (N, K) float32 weight."""
+        w = self._rows(None)
+        if self.input_scale is not None:
+            w = w * self.input_scale.float()  # the layer computes (x * input_scale) W^T
+        return w
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the (tied) table, dequantized only for the looked-up ids."""
+        return self._rows(ids).reshape(*ids.shape, self.in_features).to(self.out_dtype)
+
+    def _tensors(self) -> list:
+        return [self.codes, self.scales, self.offsets, self.input_scale, self.bias]
+
+
 class Fp8Linear(_Packed):
     kind = "fp8"
 
@@ -134,10 +220,13 @@ class Fp8Linear(_Packed):
         return [self.weight_t, self.scales, self.bias]
 
 
-def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype, dense_min_tokens: int = 0):
+def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype, dense_min_tokens: int = 0,
+                 block_ops=None, dense_dtype: torch.dtype = ACT_DTYPE):
     """The right linear kind for ``w``: a float tensor, a ``QuantizedWeight`` or an ``Fp8Weight``.
 
-    ``dense_min_tokens`` > 0 also keeps a bf16 copy for steps of at least that many rows.
+    ``block_ops`` (the fused CPU kernels): integer weights in groups of a multiple of 32 run through
+    ``BlockQuantLinear``; otherwise through torch's packed kernels. ``dense_min_tokens`` > 0 also keeps a
+    ``dense_dtype`` copy for steps of at least that many rows.
     A packed kernel that the device's torch build lacks (or rejects for this shape) falls back to a
     full-precision copy with a warning, so a checkpoint always loads."""
     if isinstance(w, torch.Tensor):
@@ -146,6 +235,8 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
     try:
         if isinstance(w, Fp8Weight):
             lin = Fp8Linear(w, bias, device, dtype)
+        elif block_ops is not None and device.type == "cpu" and w.group_size % QBLOCK == 0:
+            lin = BlockQuantLinear(w, bias, device, dtype, block_ops)
         elif w.bits == 8 and w.symmetric and w.group_size == w.shape[1]:
             lin = Int8Linear(w, bias, device, dtype)
         elif w.bits == 4:
@@ -155,7 +246,7 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
                              f"(8-bit needs one symmetric scale per output channel)")
         lin(torch.zeros(1, lin.in_features, device=device, dtype=dtype))  # probe the kernel once
         if dense_min_tokens > 0:
-            lin.keep_dense(dequantize_any(w).to(device), dense_min_tokens)
+            lin.keep_dense(dequantize_any(w).to(device), dense_min_tokens, dense_dtype)
         return lin
     except (RuntimeError, NotImplementedError) as e:
         logger.warning("packed kernel unavailable on %s (%s); using a dequantized %s copy", device, e, dtype)

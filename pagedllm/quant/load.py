@@ -3,8 +3,9 @@
 - a ``pagedllm quantize`` checkpoint directory: its packed weights (``--quantization`` may name its method or be
   left out; another value is an error);
 - ``int8`` / ``fp8``: quantize a full-precision model at load time (round to nearest, per-layer-type policy);
-- ``gguf``: keep a GGUF file's Q4_0/Q4_1 blocks packed (group 32, exactly the file's numbers) and run them
-  through the int4 kernel; other GGUF types (the Q8_0 embedding) are dequantized and the LM head is int8;
+- ``gguf``: keep a GGUF file's Q4_0/Q4_1 blocks packed (group 32, exactly the file's numbers); on CPU with the
+  fused kernels they (and a Q8_0 embedding / LM head) run through the ``qlinear`` block kernel, elsewhere through
+  torch's int4 kernel with the embedding dequantized and an int8 LM head;
 - ``awq`` / ``gptq`` / ``rtn`` without such a checkpoint: an error pointing to ``pagedllm quantize``."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pagedllm.quant.policy import ON_THE_FLY, QuantPolicy
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
 
 
-def load_weights(path: str, quantization: str | None):
-    """-> (arch, weights, policy or None, label for logs/metrics)."""
+def load_weights(path: str, quantization: str | None, block_kernel: bool = False):
+    """-> (arch, weights, policy or None, label for logs/metrics). ``block_kernel``: the fused CPU kernels will run
+    packed blocks (``gguf`` then keeps the file's Q8_0 embedding packed too)."""
     from pagedllm.model.loader import load_model_files
 
     q = None if quantization in (None, "none") else quantization
@@ -33,8 +35,9 @@ def load_weights(path: str, quantization: str | None):
     if q == "gguf":
         if not path.endswith(".gguf"):
             raise ValueError("--quantization gguf needs a .gguf model file")
-        arch, weights = load_model_files(path, native_q4=True)
-        return arch, weights, QuantPolicy(lm_head="int8", embed="int8"), "gguf (native 4-bit blocks)"
+        arch, weights = load_model_files(path, native_q4=True, native_q8=block_kernel)
+        label = "gguf (native blocks, pagedllm qlinear kernel)" if block_kernel else "gguf (native 4-bit blocks)"
+        return arch, weights, QuantPolicy(lm_head="int8", embed="int8"), label
     arch, weights = load_model_files(path)
     if q is None:
         return arch, weights, None, "none"

@@ -513,7 +513,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     async def health():
         if not engine.is_alive:
             return error_json(503, "engine loop is not running")
-        detail: dict = {"status": "ok"}
+        detail: dict = {"status": "ok", "runtime": engine.runtime}
         if breaker is not None:
             detail["circuit"] = breaker.detail()
         if fallback is not None:
@@ -522,7 +522,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
 
     @app.get("/version")
     async def version():
-        return {"version": pagedllm.__version__}
+        return {"version": pagedllm.__version__, "runtime": engine.runtime}
 
     @app.get("/v1/models")
     async def models():

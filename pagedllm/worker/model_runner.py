@@ -18,6 +18,7 @@ import torch
 
 from pagedllm.config import EngineConfig, resolve_model_path
 from pagedllm.errors import TensorParallelError
+from pagedllm.kernels import cpu_ops, kernel_path
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import ModelArchConfig, load_model_files
@@ -27,6 +28,7 @@ from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedllm.spec.ngram import propose_ngram
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.autotune import WeightPlan, blocks_for_autotune, choose_plan, plan_summary
 from pagedllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -85,12 +87,23 @@ class ModelRunner:
         self.dtype = choose_dtype(config.model.dtype, self.device)
         path = resolve_model_path(config.model.model)
         self.model_path = path
-        arch, weights, policy, self.quantization = load_weights(path, config.quantization)
+        ops = cpu_ops() if self.device.type == "cpu" else None
+        self.kernel_path = kernel_path() if self.device.type == "cpu" else f"torch on {self.device}"
+        self.weight_plan: WeightPlan | None = None
+        arch, weights, policy, self.quantization = self._load(path, ops)
         self.arch: ModelArchConfig = arch
         if config.tensor_parallel_size > 1:
             weights = self._start_tensor_parallel(arch, weights, store)
-        self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp,
-                                      dense_min_tokens=config.quant_dense_min_tokens)
+        plan = self.weight_plan
+        block_ops = ops if (plan.block_kernel if plan else config.quantization == "gguf") else None
+        if plan is not None:
+            self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, None,
+                                          dense_min_tokens=plan.layer_dense_min_tokens, block_ops=block_ops,
+                                          head_dense_min_tokens=plan.head_dense_min_tokens,
+                                          dense_dtype=_DTYPES[plan.dense_dtype])
+        else:
+            self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp,
+                                          dense_min_tokens=config.quant_dense_min_tokens, block_ops=block_ops)
         del weights
         max_len = config.model.max_model_len or arch.max_position
         if max_len > arch.max_position:
@@ -140,15 +153,42 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         logger.info(
-            "model %s (%s, %d layers) on %s/%s, quantization %s: weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB)",
+            "model %s (%s, %d layers) on %s/%s, weights %s (%.1f MiB), %s; KV cache %d blocks x %d tokens (%.1f MiB)",
             path, arch.arch, arch.num_layers, self.device, self.dtype, self.quantization, self.model.weight_bytes() / 2**20,
-            self.num_blocks, self.block_size, self.kv_cache_bytes / 2**20,
+            self.kernel_path, self.num_blocks, self.block_size, self.kv_cache_bytes / 2**20,
         )
         if self.tp is not None and rank == 0:
             logger.info("tensor parallelism: %d ranks, weights per rank %s MiB (%.1f MiB in all), KV cache per rank "
                         "%d heads of %d", self.tp.world_size,
                         " / ".join(f"{b / 2**20:.1f}" for b in self.rank_weight_bytes),
                         sum(self.rank_weight_bytes) / 2**20, self.model.num_kv_heads, arch.num_kv_heads)
+
+    def _load(self, path: str, ops):
+        """Weights as the flags ask; with ``--dtype auto`` on CPU (no ``--quantization``, one rank, a GGUF of
+        4/8-bit blocks, kernels built) the path measured fastest here (``worker.autotune``)."""
+        c = self.config
+        auto = (c.model.dtype == "auto" and c.quantization is None and self.device.type == "cpu" and ops is not None
+                and c.tensor_parallel_size == 1 and path.endswith(".gguf"))
+        if auto:
+            arch, weights = load_model_files(path, native_q4=True, native_q8=True)
+            if blocks_for_autotune(weights, arch.num_layers):
+                plan = choose_plan(weights, arch.num_layers, ops)
+                self.weight_plan = plan
+                logger.info("weight path (%s on this CPU): %s", plan.source, plan.describe())
+                if plan.block_kernel:
+                    return arch, weights, None, "gguf blocks (auto)"
+                self.dtype = _DTYPES[plan.dense_dtype]
+                self.weight_plan = None  # dense weights: the plain path below
+            del weights
+        return load_weights(path, c.quantization, block_kernel=ops is not None and c.quantization == "gguf")
+
+    def describe(self) -> dict:
+        """What runs: device, dtype, weight format, kernel path and the auto-chosen plan (logs, /health)."""
+        d = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+             "weights": self.quantization, "kernels": self.kernel_path}
+        if self.weight_plan is not None:
+            d["weight_plan"] = plan_summary(self.weight_plan)
+        return d
 
     # ------------------------------------------------------------------ tensor parallelism
     def _start_tensor_parallel(self, arch: ModelArchConfig, weights: dict, store) -> dict:

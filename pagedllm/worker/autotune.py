@@ -1,0 +1,194 @@
+"""The weight path of ``--dtype auto`` on CPU, chosen by measuring this model's own linear shapes on this CPU.
+
+For a GGUF model whose weights are 4-/8-bit blocks, three ways to run a linear layer compete:
+
+- ``block``: the file's blocks as they are, through the fused kernel ``qlinear`` (int8 activations, integer dot
+  products; 0.5-1 byte per weight read per step);
+- ``dense-float32``: a float32 copy through torch's GEMM (4 bytes per weight; the exact-HF reference numbers);
+- ``dense-bfloat16``: a bfloat16 copy in oneDNN's pre-packed layout, where oneDNN has bf16 kernels (AMX on
+  Sapphire Rapids; emulated and slow on CPUs without bf16 instructions, which the measurement shows).
+
+Each is timed on one decoder layer's linears (x number of layers) and on the LM head at batch sizes 1..256. The
+packed path serves small steps when it wins there; a dense copy is kept for steps of at least the batch size from
+which it is faster (per group: the layers and the LM head), or none when it never is. The plan is cached per CPU,
+model shapes, kernel source and torch version (``~/.cache/pagedllm/autotune.json``), so later starts skip the
+measurement; the start-up log and ``/health`` show it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedllm.kernels import build_key, cpu_info, target_march
+from pagedllm.layers.linear import DenseLinear
+from pagedllm.quant.formats import QuantizedWeight, concat, dequantize_any
+from pagedllm.quant.linear import BlockQuantLinear
+
+logger = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 4, 16, 64, 256)
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """How the linears of a packed model run: packed blocks for small steps, an optional dense copy for steps of
+    at least ``*_dense_min_tokens`` rows (0: no copy)."""
+
+    block_kernel: bool
+    layer_dense_min_tokens: int
+    head_dense_min_tokens: int
+    dense_dtype: str  # "float32" | "bfloat16"
+    source: str  # "measured" | "cached"
+    # per candidate, per batch size: milliseconds of one forward's linears (layers x num_layers) and of the head
+    timings_ms: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        def part(n: int) -> str:
+            return f"packed blocks, {self.dense_dtype} copy from {n} rows" if n else "packed blocks at every size"
+
+        return f"layers: {part(self.layer_dense_min_tokens)}; LM head: {part(self.head_dense_min_tokens)}"
+
+
+def _cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedllm" / "autotune.json"
+
+
+def _time_ms(fn, x: torch.Tensor, min_s: float = 0.03, max_reps: int = 50) -> float:
+    fn(x)  # warm-up (first-touch, oneDNN primitive creation)
+    times = []
+    t_end = time.perf_counter() + min_s
+    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() < t_end):
+        t = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
+    """Whether every linear of the model (and the LM head) is an integer weight the block kernel runs."""
+    names = [f"layers.{i}.{n}" for i in range(num_layers) for n in ("q", "k", "v", "o", "gate", "up", "down")]
+    names.append("lm_head" if "lm_head" in weights else "embed")
+    return all(isinstance(weights.get(n), QuantizedWeight) and weights[n].group_size % 32 == 0 for n in names)
+
+
+def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
+    """Layer 0's linears, fused as the model fuses them."""
+    p = "layers.0."
+    return {
+        "qkv": concat([weights[p + n] for n in ("q", "k", "v")]),
+        "o": weights[p + "o"],
+        "gate_up": concat([weights[p + "gate"], weights[p + "up"]]),
+        "down": weights[p + "down"],
+    }
+
+
+def _candidates(w: QuantizedWeight, ops, bf16: bool) -> dict:
+    full = dequantize_any(w)
+    out = {"block": BlockQuantLinear(w, None, torch.device("cpu"), torch.float32, ops),
+           "dense-float32": DenseLinear(full.contiguous())}
+    if bf16:
+        out["dense-bfloat16"] = DenseLinear(full.to(torch.bfloat16).contiguous()).prepack(keep_weight=False)
+    return out
+
+
+def _bf16_fast_enough() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES) -> dict:
+    """{"layers"|"head": {candidate: {batch size: ms}}} for one forward's linears."""
+    bf16 = _bf16_fast_enough()
+    groups = {"layers": list(_layer_weights(weights).values()), "head": [weights.get("lm_head", weights["embed"])]}
+    res: dict = {}
+    for group, ws in groups.items():
+        per: dict = {}
+        lins = [_candidates(w, ops, bf16) for w in ws]
+        for name in lins[0]:
+            per[name] = {}
+            for m in batch_sizes:
+                ms = 0.0
+                for cand, w in zip(lins, ws):
+                    lin = cand[name]
+                    x = torch.randn(m, w.shape[1])
+                    dtype = lin.weight_dtype if isinstance(lin, DenseLinear) else torch.float32
+                    ms += _time_ms(lambda t, lin=lin, dtype=dtype: lin(t.to(dtype)), x)
+                per[name][m] = round(ms * (num_layers if group == "layers" else 1), 4)
+        res[group] = per
+    return res
+
+
+def plan_from_timings(timings: dict, source: str) -> WeightPlan:
+    """The block kernel where it is fastest at batch 1; then the fastest dense copy from the first measured batch
+    size where it beats the block kernel (each group separately)."""
+    def threshold(per: dict) -> tuple[int, str]:
+        dense = [n for n in per if n.startswith("dense-")]
+        for m in sorted(per["block"]):
+            best = min(dense, key=lambda n: per[n][m])
+            if per[best][m] < per["block"][m]:
+                return m, best
+        return 0, "dense-float32"
+
+    layers, head = timings["layers"], timings["head"]
+    block_at_1 = min(layers, key=lambda n: layers[n][1]) == "block"
+    if not block_at_1:  # a dense path wins even for one row: no packed weights at all
+        best = min((n for n in layers if n.startswith("dense-")), key=lambda n: layers[n][1])
+        return WeightPlan(False, 1, 1, best.removeprefix("dense-"), source, timings)
+    lt, ld = threshold(layers)
+    ht, hd = threshold(head)
+    dense_dtype = ld if lt else hd
+    return WeightPlan(True, lt, ht, dense_dtype.removeprefix("dense-"), source, timings)
+
+
+def cache_key(weights: dict, num_layers: int) -> str:
+    model, flags = cpu_info()
+    shapes = sorted((k, tuple(w.shape), w.bits, w.group_size) for k, w in _layer_weights(weights).items())
+    head = weights.get("lm_head", weights["embed"])
+    h = hashlib.sha256(json.dumps([CACHE_VERSION, model, sorted(flags), os.cpu_count(), torch.get_num_threads(),
+                                   torch.__version__, build_key(target_march()), shapes, num_layers,
+                                   [tuple(head.shape), head.bits, head.group_size]]).encode())
+    return h.hexdigest()[:16]
+
+
+def choose_plan(weights: dict, num_layers: int, ops) -> WeightPlan:
+    """The cached plan for this CPU and model shapes, or a new measurement (a few seconds), cached."""
+    key = cache_key(weights, num_layers)
+    path = _cache_path()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached.get(key), dict):
+        try:  # JSON keeps the batch sizes as strings
+            timings = {g: {c: {int(m): float(t) for m, t in per.items()} for c, per in cands.items()}
+                       for g, cands in cached[key].items()}
+            return plan_from_timings(timings, "cached")
+        except (KeyError, TypeError, ValueError):
+            pass  # a stale or damaged entry: measure again
+    t = time.perf_counter()
+    timings = measure(weights, num_layers, ops)
+    logger.info("weight path measured in %.1f s", time.perf_counter() - t)
+    cached[key] = timings
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("could not cache the weight-path measurement in %s: %s", path, e)
+    return plan_from_timings(timings, "measured")
+
+
+def plan_summary(plan: WeightPlan) -> dict:
+    d = asdict(plan)
+    d["description"] = plan.describe()
+    return d

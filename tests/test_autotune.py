@@ -1,0 +1,88 @@
+"""The auto weight path on CPU (worker/autotune.py): the plan follows the measured timings, is cached per CPU and
+model, and the default engine runs it with output close to the float32 reference."""
+
+import pytest
+import torch
+
+from pagedllm.worker.autotune import WeightPlan, choose_plan, plan_from_timings
+
+
+def _t(block, f32, bf16=None):
+    sizes = (1, 4, 16, 64, 256)
+    d = {"block": dict(zip(sizes, block)), "dense-float32": dict(zip(sizes, f32))}
+    if bf16 is not None:
+        d["dense-bfloat16"] = dict(zip(sizes, bf16))
+    return d
+
+
+def test_plan_from_timings():
+    # AVX2-like: no fast bf16; the blocks win up to 16 rows, float32 from 64 (layers); the head never switches
+    p = plan_from_timings({"layers": _t([1, 3, 10, 50, 200], [5, 6, 12, 40, 150]),
+                           "head": _t([1, 2, 5, 20, 80], [9, 10, 15, 40, 120])}, "measured")
+    assert p == WeightPlan(True, 64, 0, "float32", "measured", p.timings_ms)
+    # AMX-like: bf16 copies win from 4 rows
+    p = plan_from_timings({"layers": _t([4, 10, 36, 145, 646], [12, 27, 40, 147, 449], [7, 8, 15, 42, 225]),
+                           "head": _t([1.2, 2.9, 12, 49, 198], [12, 22, 27, 54, 144], [2, 2.7, 4, 11, 45])}, "cached")
+    assert (p.block_kernel, p.layer_dense_min_tokens, p.head_dense_min_tokens, p.dense_dtype) == (True, 4, 4, "bfloat16")
+    assert "bfloat16 copy from 4 rows" in p.describe()
+    # a dense path that wins at one row: no packed weights at all
+    p = plan_from_timings({"layers": _t([9, 9, 9, 9, 9], [5, 5, 5, 5, 5]), "head": _t([1] * 5, [2] * 5)}, "measured")
+    assert not p.block_kernel and p.dense_dtype == "float32"
+
+
+@pytest.fixture(scope="module")
+def native_weights():
+    from pagedllm.config import default_model_path
+    from pagedllm.model.loader import load_model_files
+
+    return load_model_files(default_model_path(), native_q4=True, native_q8=True)
+
+
+def test_choose_plan_measures_once_then_reads_the_cache(native_weights, tmp_path, monkeypatch):
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.worker import autotune
+
+    arch, weights = native_weights
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    real = autotune.measure
+    monkeypatch.setattr(autotune, "measure", lambda *a, **k: calls.append(1) or real(*a, batch_sizes=(1, 16), **k))
+    first = choose_plan(weights, arch.num_layers, cpu_ops())
+    second = choose_plan(weights, arch.num_layers, cpu_ops())
+    assert (first.source, second.source, len(calls)) == ("measured", "cached", 1)
+    assert (tmp_path / "pagedllm" / "autotune.json").exists()
+    assert second == WeightPlan(first.block_kernel, first.layer_dense_min_tokens, first.head_dense_min_tokens,
+                                first.dense_dtype, "cached", second.timings_ms)
+    for group in ("layers", "head"):
+        assert set(second.timings_ms[group]["block"]) == {1, 16}
+        assert all(t > 0 for per in second.timings_ms[group].values() for t in per.values())
+
+
+def test_default_engine_runs_the_plan_close_to_float32():
+    """LLM() on CPU: the measured plan, named in its runtime description; its greedy tokens follow the float32
+    reference (the same weights; only the int8 rounding of activations differs) with close logprobs."""
+    from conftest import PROMPTS
+    from pagedllm import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3)
+    auto = LLM(enable_prefix_caching=False)
+    rt = auto.engine.runtime
+    assert rt["device"] == "cpu" and "fused CPU kernels" in rt["kernels"]
+    plan = rt["weight_plan"]
+    assert plan["block_kernel"] and rt["weights"] == "gguf blocks (auto)"
+    lins = auto.engine.core.runner.model.linears()
+    assert {lin.kind for lin in lins.values()} == {"q4-block", "q8-block"}
+    got = auto.generate(PROMPTS, sp, use_tqdm=False)
+    del auto
+    ref = LLM(dtype="float32", enable_prefix_caching=False).generate(PROMPTS, sp, use_tqdm=False)
+    agree = 0
+    for a, b in zip(got, ref):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(tb))
+        agree += n
+        for la, lb in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n]):
+            assert abs(la.logprob - lb.logprob) < 0.2, (a.prompt, la, lb)
+        if n < len(tb):  # a divergence must be a near-tie in the float32 reference
+            alts = {t.token_id: t.logprob for t in b.outputs[0].logprobs[n].top}
+            assert ta[n] in alts and alts[tb[n]] - alts[ta[n]] < 0.25, (a.prompt, n, alts, ta[n])
+    assert agree >= len(PROMPTS) * 16 // 2  # most tokens agree before any such tie
