@@ -16,7 +16,7 @@ POISON = 49150  # a valid token id that makes the (patched) model fail
 
 @pytest.fixture(scope="module")
 def app_and_engine():
-    engine = AsyncLLM(build_config())
+    engine = AsyncLLM(build_config(dtype="float32"))
     model = engine.engine.core.runner.model
     real_forward = model.forward
 

@@ -57,6 +57,43 @@ def model_linear_gflops(arch, batch: int, dtype: torch.dtype) -> float:
     return total_flops / total_time / 1e9
 
 
+def block_kernel_rows(arch, batches=(1, 8, 32)) -> list[dict]:
+    """The qlinear block kernel on the model's linear shapes with 4-bit blocks (random weights): time, weight bytes
+    streamed per second, and multiply-adds per second, per shape and batch size."""
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.layers.linear import tensor_bytes
+    from pagedllm.quant.formats import quantize_rtn
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    ops = cpu_ops()
+    if ops is None:
+        return []
+    rows = []
+    for k, n, count in model_shapes(arch):
+        lin = BlockQuantLinear(quantize_rtn(torch.randn(n, k), 4, 32, False), None, torch.device("cpu"),
+                               torch.float32, ops)
+        nbytes = tensor_bytes(lin._tensors())
+        for b in batches:
+            x = torch.randn(b, k)
+            t = _time(lambda: lin(x), min_time=0.15)
+            rows.append({"in": k, "out": n, "count": count, "batch": b, "us": t * 1e6, "weight_gbs": nbytes / t / 1e9,
+                         "gmacs": b * k * n / t / 1e9})
+    return rows
+
+
+def decode_read_bytes(model) -> int:
+    """Weight bytes one single-row decode step reads: packed weights where a layer has them (not its dense copy
+    for large steps), and the LM head (a tied embedding only through it)."""
+    from pagedllm.layers.linear import tensor_bytes
+
+    tensors = [model.norm]
+    for name, lin in model.linears().items():
+        if name == "embed":
+            continue  # lookups read a few rows; a tied table is counted as the LM head
+        tensors += lin._tensors() if hasattr(lin, "_tensors") else lin.tensors()
+    return tensor_bytes(tensors)
+
+
 def bandwidth_gbs(nbytes: int = 1 << 29) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
@@ -109,10 +146,20 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(dtype=args.dtype)
     runner = llm.engine.core.runner
     arch, dtype = runner.arch, runner.dtype
-    weight_bytes = runner.model.weight_bytes()
+    res["runtime"] = runner.describe()
+    blocks = block_kernel_rows(arch)
+    if blocks:
+        res["block_kernel"] = blocks
+        print(f"\nqlinear block kernel (4-bit blocks, {runner.kernel_path}) on the model's shapes:")
+        print(f"{'in':>6} {'out':>6} {'batch':>5} {'us':>8} {'weight GB/s':>12} {'% of copy bw':>13} {'GMAC/s':>8}")
+        for r in blocks:
+            print(f"{r['in']:6d} {r['out']:6d} {r['batch']:5d} {r['us']:8.1f} {r['weight_gbs']:12.1f} "
+                  f"{100 * r['weight_gbs'] / res['bandwidth_gbs']:12.1f}% {r['gmacs']:8.1f}")
+    weight_bytes = decode_read_bytes(runner.model)
     res["dtype"] = str(dtype).replace("torch.", "")
     res["rows"] = []
-    print(f"\nengine dtype {res['dtype']}; weights {weight_bytes / 2**20:.0f} MiB")
+    print(f"\nengine: {res['runtime']['weights']}, dtype {res['dtype']}; {weight_bytes / 2**20:.0f} MiB of weights read "
+          f"per single-row step ({runner.model.weight_bytes() / 2**20:.0f} MiB held)")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'model-shape ceiling':>20} {'MFU vs ceiling':>15} "
           f"{'MFU vs peak':>12}")
     peak = res[f"peak_gflops_{res['dtype']}"] if f"peak_gflops_{res['dtype']}" in res else res["peak_gflops_float32"]
