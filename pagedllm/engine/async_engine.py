@@ -135,8 +135,8 @@ class AsyncLLM:
     def encode_prompt(self, prompt):
         return self.engine.encode_prompt(prompt)
 
-    def encode_chat(self, messages: list[dict]):
-        return self.engine.encode_chat(messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None):
+        return self.engine.encode_chat(messages, tools)
 
     def generate(
         self, prompt_text: str | None, prompt_token_ids: list[int], params: SamplingParams,

@@ -11,6 +11,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.outputs import IterationStats, RequestOutput
+from pagedllm.sample.structured import StructuredOutputs
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -58,6 +59,16 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_iteration_stats = IterationStats()
         self.runtime = self.core.runner.describe()  # device, dtype, weight format, kernel path, weight plan
+        self._structured: StructuredOutputs | None = None
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """Grammar compiler for constrained requests, made on the first one (about 0.6 s: llguidance reads the
+        vocabulary) and shared with the model runner."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.core.runner.arch.vocab_size, self.eos_token_id)
+            self.core.runner.structured = self._structured
+        return self._structured
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -71,13 +82,18 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja errors (a template raising on an unexpected message) are bad input
+            raise ValueError(f"the chat template cannot render these messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
-        text = self.apply_chat_template(messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        text = self.apply_chat_template(messages, tools=tools)
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ requests
@@ -96,6 +112,8 @@ class LLMEngine:
     def add_tokenized_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                               priority: int = 0, arrival_time: float | None = None,
                               max_queue_delay_ms: float | None = None) -> str:
+        if params.structured_outputs is not None:
+            self.structured.grammar(params.structured_outputs)  # compiles (cached) or raises ValueError -> 400
         parent, reqs = self.output_processor.make_requests(request_id, text, ids, params, priority, arrival_time)
         for r in reqs:
             r.max_queue_delay_ms = max_queue_delay_ms

@@ -11,11 +11,9 @@ import hashlib
 import logging
 import os
 
+from pagedllm.config import cache_dir
+
 logger = logging.getLogger(__name__)
-
-
-def cache_dir() -> str:
-    return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
 
 
 def load_tokenizer(model_path: str):

@@ -647,15 +647,21 @@ inline void qgroup_rows(const uint8_t* wg, const float* dg, const float* mg, con
     for (int r = 0; r < MT; ++r) {
       const int64_t row = r0 + r;
       const int8_t* xq = xa.q.data() + row * K + b * QB;
-      __m256i s = _mm256_setzero_si256();
-      for (int i = 0; i < 8; ++i) {  // unit i: inputs 4i..4i+3 (4-bit: units 4..7 are the high nibbles, 16..31)
-        const __m256i xb = _mm256_set1_epi32(load_i32(xq + 4 * i));
+      // unit i: inputs 4i..4i+3 (4-bit: units 4..7 are the high nibbles, 16..31); two accumulators halve the
+      // chain of dependent dot products (their latency, not their throughput, bounded this loop)
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int i = 0; i < 8; i += 2) {
+        const __m256i x0 = _mm256_set1_epi32(load_i32(xq + 4 * i));
+        const __m256i x1 = _mm256_set1_epi32(load_i32(xq + 4 * i + 4));
         if constexpr (BITS == 4) {
-          s = dot_acc(s, u[i], xb);
+          s0 = dot_acc(s0, u[i], x0);
+          s1 = dot_acc(s1, u[i + 1], x1);
         } else {  // signed codes: |w| times x with w's sign
-          s = dot_acc(s, _mm256_sign_epi8(u[i], u[i]), _mm256_sign_epi8(xb, u[i]));
+          s0 = dot_acc(s0, _mm256_sign_epi8(u[i], u[i]), _mm256_sign_epi8(x0, u[i]));
+          s1 = dot_acc(s1, _mm256_sign_epi8(u[i + 1], u[i + 1]), _mm256_sign_epi8(x1, u[i + 1]));
         }
       }
+      const __m256i s = _mm256_add_epi32(s0, s1);
       const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row * nb + b]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
       acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row * nb + b]), acc[r]);

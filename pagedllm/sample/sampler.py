@@ -31,6 +31,7 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf (min_tokens)
     max_num_logprobs: int | None  # None: no row wants logprobs
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, (rows, V) bool): grammar-allowed tokens
 
 
 @dataclass
@@ -87,6 +88,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata, return_probs: bool = False) -> SamplerOutput:
         """logits: (B, V) float32 raw model outputs."""
         raw = logits
+        if m.allowed is not None:  # constrained decoding: every token the row's grammar forbids gets -inf
+            rows, ok = m.allowed
+            logits = logits.index_put((rows,), logits[rows].masked_fill(~ok, float("-inf")))
         if m.banned is not None:
             logits = logits.index_put((m.banned[0], m.banned[1]), torch.tensor(float("-inf"), device=logits.device))
         if m.logit_bias is not None:

@@ -25,6 +25,8 @@ from pagedllm.errors import EngineOverloadedError
 from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FaultInjection
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedllm.server.tools import (TOOL_CALL_PARSERS, check_tools, extract_tool_calls, plan_tools, template_messages,
+                                   visible_content)
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -103,8 +105,10 @@ def _stream_error(e: Exception) -> str:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_names: list[str], fallback: AsyncLLM | None = None,
                  fallback_name: str | None = None, breaker: CircuitBreaker | None = None,
-                 request_timeout_s: float | None = None, faults: FaultInjection | None = None) -> None:
+                 request_timeout_s: float | None = None, faults: FaultInjection | None = None,
+                 auto_tools: bool = False) -> None:
         self.engine = engine
+        self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
         self.model_names = model_names
         self.tokenizer = engine.tokenizer
         self.fallback, self.fallback_name = fallback, fallback_name
@@ -277,8 +281,9 @@ class OpenAIServing:
             prompts = list(p)
         if not prompts:
             raise APIError(400, "prompt must not be empty", "prompt")
+        self._refuse_unsupported(req)
         encoded = [self.engine.encode_prompt(x) for x in prompts]
-        params = req.to_sampling_params(req.max_tokens, req.logprobs)
+        params = req.to_sampling_params(req.max_tokens, req.logprobs, req.structured())
         gens, model = await self._start(
             lambda eng: encoded if eng is self.engine else [eng.encode_prompt(x) for x in prompts], params, req, model)
         served = {"x-pagedllm-served-by": model}
@@ -353,8 +358,25 @@ class OpenAIServing:
             for lp in lps
         ]}
 
+    @staticmethod
+    def _refuse_unsupported(req) -> None:
+        bad = req.unsupported_fields()
+        if bad:
+            raise APIError(400, f"unsupported field(s) {bad}: pagedllm does not implement "
+                                f"{'it' if len(bad) == 1 else 'them'}", bad[0])
+
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         model = self.check_model(req.model)
+        self._refuse_unsupported(req)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tools)
+        funcs = check_tools(req.tools)
+        structured = req.structured()
+        if plan.structured is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {plan.mode!r} constrains the output itself: it cannot be combined "
+                                    "with response_format or guided decoding", "tool_choice")
+            structured = plan.structured
+        tools = req.tools if plan.mode != "none" else None
         messages = []
         for m in req.messages:
             content = m.content
@@ -366,15 +388,20 @@ class OpenAIServing:
                                        "messages")
                     parts.append(part.get("text", ""))
                 content = "".join(parts)
-            messages.append({"role": m.role, "content": content or ""})
-        encoded = [self.engine.encode_chat(messages)]  # a template error is a 400 before anything is queued
+            msg = {"role": m.role, "content": content or ""}
+            for key in ("tool_calls", "tool_call_id", "name"):
+                if (m.model_extra or {}).get(key) is not None:
+                    msg[key] = m.model_extra[key]
+            messages.append(msg)
+        messages = template_messages(messages)
+        encoded = [self.engine.encode_chat(messages, tools)]  # a template error is a 400 before anything is queued
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.to_sampling_params(max_tokens, logprobs)
+        params = req.to_sampling_params(max_tokens, logprobs, structured)
         gens, model = await self._start(
-            lambda eng: encoded if eng is self.engine else [eng.encode_chat(messages)], params, req, model)
+            lambda eng: encoded if eng is self.engine else [eng.encode_chat(messages, tools)], params, req, model)
         served = {"x-pagedllm-served-by": model}
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -384,11 +411,17 @@ class OpenAIServing:
             if finals is None:
                 return Response(status_code=499)
             final = finals[0]
-            choices = [{
-                "index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            } for c in final.outputs]
+            choices = []
+            for c in final.outputs:
+                content, calls = extract_tool_calls(plan, c.text, funcs)
+                message = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = calls
+                choices.append({
+                    "index": c.index, "message": message,
+                    "logprobs": self._chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason,
+                })
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                                  "choices": choices, "usage": self._usage([final])}, headers=served)
 
@@ -412,7 +445,15 @@ class OpenAIServing:
                 async for _, o in self._merged(gens):
                     for c in o.outputs:
                         start = sent_text.get(c.index, 0)
-                        delta = c.text[start:]
+                        calls = []  # content streams as it comes, except what may be (or is) a tool call
+                        if plan.mode == "none":
+                            shown = c.text
+                        elif c.finish_reason is None:
+                            shown = visible_content(plan, c.text)
+                        else:
+                            _, calls = extract_tool_calls(plan, c.text, funcs)
+                            shown = visible_content(plan, c.text) if calls else c.text
+                        delta = shown[start:]
                         lps = None
                         if c.logprobs is not None:
                             k = sent_lps.get(c.index, 0)
@@ -420,9 +461,12 @@ class OpenAIServing:
                             sent_lps[c.index] = len(c.logprobs)
                         if not delta and c.finish_reason is None and not (lps and lps["content"]):
                             continue
-                        sent_text[c.index] = len(c.text)
-                        yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
-                                      "logprobs": lps, "finish_reason": c.finish_reason}])
+                        sent_text[c.index] = len(shown)
+                        d = {"content": delta} if delta else {}
+                        if calls:
+                            d["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                        finish = "tool_calls" if calls else c.finish_reason
+                        yield chunk([{"index": c.index, "delta": d, "logprobs": lps, "finish_reason": finish}])
                     if o.finished:
                         final = o
                 if include_usage and final is not None:
@@ -448,8 +492,10 @@ async def _prepend(first, gen: AsyncIterator) -> AsyncIterator:
 def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, metrics=None, fallback: AsyncLLM | None = None,
               fallback_name: str | None = None, breaker: CircuitBreaker | None = None,
-              request_timeout_s: float | None = None, faults: FaultInjection | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, model_names, fallback, fallback_name, breaker, request_timeout_s, faults)
+              request_timeout_s: float | None = None, faults: FaultInjection | None = None,
+              auto_tools: bool = False) -> FastAPI:
+    serving = OpenAIServing(engine, model_names, fallback, fallback_name, breaker, request_timeout_s, faults,
+                            auto_tools)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -587,6 +633,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--circuit-breaker-threshold", type=int, default=5, help="failures that open the circuit")
     g.add_argument("--circuit-breaker-window-s", type=float, default=60.0)
     g.add_argument("--circuit-breaker-cooldown-s", type=float, default=30.0, help="open -> half-open after this")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file used instead of the model's (e.g. one that renders tools)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides, its calls are parsed (--tool-call-parser)')
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks (Qwen2.5, "
+                        "Hermes-style templates)")
     g.add_argument("--fault-injection", default=os.environ.get("PAGEDLLM_FAULT_INJECTION"),
                    help='tests only: \'{"fail_marker": "...", "stall_marker": "..."}\' makes the primary fail or '
                         "stall on prompts containing the marker")
@@ -611,8 +664,16 @@ def run_server(args: argparse.Namespace) -> int:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)  # a flag the engine cannot honour stops here, with its message
     faults = FaultInjection.parse(args.fault_injection)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            chat_template = f.read()
     name = args.served_model_name or default_served_name(args.model)
     engine = AsyncLLM(config, log_stats_interval=args.log_stats_interval)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     runner = engine.engine.core.runner
     metrics = PrometheusStatLogger(name, runner.kv_cache_bytes, runner.num_blocks * runner.block_size,
                                    runner.bytes_per_block)
@@ -632,7 +693,8 @@ def run_server(args: argparse.Namespace) -> int:
                                  args.circuit_breaker_cooldown_s)
     app = build_app(engine, [name], api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                     metrics=metrics, fallback=fallback, fallback_name=fallback_name, breaker=breaker,
-                    request_timeout_s=args.request_timeout_s, faults=faults)
+                    request_timeout_s=args.request_timeout_s, faults=faults,
+                    auto_tools=args.enable_auto_tool_choice)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # graceful stop, then a normal exit (no re-raised signal)

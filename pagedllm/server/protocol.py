@@ -1,4 +1,7 @@
-"""OpenAI protocol request models (pydantic). Unknown fields are ignored, as OpenAI's API does."""
+"""OpenAI protocol request models (pydantic).
+
+A field the server does not implement is refused (400 naming it) rather than silently ignored, except the ones
+OpenAI documents as optional hints that do not change the output (``HINT_FIELDS``)."""
 
 from __future__ import annotations
 
@@ -6,7 +9,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+# accepted and ignored: bookkeeping and routing hints that do not change what is generated
+HINT_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                         "prediction", "reasoning_effort", "verbosity"})
 
 
 class StreamOptions(BaseModel):
@@ -14,7 +21,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -39,8 +46,39 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     priority: int = 0
     max_queue_delay_ms: float | None = None
+    # structured outputs: vLLM's extra parameters, its newer object, and (chat) OpenAI's response_format
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def unsupported_fields(self) -> list[str]:
+        return sorted(set(self.model_extra or {}) - HINT_FIELDS)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's constraint (at most one way of giving it), or None."""
+        given = {k: getattr(self, k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                                "structured_outputs") if getattr(self, k) is not None}
+        rf = self._response_format()
+        if rf is not None:
+            given["response_format"] = rf
+        if len(given) > 1:
+            raise ValueError(f"give one structured output constraint, got {sorted(given)}")
+        if not given:
+            return None
+        (key, v), = given.items()
+        if key == "structured_outputs":
+            return StructuredOutputsParams.from_dict(v)
+        if key == "response_format":
+            return v
+        return StructuredOutputsParams(**{key.removeprefix("guided_"): v})
+
+    def _response_format(self) -> StructuredOutputsParams | None:
+        return None
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
         bias = None
         if self.logit_bias:
             try:
@@ -66,6 +104,7 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured,
         )
 
 
@@ -92,6 +131,23 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    def _response_format(self) -> StructuredOutputsParams | None:
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf.get("type") == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise ValueError("response_format.json_schema must be an object with a 'schema'")
+            return StructuredOutputsParams(json=js.get("schema", {"type": "object"}))
+        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {rf.get('type')!r}")
 
 
 class TokenizeRequest(BaseModel):

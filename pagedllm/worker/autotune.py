@@ -11,8 +11,8 @@ For a GGUF model whose weights are 4-/8-bit blocks, three ways to run a linear l
 Each is timed on one decoder layer's linears (x number of layers) and on the LM head at batch sizes 1..256. The
 packed path serves small steps when it wins there; a dense copy is kept for steps of at least the batch size from
 which it is faster (per group: the layers and the LM head), or none when it never is. The plan is cached per CPU,
-model shapes, kernel source and torch version (``~/.cache/pagedllm/autotune.json``), so later starts skip the
-measurement; the start-up log and ``/health`` show it.
+model shapes, kernel source and torch version (``autotune.json`` in ``config.cache_dir()``), so later starts
+skip the measurement; the start-up log and ``/health`` show it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.config import cache_dir
 from pagedllm.kernels import build_key, cpu_info, target_march
 from pagedllm.layers.linear import DenseLinear
 from pagedllm.quant.formats import QuantizedWeight, concat, dequantize_any
@@ -59,8 +60,7 @@ class WeightPlan:
 
 
 def _cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedllm" / "autotune.json"
+    return Path(cache_dir()) / "autotune.json"
 
 
 def _time_ms(fn, x: torch.Tensor, min_s: float = 0.03, max_reps: int = 50) -> float:

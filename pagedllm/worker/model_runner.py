@@ -26,6 +26,7 @@ from pagedllm.quant.load import load_weights
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
 from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
+from pagedllm.sample.structured import StructuredOutputs, fill_bitmasks, unpack_bitmasks
 from pagedllm.spec.ngram import propose_ngram
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.autotune import WeightPlan, blocks_for_autotune, choose_plan, plan_summary
@@ -60,6 +61,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    matcher: object | None = None  # llguidance matcher of a constrained request, fed output_token_ids[:consumed]
+    consumed: int = 0
 
 
 class _Forward(NamedTuple):
@@ -151,6 +154,7 @@ class ModelRunner:
             dshape = (self.num_blocks, self.block_size, da.num_kv_heads, da.head_dim)
             self.draft_kv_caches = [(self._zeros(dshape), self._zeros(dshape)) for _ in range(da.num_layers)]
         self.sampler = Sampler()
+        self.structured: StructuredOutputs | None = None  # set by the engine (it owns the tokenizer)
         self.requests: dict[str, CachedRequestState] = {}
         logger.info(
             "model %s (%s, %d layers) on %s/%s, weights %s (%.1f MiB), %s; KV cache %d blocks x %d tokens (%.1f MiB)",
@@ -349,6 +353,7 @@ class ModelRunner:
                 vstates.append(st)
                 vextra.append(spec[:i])
         smeta = self._sampling_metadata(vstates, vextra, logits.shape[1])
+        smeta.allowed = self._grammar_masks(groups, logits.shape[1])
         random_spec = [g for g in groups if g[0].num_spec_tokens and self.requests[g[0].req_id].sampling_params.temperature > 0]
         res = self.sampler(logits, smeta, return_probs=bool(random_spec))
         tokens = res.token_ids.tolist()
@@ -373,6 +378,8 @@ class ModelRunner:
             st = self.requests[s.req_id]
             new = new_tokens[s.req_id]
             st.output_token_ids.extend(new)
+            if st.matcher is not None:
+                self._sync_matcher(st)
             out.sampled_token_ids[s.req_id] = new
             if st.sampling_params.logprobs is not None:
                 for i, t in enumerate(new):
@@ -386,6 +393,38 @@ class ModelRunner:
                 want = self.requests[rid].sampling_params.logprobs
                 top = list(zip(top_i[j][:want], top_v[j][:want])) if want and top_i is not None else []
                 out.logprobs.setdefault(rid, []).append(SampledTokenLogprobs(lp_toks[j], chosen[j], ranks[j], top))
+
+    def _sync_matcher(self, st: CachedRequestState):
+        """The request's grammar matcher, made on first use and brought in step with its output tokens (new ones
+        consumed; ones the scheduler dropped, e.g. rejected drafts, rolled back)."""
+        if st.matcher is None:
+            st.matcher = self.structured.matcher(st.sampling_params.structured_outputs)
+            st.consumed = 0
+        n = len(st.output_token_ids)
+        if st.consumed > n:
+            st.matcher.rollback(st.consumed - n)
+        elif st.consumed < n:
+            for t in st.output_token_ids[st.consumed :]:
+                if not st.matcher.consume_token(t):
+                    logger.warning("request %s: token %d is outside its grammar (%s)", st.req_id, t,
+                                   st.matcher.get_error())
+                    break
+        st.consumed = n
+        return st.matcher
+
+    def _grammar_masks(self, groups, vocab: int):
+        """(rows, allowed) for the step's constrained requests, or None. Speculation is off for them (see
+        ``_propose``), so each has one row to sample."""
+        rows, matchers = [], []
+        for s, first, n in groups:
+            st = self.requests[s.req_id]
+            if st.sampling_params.structured_outputs is not None:
+                rows.append(first)
+                matchers.append(self._sync_matcher(st))
+        if not rows:
+            return None
+        allowed = unpack_bitmasks(fill_bitmasks(matchers, vocab), vocab).to(self.device)
+        return torch.tensor(rows, device=self.device), allowed
 
     def _verify_random(self, groups, probs: torch.Tensor) -> dict[str, list[int]]:
         """Rejection sampling for sampled (temperature > 0) requests; drafts are deterministic (one-hot q)."""
@@ -429,6 +468,8 @@ class ModelRunner:
         budget = {}
         for rid in out.sampled_token_ids:
             st = self.requests[rid]
+            if st.sampling_params.structured_outputs is not None:
+                continue  # drafts are not checked against grammars: constrained requests do not speculate
             n_tok = len(st.prompt_token_ids) + len(st.output_token_ids)
             budget[rid] = min(k, self.max_model_len - n_tok - 1)  # drafts must fit the context
         if cfg.method == "ngram":

@@ -1,0 +1,87 @@
+"""Constrained decoding with llguidance: a grammar per request, a token mask per step.
+
+``StructuredOutputs`` turns a request's ``StructuredOutputsParams`` into an llguidance grammar (compiled once per
+distinct constraint: an LRU cache keyed by the constraint's text), checks it at admission (a grammar that does not
+compile is a ValueError naming the problem, which the server returns as 400), and makes one ``LLMatcher`` per
+request. The model runner keeps each request's matcher in step with its output tokens (consuming new ones, rolling
+back ones the scheduler dropped), asks every constrained row of a step for its allowed-token bitmask, and the
+sampler masks those rows' logits in one batched operation.
+
+llguidance was chosen over xgrammar here: it has no torch (or triton) dependency, ships a CPU wheel for every
+platform, and computes a mask for this 49,152-token vocabulary in tens of microseconds (``bench serve
+--structured`` measures the end-to-end cost).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+import torch
+
+from pagedllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 256
+
+
+class StructuredOutputs:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def grammar(self, so: StructuredOutputsParams) -> str:
+        """The llguidance grammar of ``so`` (cached); ValueError naming the problem when it does not compile."""
+        key = so.key()
+        g = self._grammars.get(key)
+        if g is not None:
+            self.hits += 1
+            self._grammars.move_to_end(key)
+            return g
+        self.misses += 1
+        kind, text = key
+        try:
+            g = llguidance.grammar_from(kind, text)
+        except Exception as e:  # llguidance raises ValueError or its own errors for bad schemas/regexes
+            raise ValueError(f"invalid {_label(kind)}: {e}") from None
+        ok, err = _validate(g, self.tokenizer)
+        if not ok:
+            raise ValueError(f"invalid {_label(kind)}: {err}")
+        self._grammars[key] = g
+        if len(self._grammars) > GRAMMAR_CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return g
+
+    def matcher(self, so: StructuredOutputsParams) -> "llguidance.LLMatcher":
+        m = llguidance.LLMatcher(self.tokenizer, self.grammar(so), log_level=0)
+        if m.is_error():
+            raise ValueError(f"invalid {_label(so.key()[0])}: {m.get_error()}")
+        return m
+
+
+def _label(kind: str) -> str:
+    return {"json_schema": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}[kind]
+
+
+def _validate(grammar: str, tokenizer) -> tuple[bool, str]:
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    return not is_error, "; ".join(str(m).strip() for m in messages)
+
+
+def fill_bitmasks(matchers: list, vocab_size: int) -> torch.Tensor:
+    """(len(matchers), ceil(vocab/32)) int32 bitmasks of the tokens each matcher allows next."""
+    masks = torch.zeros((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        m.unsafe_compute_mask_ptr(masks[i].data_ptr(), masks.shape[1] * 4)
+    return masks
+
+
+def unpack_bitmasks(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmasks -> (rows, vocab) bool: token t allowed where bit t % 32 of word t // 32 is set."""
+    bits = (masks.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=masks.device)) & 1
+    return bits.bool().reshape(masks.shape[0], -1)[:, :vocab_size]
