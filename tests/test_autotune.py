@@ -60,7 +60,7 @@ def test_choose_plan_measures_once_then_reads_the_cache(native_weights, tmp_path
 
 def test_default_engine_runs_the_plan_close_to_float32():
     """LLM() on CPU: the measured plan, named in its runtime description; its greedy tokens follow the float32
-    reference (the same weights; only the int8 rounding of activations differs) with close logprobs."""
+    reference (the same weights; only the ~15-bit rounding of activations differs) with logprobs within 0.01."""
     from conftest import PROMPTS
     from pagedllm import LLM, SamplingParams
 
@@ -81,8 +81,8 @@ def test_default_engine_runs_the_plan_close_to_float32():
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(tb))
         agree += n
         for la, lb in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n]):
-            assert abs(la.logprob - lb.logprob) < 0.2, (a.prompt, la, lb)
+            assert abs(la.logprob - lb.logprob) < 0.01, (a.prompt, la, lb)
         if n < len(tb):  # a divergence must be a near-tie in the float32 reference
             alts = {t.token_id: t.logprob for t in b.outputs[0].logprobs[n].top}
-            assert ta[n] in alts and alts[tb[n]] - alts[ta[n]] < 0.25, (a.prompt, n, alts, ta[n])
-    assert agree >= len(PROMPTS) * 16 // 2  # most tokens agree before any such tie
+            assert ta[n] in alts and alts[tb[n]] - alts[ta[n]] < 0.02, (a.prompt, n, alts, ta[n])
+    assert agree >= len(PROMPTS) * 16 * 3 // 4  # most tokens agree before any such tie

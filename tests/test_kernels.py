@@ -160,9 +160,9 @@ def test_fused_and_torch_paths_agree():
                                                        (8, 128, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_quant_linear_matches_dequantized_matmul(ops, bits, group_size, symmetric, dtype):
-    """qlinear on packed blocks = the dequantized weight's matmul, up to the int8 rounding of the activations
-    (per block of 32, as llama.cpp's Q8 activations): well under 1% relative error; every batch size gives each
-    row exactly the result it gets alone (K = 576: 18 blocks, two groups of 8 and a tail of 2)."""
+    """qlinear on packed blocks = the dequantized weight's matmul, up to the rounding of the activations to two
+    int8 levels per block of 32 (about 15 bits): under 1e-3 relative error in float32; every batch size gives each
+    row exactly the result it gets alone; 203 outputs: the last group of 8 rows is partial."""
     from pagedllm.quant.formats import dequantize, quantize_rtn
     from pagedllm.quant.linear import BlockQuantLinear
 
@@ -179,7 +179,7 @@ def test_block_quant_linear_matches_dequantized_matmul(ops, bits, group_size, sy
     assert y.dtype == dtype and y.shape == (11, n)
     ref = F.linear(x.float(), w, bias)
     rel = ((y.float() - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
-    assert rel < (0.01 if dtype == torch.float32 else 0.02), rel
+    assert rel < (1e-3 if dtype == torch.float32 else 0.02), rel
     torch.testing.assert_close(y[3].float(), bias.to(dtype).float(), rtol=0, atol=0)
     for m in (1, 2, 4, 5):
         assert torch.equal(lin(x[:m]), y[:m]), m  # batch-invariant rows
@@ -199,7 +199,7 @@ def test_block_quant_linear_keeps_awq_input_scaling(ops):
     w = dequantize(qw)  # the effective weight, 1/s folded in
     torch.testing.assert_close(lin.dequantized(), w, rtol=1e-5, atol=1e-5)
     ref = F.linear(x, w)
-    assert ((lin(x) - ref).norm() / ref.norm()).item() < 0.01
+    assert ((lin(x) - ref).norm() / ref.norm()).item() < 1e-3
 
 
 def test_qlinear_rejects_bad_shapes(ops):

@@ -1,18 +1,18 @@
 """The weight path of ``--dtype auto`` on CPU, chosen by measuring this model's own linear shapes on this CPU.
 
-For a GGUF model whose weights are 4-/8-bit blocks, three ways to run a linear layer compete:
+For a GGUF model whose weights are 4-/8-bit blocks, two ways to run a linear layer compete:
 
-- ``block``: the file's blocks as they are, through the fused kernel ``qlinear`` (int8 activations, integer dot
-  products; 0.5-1 byte per weight read per step);
-- ``dense-float32``: a float32 copy through torch's GEMM (4 bytes per weight; the exact-HF reference numbers);
-- ``dense-bfloat16``: a bfloat16 copy in oneDNN's pre-packed layout, where oneDNN has bf16 kernels (AMX on
-  Sapphire Rapids; emulated and slow on CPUs without bf16 instructions, which the measurement shows).
+- ``block``: the file's blocks as they are, through the fused kernel ``qlinear`` (two-level int8 activations,
+  integer dot products; 0.5-1 byte per weight read per step);
+- ``dense-float32``: a float32 copy through torch's GEMM (4 bytes per weight; the exact-HF reference numbers).
 
 Each is timed on one decoder layer's linears (x number of layers) and on the LM head at batch sizes 1..256. The
 packed path serves small steps when it wins there; a dense copy is kept for steps of at least the batch size from
-which it is faster (per group: the layers and the LM head), or none when it never is. The plan is cached per CPU,
-model shapes, kernel source and torch version (``autotune.json`` in ``config.cache_dir()``), so later starts
-skip the measurement; the start-up log and ``/health`` show it.
+which it is faster (per group: the layers and the LM head), or none when it never is. A bfloat16 copy (oneDNN,
+fast with AMX or AVX512-BF16) is not a candidate: used for prefill steps it cost 4 of the 115 business-set answers
+(``pagedllm eval``), outside the quality gate; ``--dtype bfloat16`` still runs the whole model in bf16. The plan
+is cached per CPU, model shapes, kernel source and torch version (``autotune.json`` in ``config.cache_dir()``),
+so later starts skip the measurement; the start-up log and ``/health`` show it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pagedllm.quant.linear import BlockQuantLinear
 logger = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 4, 16, 64, 256)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: no bfloat16 candidate
 
 
 @dataclass(frozen=True)
@@ -92,27 +92,18 @@ def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
     }
 
 
-def _candidates(w: QuantizedWeight, ops, bf16: bool) -> dict:
-    full = dequantize_any(w)
-    out = {"block": BlockQuantLinear(w, None, torch.device("cpu"), torch.float32, ops),
-           "dense-float32": DenseLinear(full.contiguous())}
-    if bf16:
-        out["dense-bfloat16"] = DenseLinear(full.to(torch.bfloat16).contiguous()).prepack(keep_weight=False)
-    return out
-
-
-def _bf16_fast_enough() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def _candidates(w: QuantizedWeight, ops) -> dict:
+    return {"block": BlockQuantLinear(w, None, torch.device("cpu"), torch.float32, ops),
+            "dense-float32": DenseLinear(dequantize_any(w).contiguous())}
 
 
 def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES) -> dict:
     """{"layers"|"head": {candidate: {batch size: ms}}} for one forward's linears."""
-    bf16 = _bf16_fast_enough()
     groups = {"layers": list(_layer_weights(weights).values()), "head": [weights.get("lm_head", weights["embed"])]}
     res: dict = {}
     for group, ws in groups.items():
         per: dict = {}
-        lins = [_candidates(w, ops, bf16) for w in ws]
+        lins = [_candidates(w, ops) for w in ws]
         for name in lins[0]:
             per[name] = {}
             for m in batch_sizes:
@@ -120,8 +111,7 @@ def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES) -> dic
                 for cand, w in zip(lins, ws):
                     lin = cand[name]
                     x = torch.randn(m, w.shape[1])
-                    dtype = lin.weight_dtype if isinstance(lin, DenseLinear) else torch.float32
-                    ms += _time_ms(lambda t, lin=lin, dtype=dtype: lin(t.to(dtype)), x)
+                    ms += _time_ms(lin, x)
                 per[name][m] = round(ms * (num_layers if group == "layers" else 1), 4)
         res[group] = per
     return res
