@@ -266,9 +266,11 @@ def check_peer(name: str, url: str) -> str:
 
 
 def phase_peer(name: str, url: str, model: str, prompts: list[str], output_len: int,
-               concurrencies: list[int]) -> list[dict]:
+               concurrencies: list[int], extra_body: dict | None = None) -> list[dict]:
     """The server phase's workload against a peer server: same prompts, streaming /v1/completions, greedy, EOS
-    ignored (``ignore_eos``, honoured by llama.cpp's server and vLLM), same client."""
+    ignored (``ignore_eos``, honoured by llama.cpp's server and vLLM), same client; ``extra_body`` is merged into
+    every request (by default ``cache_prompt: false``: llama.cpp's slots otherwise reuse the KV of a prompt they
+    saw in an earlier phase, a prefix cache the pagedllm rows may have switched off)."""
     from pagedllm.bench.serve import BenchRequest, run_load
 
     reqs = [BenchRequest(p, output_len) for p in prompts]
@@ -276,6 +278,7 @@ def phase_peer(name: str, url: str, model: str, prompts: list[str], output_len: 
     for c in concurrencies:
         args = load_args(url, c)
         args.model = model
+        args.extra_body = extra_body
         res = asyncio.run(run_load(args, reqs, show_progress=True))
         row = _load_row(f"peer {name}, concurrency {c}", res, peak_rss_bytes=None, url=url, model=model)
         if res["failed"]:
@@ -384,7 +387,8 @@ def main(args: argparse.Namespace) -> int:
     rows += phase_server(args.prompts_file, len(prompts), args.output_len, args.concurrency, args.dtype,
                          args.results_dir, args.quantization, args.server_args)
     for name, peer in peers.items():
-        rows += phase_peer(name, peer["url"], peer["model"], prompts, args.output_len, args.concurrency)
+        rows += phase_peer(name, peer["url"], peer["model"], prompts, args.output_len, args.concurrency,
+                           args.peer_extra_body)
     table = write_report(rows, meta, args.results_dir)
     print("\n" + table)
     print(f"results in {args.results_dir}/ (results.json, results.md, chart.png)")
@@ -405,6 +409,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", action="append", type=parse_peer, default=[], metavar="NAME=URL",
                    help="also measure an OpenAI-compatible server you started (e.g. llama.cpp's llama-server) with the "
                         "same workload and client; repeatable, e.g. --peer llama.cpp=http://127.0.0.1:8080")
+    p.add_argument("--peer-extra-body", type=json.loads, default={"cache_prompt": False},
+                   help="JSON merged into every peer request (default: llama.cpp's cache_prompt off, so its slots do "
+                        "not reuse prompts from earlier phases; '{}' for servers that refuse unknown fields)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--results-dir", default="results/compare")
     p.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens: a smoke run")

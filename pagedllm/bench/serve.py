@@ -84,6 +84,7 @@ async def _one(client: httpx.AsyncClient, args, req: BenchRequest) -> RequestRec
         body["ignore_eos"] = True
     if getattr(args, "structured", "none") != "none":
         body["structured_outputs"] = STRUCTURED[args.structured]
+    body.update(getattr(args, "extra_body", None) or {})
     if args.endpoint == "chat":
         url = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": req.prompt}]
@@ -220,6 +221,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--extra-body", type=json.loads, default=None,
+                   help="JSON merged into every request body (server-specific fields)")
     p.add_argument("--structured", choices=["none", *STRUCTURED], default="none",
                    help="constrain every request (structured_outputs): throughput with vs without constraints")
     p.add_argument("--seed", type=int, default=0)
