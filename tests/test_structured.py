@@ -180,6 +180,28 @@ def test_constrained_request_beside_free_ones_and_after_preemption(llm32):
         assert o.outputs[0].text == ref  # greedy: identical to the request run alone
 
 
+def test_constrained_with_speculation_and_n(llm32):
+    """n-gram speculation: drafts are cut to what the grammar accepts and each verified row is masked by the
+    grammar's state after the drafts before it, so greedy output is the non-speculative one; n > 1 samples each
+    follow the constraint."""
+    from pagedllm import LLM
+
+    cons = [{"json": s} for s in SCHEMAS[:6]] + [{"regex": r} for r in REGEXES[:2]]
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=c) for c in cons]
+    ref = [o.outputs[0].text for o in llm32.generate([PROMPT] * len(cons), params, use_tqdm=False)]
+    spec = LLM(dtype="float32", enable_prefix_caching=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    got = spec.generate([PROMPT] * len(cons), params, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == ref
+    assert spec.engine.core.scheduler.spec_num_draft_tokens > 0  # drafts were proposed and verified
+    many = llm32.generate(PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=120,
+                                                 structured_outputs={"json": SCHEMAS[0]}), use_tqdm=False)[0]
+    assert len(many.outputs) == 4
+    for c in many.outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMAS[0])
+
+
 def test_bad_grammar_is_a_value_error(llm32):
     for bad, msg in (({"regex": "[0-9"}, "invalid regex"), ({"json": {"type": "foo"}}, "invalid JSON schema"),
                      ({"grammar": "start: ("}, "invalid grammar")):

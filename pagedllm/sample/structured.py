@@ -4,8 +4,10 @@
 distinct constraint: an LRU cache keyed by the constraint's text), checks it at admission (a grammar that does not
 compile is a ValueError naming the problem, which the server returns as 400), and makes one ``LLMatcher`` per
 request. The model runner keeps each request's matcher in step with its output tokens (consuming new ones, rolling
-back ones the scheduler dropped), asks every constrained row of a step for its allowed-token bitmask, and the
-sampler masks those rows' logits in one batched operation.
+back ones the scheduler dropped), asks every constrained row of a step for its allowed-token bitmask (a request
+verifying speculative drafts: one row per draft, each masked by the grammar's state after the drafts before it),
+and the sampler masks those rows' logits in one batched operation. Drafts are proposed only as far as the grammar
+accepts them.
 
 llguidance was chosen over xgrammar here: it has no torch (or triton) dependency, ships a CPU wheel for every
 platform, and computes a mask for this 49,152-token vocabulary in tens of microseconds (``bench serve

@@ -413,17 +413,26 @@ class ModelRunner:
         return st.matcher
 
     def _grammar_masks(self, groups, vocab: int):
-        """(rows, allowed) for the step's constrained requests, or None. Speculation is off for them (see
-        ``_propose``), so each has one row to sample."""
-        rows, matchers = [], []
+        """(rows, allowed) for the step's constrained requests, or None. A request verifying k drafts has k+1
+        rows: row i is masked by its grammar's state after drafts[:i] (the drafts are consumed for this and
+        rolled back; the tokens the verification accepts are consumed after sampling)."""
+        rows, masks = [], []
         for s, first, n in groups:
             st = self.requests[s.req_id]
-            if st.sampling_params.structured_outputs is not None:
-                rows.append(first)
-                matchers.append(self._sync_matcher(st))
+            if st.sampling_params.structured_outputs is None:
+                continue
+            m = self._sync_matcher(st)
+            spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+            consumed = 0
+            for i in range(n):
+                rows.append(first + i)
+                masks.append(fill_bitmasks([m], vocab))
+                if i < len(spec) and consumed == i and m.consume_token(spec[i]):
+                    consumed += 1  # past a draft the grammar refuses, the later rows' samples are discarded
+            m.rollback(consumed)
         if not rows:
             return None
-        allowed = unpack_bitmasks(fill_bitmasks(matchers, vocab), vocab).to(self.device)
+        allowed = unpack_bitmasks(torch.cat(masks), vocab).to(self.device)
         return torch.tensor(rows, device=self.device), allowed
 
     def _verify_random(self, groups, probs: torch.Tensor) -> dict[str, list[int]]:
@@ -468,8 +477,6 @@ class ModelRunner:
         budget = {}
         for rid in out.sampled_token_ids:
             st = self.requests[rid]
-            if st.sampling_params.structured_outputs is not None:
-                continue  # drafts are not checked against grammars: constrained requests do not speculate
             n_tok = len(st.prompt_token_ids) + len(st.output_token_ids)
             budget[rid] = min(k, self.max_model_len - n_tok - 1)  # drafts must fit the context
         if cfg.method == "ngram":
@@ -479,9 +486,15 @@ class ModelRunner:
                     st = self.requests[rid]
                     res[rid] = propose_ngram(st.prompt_token_ids + st.output_token_ids, cfg.prompt_lookup_min,
                                              cfg.prompt_lookup_max, kk)
-            return res
-        tables = {s.req_id: s.block_ids for s in so.scheduled}
-        return self._propose_draft(budget, tables)
+        else:
+            res = self._propose_draft(budget, {s.req_id: s.block_ids for s in so.scheduled})
+        for rid, drafts in res.items():  # a constrained request keeps only the drafts its grammar accepts
+            m = self.requests[rid].matcher
+            if m is not None and drafts:
+                ok = m.try_consume_tokens(drafts)
+                m.rollback(ok)
+                del drafts[ok:]
+        return res
 
     @torch.inference_mode()
     def _propose_draft(self, budget: dict[str, int], tables: dict[str, list[int]]) -> dict[str, list[int]]:
