@@ -101,12 +101,12 @@ def test_tool_plans_and_parsing():
                  "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
     funcs = {"get_weather": tools[0]["function"]["parameters"], "add": tools[1]["function"]["parameters"]}
     named = plan_tools(tools, {"type": "function", "function": {"name": "add"}}, True, False)
-    assert named.mode == "named" and named.structured.json == funcs["add"]
-    content, calls = extract_tool_calls(named, '{"a": 1, "b": 2}', funcs)
+    assert named.mode == "named" and named.structured.json == funcs["add"] and named.funcs == funcs
+    content, calls = extract_tool_calls(named, '{"a": 1, "b": 2}')
     assert content is None and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     req = plan_tools(tools, "required", False, False)
     assert req.structured.json["maxItems"] == 1
-    _, calls = extract_tool_calls(req, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', funcs)
+    _, calls = extract_tool_calls(req, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"} and calls[0]["id"].startswith("call_")
     with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
         plan_tools(tools, "auto", True, False)
@@ -116,10 +116,10 @@ def test_tool_plans_and_parsing():
         plan_tools(tools + tools[:1], "none", True, False)
     auto = plan_tools(tools, "auto", True, True)
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
-    content, calls = extract_tool_calls(auto, text, funcs)
+    content, calls = extract_tool_calls(auto, text)
     assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
     assert visible_content(auto, text) == "Let me check.\n" and visible_content(auto, "Hi <tool") == "Hi "
-    assert extract_tool_calls(auto, "no calls here", funcs) == ("no calls here", [])
+    assert extract_tool_calls(auto, "no calls here") == ("no calls here", [])
 
 
 @pytest.fixture(scope="module")

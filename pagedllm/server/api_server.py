@@ -25,7 +25,7 @@ from pagedllm.errors import EngineOverloadedError
 from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FaultInjection
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pagedllm.server.tools import (TOOL_CALL_PARSERS, check_tools, extract_tool_calls, plan_tools, template_messages,
+from pagedllm.server.tools import (TOOL_CALL_PARSERS, extract_tool_calls, plan_tools, template_messages,
                                    visible_content)
 
 logger = logging.getLogger("pagedllm.server")
@@ -369,7 +369,6 @@ class OpenAIServing:
         model = self.check_model(req.model)
         self._refuse_unsupported(req)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tools)
-        funcs = check_tools(req.tools)
         structured = req.structured()
         if plan.structured is not None:
             if structured is not None:
@@ -413,7 +412,7 @@ class OpenAIServing:
             final = finals[0]
             choices = []
             for c in final.outputs:
-                content, calls = extract_tool_calls(plan, c.text, funcs)
+                content, calls = extract_tool_calls(plan, c.text)
                 message = {"role": "assistant", "content": content}
                 if calls:
                     message["tool_calls"] = calls
@@ -451,7 +450,7 @@ class OpenAIServing:
                         elif c.finish_reason is None:
                             shown = visible_content(plan, c.text)
                         else:
-                            _, calls = extract_tool_calls(plan, c.text, funcs)
+                            _, calls = extract_tool_calls(plan, c.text)
                             shown = visible_content(plan, c.text) if calls else c.text
                         delta = shown[start:]
                         lps = None

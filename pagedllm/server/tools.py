@@ -28,6 +28,7 @@ HERMES_START = "<tool_call>"
 class ToolPlan:
     mode: str  # "none" | "auto" | "required" | "named"
     structured: StructuredOutputsParams | None  # the constraint for "required" / "named"
+    funcs: dict[str, dict]  # name -> parameters schema of each tool
     named: str | None = None
 
 
@@ -61,7 +62,7 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool,
                              "{'type': 'function', 'function': {'name': ...}}")
         if name not in funcs:
             raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-        return ToolPlan("named", StructuredOutputsParams(json=funcs[name]), name)
+        return ToolPlan("named", StructuredOutputsParams(json=funcs[name]), funcs, name)
     if tool_choice not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}")
     if tool_choice != "none" and not funcs:
@@ -73,11 +74,11 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool,
         schema = {"type": "array", "items": items, "minItems": 1}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan("required", StructuredOutputsParams(json=schema))
+        return ToolPlan("required", StructuredOutputsParams(json=schema), funcs)
     if tool_choice == "auto" and not auto_enabled:
         raise ValueError('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                          "--tool-call-parser")
-    return ToolPlan(tool_choice, None)
+    return ToolPlan(tool_choice, None, funcs)
 
 
 def _call(name: str, arguments) -> dict:
@@ -85,7 +86,7 @@ def _call(name: str, arguments) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def extract_tool_calls(plan: ToolPlan, text: str, funcs: dict[str, dict]) -> tuple[str | None, list[dict]]:
+def extract_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a finished output. Constrained modes parse their JSON; ``auto`` reads
     ``<tool_call>`` blocks naming a known function (anything else stays content)."""
     if plan.mode == "named":
@@ -104,7 +105,7 @@ def extract_tool_calls(plan: ToolPlan, text: str, funcs: dict[str, dict]) -> tup
             obj = json.loads(m.group(1))
         except ValueError:
             continue
-        if isinstance(obj, dict) and obj.get("name") in funcs:
+        if isinstance(obj, dict) and obj.get("name") in plan.funcs:
             calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
     if not calls:
         return text, []
