@@ -5,8 +5,8 @@
   ``_weight_int4pack_mm`` on CUDA), dequantizing inside the kernel; AWQ's input scaling is one multiply on x.
 - ``BlockQuantLinear``: 4-bit or 8-bit codes in blocks of 32 input channels with a scale and an offset per block
   (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are, or any group size that is a multiple of 32) through the fused
-  CPU kernel ``qlinear``: activations quantized to int8 per block, integer dot products (AVX2 / AVX512-VNNI),
-  float activations in and out, as llama.cpp computes its quantized matmuls.
+  CPU kernel ``qlinear``: activations quantized per block to two int8 levels (about 15 bits), integer dot
+  products (AVX2 / AVX512-VNNI), float activations in and out.
 - ``Fp8Linear``: float8 e4m3 weights with per-channel scales through ``torch._scaled_mm`` (activations are
   quantized per token to e4m3 on the fly, as vLLM's fp8 does); native on CUDA sm89+, oneDNN on CPU.
 
@@ -176,13 +176,14 @@ class BlockQuantLinear(_Packed):
         g = torch.arange(n) if ids is None else ids.reshape(-1)
         grp, row = g // 8, g % 8
         t = len(g)
+        at = torch.arange(t)
         if self.bits == 4:
-            c = self.codes[grp].reshape(t, nb, 4, 8, 4)[torch.arange(t), :, :, row]  # (T, nb, i, t)
+            c = self.codes[grp].reshape(t, nb, 4, 8, 4)[at, :, :, row]  # (T, nb, i, t)
             q = torch.stack([c & 0xF, c >> 4], dim=2).float()  # (T, nb, h, i, t): element 16h + 4i + t
         else:
-            q = self.codes[grp].view(torch.int8).reshape(t, nb, 8, 8, 4)[torch.arange(t), :, :, row].float()
-        sc = self.scales[grp].reshape(t, nb, 8)[torch.arange(t), :, row]  # (T, nb)
-        off = self.offsets[grp].reshape(t, nb, 8)[torch.arange(t), :, row]
+            q = self.codes[grp].view(torch.int8).reshape(t, nb, 8, 8, 4)[at, :, :, row].float()
+        sc = self.scales[grp].reshape(t, nb, 8)[at, :, row]  # (T, nb)
+        off = self.offsets[grp].reshape(t, nb, 8)[at, :, row]
         w = q.reshape(t, nb, QBLOCK) * sc.unsqueeze(-1) + off.unsqueeze(-1)
         return w.reshape(t, k)
 

@@ -98,15 +98,15 @@ class ModelRunner:
         if config.tensor_parallel_size > 1:
             weights = self._start_tensor_parallel(arch, weights, store)
         plan = self.weight_plan
-        block_ops = ops if (plan.block_kernel if plan else config.quantization == "gguf") else None
-        if plan is not None:
-            self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, None,
-                                          dense_min_tokens=plan.layer_dense_min_tokens, block_ops=block_ops,
-                                          head_dense_min_tokens=plan.head_dense_min_tokens,
-                                          dense_dtype=_DTYPES[plan.dense_dtype])
+        if plan is not None:  # auto: the measured plan (policy is None: the weights are already packed)
+            block_ops = ops if plan.block_kernel else None
+            dense = dict(dense_min_tokens=plan.layer_dense_min_tokens, head_dense_min_tokens=plan.head_dense_min_tokens,
+                         dense_dtype=_DTYPES[plan.dense_dtype])
         else:
-            self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp,
-                                          dense_min_tokens=config.quant_dense_min_tokens, block_ops=block_ops)
+            block_ops = ops if config.quantization == "gguf" else None
+            dense = dict(dense_min_tokens=config.quant_dense_min_tokens)
+        self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
+                                      **dense)
         del weights
         max_len = config.model.max_model_len or arch.max_position
         if max_len > arch.max_position:
