@@ -84,6 +84,8 @@ class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0  # KV blocks free now (cached ones included)
+    num_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens looked up, cumulative
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative

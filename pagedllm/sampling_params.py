@@ -9,6 +9,52 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class Range:
+    """The allowed values of a numeric parameter (``high`` None: unbounded). One table serves the checks below
+    and the server's OpenAPI schema."""
+
+    low: float
+    high: float | None
+    low_inclusive: bool = True
+    integer: bool = False
+
+    def contains(self, v) -> bool:
+        if self.integer and (not isinstance(v, int) or isinstance(v, bool)):
+            return False
+        above = v >= self.low if self.low_inclusive else v > self.low
+        return above and (self.high is None or v <= self.high)
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"an integer >= {self.low}" if self.integer else f">= {self.low}"
+        lo = "[" if self.low_inclusive else "("
+        text = f"in {lo}{self.low:g}, {self.high:g}]"
+        return f"an integer {text}" if self.integer else text
+
+    def json_schema(self) -> dict:
+        out = {"type": "integer" if self.integer else "number"}
+        out["minimum" if self.low_inclusive else "exclusiveMinimum"] = self.low
+        if self.high is not None:
+            out["maximum"] = self.high
+        return out
+
+
+RANGES: dict[str, Range] = {
+    "n": Range(1, 64, integer=True),
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, low_inclusive=False),
+    "top_k": Range(-1, None, integer=True),
+    "min_p": Range(0.0, 1.0),
+    "repetition_penalty": Range(0.0, 2.0, low_inclusive=False),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "max_tokens": Range(1, None, integer=True),
+    "min_tokens": Range(0, None, integer=True),
+    "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+}
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """A constraint on the generated text (exactly one of the fields): a JSON schema, any JSON object, a regular
     expression, one of several strings, or a grammar (Lark, or llama.cpp's GBNF / EBNF)."""
@@ -103,38 +149,22 @@ class SamplingParams:
         def bad(name: str, limit: str, value: object) -> ValueError:
             return ValueError(f"{name} must be {limit}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1 or self.n > 64:
-            raise bad("n", "an integer in [1, 64]", self.n)
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", "in [0, 100]", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "-1, 0 (disabled) or a positive integer", self.top_k)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]", self.min_p)
+        for name, r in RANGES.items():
+            v = getattr(self, name)
+            if v is None and name in ("max_tokens", "logprobs"):
+                continue
+            if not r.contains(v):
+                raise bad(name, r.describe(), v)
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
             raise bad("seed", "a 64-bit integer", self.seed)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0:
                     raise bad("logit_bias key", "a non-negative token id", tok)
                 if not -100.0 <= bias <= 100.0:
                     raise bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "a positive integer", self.max_tokens)
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "a non-negative integer", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         if self.stop_token_ids is not None:
             for t in self.stop_token_ids:
                 if not isinstance(t, int) or t < 0:

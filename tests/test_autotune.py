@@ -2,7 +2,6 @@
 model, and the default engine runs it with output close to the float32 reference."""
 
 import pytest
-import torch
 
 from pagedllm.worker.autotune import WeightPlan, choose_plan, plan_from_timings
 

@@ -1,6 +1,5 @@
 """Greedy output equals HuggingFace transformers (same GGUF weights) token for token: alone, batched, staggered."""
 
-import pytest
 
 from conftest import PROMPTS
 from helpers import assert_greedy_close

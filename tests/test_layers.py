@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, decode_attention, paged_attention, tiled_causal_attention
+from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, paged_attention, tiled_causal_attention
 
 
 def naive_attention(q, k, v, q_offset):

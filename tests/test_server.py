@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -270,11 +269,13 @@ def test_metrics_agree_with_requests(base, client):
 def test_models_version_tokenize(base):
     models = httpx.get(base + "/v1/models", headers=auth()).json()
     assert models["data"][0]["id"] == MODEL
-    assert httpx.get(base + "/version").json()["version"]
-    tok = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert httpx.get(base + "/version", headers=auth()).json()["version"]
+    tok = httpx.post(base + "/tokenize", headers=auth(), json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0
-    assert httpx.post(base + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
-    chat_tok = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert httpx.post(base + "/detokenize", headers=auth(),
+                      json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
+    chat_tok = httpx.post(base + "/tokenize", headers=auth(),
+                          json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat_tok["count"] > tok["count"]
 
 

@@ -417,11 +417,35 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------------ stats
+    def kv_state(self) -> dict:
+        """The device and host block pools now, and whether their bookkeeping agrees (leak checks)."""
+        pool = self.kv.pool
+        problem = None
+        try:
+            self.kv.check_integrity()
+            held = sum(len(self.kv.req_to_blocks.get(r.request_id, ())) for r in self.running)
+            if not self.running and not any(r.request_id in self.kv.req_to_blocks for r in self.waiting):
+                assert pool.num_free_blocks == pool.num_blocks, (
+                    f"no request holds blocks but {pool.num_blocks - pool.num_free_blocks} are not free")
+            assert held <= pool.num_blocks - pool.num_free_blocks, "running requests hold more than the pool lent"
+            if not any(r.host_block_ids is not None for r in self.waiting):
+                assert self.host_pool.num_free == self.host_pool.num_blocks or self._host_release, (
+                    "no request is swapped out but host blocks are taken")
+        except AssertionError as e:
+            problem = str(e)
+        return {"num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
+                "num_cached_blocks": len(pool.cached), "usage": pool.usage(),
+                "num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_swapped": sum(1 for r in self.waiting if r.host_block_ids is not None),
+                "num_host_blocks": self.host_pool.num_blocks, "num_free_host_blocks": self.host_pool.num_free,
+                "consistent": problem is None, "problem": problem}
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage(),
+            num_free_blocks=self.kv.pool.num_free_blocks, num_blocks=self.kv.num_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,

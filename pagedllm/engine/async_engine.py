@@ -79,6 +79,7 @@ class AsyncLLM:
         self._wake = threading.Condition(self._lock)
         self._streams: dict[str, _Stream] = {}
         self._stop = False
+        self._closed = False  # shutdown() has stopped the engine (a second call does nothing more)
         self._dirty = False  # something changed (an abort) that metrics should see even without a step
         self._in_forward = False  # the engine thread is in a forward pass, with the lock released
         self._pending_aborts: list[str] = []  # aborts that arrived during a forward pass, applied after it
@@ -131,9 +132,21 @@ class AsyncLLM:
         with self._lock:
             return self.engine.core.stats()
 
+    def kv_state(self) -> dict:
+        with self._lock:
+            return self.engine.kv_state()
+
+    def inject_forward_fault(self, token_id: int | None) -> None:
+        """Reliability tests: the forward pass raises whenever its batch holds this token id."""
+        with self._lock:
+            self.engine.core.runner.inject_forward_fault(token_id)
+
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt):
         return self.engine.encode_prompt(prompt)
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.encode_text(text, add_special_tokens)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None):
         return self.engine.encode_chat(messages, tools)
@@ -256,7 +269,8 @@ class AsyncLLM:
             self._stop = True
             self._wake.notify_all()
         self._thread.join(timeout)
-        if not self._thread.is_alive():  # a step still running would race the shutdown message
+        if not self._thread.is_alive() and not self._closed:  # a step still running would race the shutdown
+            self._closed = True
             self.engine.shutdown()
 
 

@@ -71,9 +71,16 @@ class LLMEngine:
         return self._structured
 
     # ------------------------------------------------------------------ prompts
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at character {e.start})") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode_text(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -94,7 +101,7 @@ class LLMEngine:
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
         text = self.apply_chat_template(messages, tools=tools)
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.encode_text(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -112,6 +119,10 @@ class LLMEngine:
     def add_tokenized_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                               priority: int = 0, arrival_time: float | None = None,
                               max_queue_delay_ms: float | None = None) -> str:
+        vocab = self.core.vocab_size
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:  # before anything below turns the id into a C integer
+            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
         if params.structured_outputs is not None:
             self.structured.grammar(params.structured_outputs)  # compiles (cached) or raises ValueError -> 400
         parent, reqs = self.output_processor.make_requests(request_id, text, ids, params, priority, arrival_time)
@@ -135,6 +146,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def kv_state(self) -> dict:
+        """The KV block pools now (see Scheduler.kv_state)."""
+        return self.core.scheduler.kv_state()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards)."""

@@ -3,7 +3,7 @@ a `model_name` label. Each server has its own registry (no process-global state)
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from pagedllm.outputs import IterationStats, SchedulerStats
 
@@ -28,9 +28,13 @@ class PrometheusStatLogger:
         def hist(name, doc, buckets):
             return Histogram(f"pagedllm:{name}", doc, lbl, buckets=buckets, registry=r).labels(model_name)
 
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds (leak checks)
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks free (cached prefix blocks count as "
+                                    "free); equals kv_cache_total_blocks when no request holds any.")
+        self.kv_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
         gauge("kv_cache_capacity_bytes", "Bytes preallocated for the paged KV cache.").set(kv_capacity_bytes)
         gauge("kv_cache_capacity_tokens", "Tokens the paged KV cache holds.").set(kv_capacity_tokens)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
@@ -72,6 +76,8 @@ class PrometheusStatLogger:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
+        self.kv_free_blocks.set(s.num_free_blocks)
+        self.kv_total_blocks.set(s.num_blocks)
         rec, swp, sout, sin = (s.num_preemptions_recompute, s.num_preemptions_swap, s.swap_out_blocks,
                                s.swap_in_blocks)
         last_swp, last_out, last_in = self._last_swap

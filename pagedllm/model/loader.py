@@ -88,6 +88,24 @@ def _native_q8(data: np.ndarray):
     return QuantizedWeight(torch.from_numpy(codes), torch.from_numpy(d), None, 8, 32)
 
 
+def open_gguf(path: str):
+    """A GGUFReader over the file, or a ValueError naming the file when it is not a whole GGUF file (bad magic,
+    a header that does not parse, tensor data past the end of a truncated file)."""
+    import gguf
+
+    size = os.path.getsize(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - whatever the parser trips on, the file is what is wrong
+        raise ValueError(f"{path}: not a readable GGUF file ({size} bytes): {type(e).__name__}: {e}") from None
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ValueError(f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {end}, the file has "
+                             f"{size} bytes")
+    return reader
+
+
 def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """``native_q4``: keep Q4_0/Q4_1 tensors (other than the embedding) as packed 4-bit weights instead of
     dequantizing them; ``native_q8``: keep Q8_0 tensors (the embedding too) as packed 8-bit weights."""
@@ -95,7 +113,7 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False) -> tu
 
     from pagedllm.quant.formats import reorder_rows
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     arch = _gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHS}")

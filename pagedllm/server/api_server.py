@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,12 +17,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from pagedllm.errors import EngineOverloadedError
+from pagedllm.sampling_params import RANGES
+from pagedllm.server import openapi
 from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FaultInjection
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -77,19 +81,26 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1 routes (constant-time comparison). Plain ASGI, so that
-    disconnect detection downstream still sees the real receive channel."""
+    """Requires `Authorization: Bearer <key>` on every route except the public ones (/health, and /metrics unless
+    --metrics-require-auth); the key is compared in constant time. Plain ASGI, so that disconnect detection
+    downstream still sees the real receive channel."""
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
+    def __init__(self, app, api_key: str, public_paths: frozenset[str] = frozenset({"/health"})) -> None:
+        self.app, self.key, self.public = app, api_key.encode(), public_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.public:
             header = dict(scope.get("headers", [])).get(b"authorization", b"")
             token = header[7:] if header[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
-                return await error_json(401, "Invalid or missing API key")(scope, receive, send)
+                resp = error_json(401, "Invalid or missing API key")
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response started."""
 
 
 def _stream_line(obj) -> str:
@@ -138,18 +149,22 @@ class OpenAIServing:
             raise
         return gens
 
-    async def _start(self, encode, params, req, model: str) -> tuple[list[AsyncIterator], str]:
+    async def _start(self, encode, params, req, model: str, raw: Request) -> tuple[list[AsyncIterator], str]:
         """Queue the request's prompts on the primary, or on the fallback model when the primary's circuit is
         open, when the primary fails before its first token, or when it does not start within the request
-        timeout. ``encode(engine)`` tokenizes the prompts for an engine. Returns the streams and who serves."""
+        timeout. ``encode(engine)`` tokenizes the prompts for an engine. Returns the streams and who serves.
+        A stream's first output is awaited before the response starts, so that a request the engine drops while
+        queued (overload) gets its HTTP status (503 + Retry-After) rather than an error inside a 200 stream."""
         degradable = self.fallback is not None or self.request_timeout_s is not None or self.faults is not None
         if model != self.fallback_name and (self.breaker is None or self.breaker.allow()):
             prompts = encode(self.engine)
             gens = await self._queue(self.engine, prompts, params, req)
             if not degradable:
+                if req.stream:
+                    gens = await self._first_outputs(gens, prompts, raw)
                 return gens, self.model_names[0]
             try:
-                gens = await self._first_outputs(gens, prompts)
+                gens = await self._first_outputs(gens, prompts, raw)
             except (asyncio.TimeoutError, RequestFailedError, EngineDeadError) as e:
                 if self.breaker is not None:
                     self.breaker.record_failure()
@@ -166,23 +181,37 @@ class OpenAIServing:
                 return gens, self.model_names[0]
         elif self.fallback is None:
             raise EngineOverloadedError("the primary model's circuit breaker is open", 503, retry_after=1.0)
-        return await self._queue(self.fallback, encode(self.fallback), params, req), self.fallback_name
+        gens = await self._queue(self.fallback, encode(self.fallback), params, req)
+        if req.stream:
+            gens = await self._first_outputs(gens, [(None, None)] * len(gens), raw, primary=False)
+        return gens, self.fallback_name
 
-    async def _first_outputs(self, gens: list[AsyncIterator], prompts) -> list[AsyncIterator]:
-        """Wait (up to the request timeout) for every stream's first output; fault injection acts here."""
+    async def _first_outputs(self, gens: list[AsyncIterator], prompts, raw: Request,
+                             primary: bool = True) -> list[AsyncIterator]:
+        """Wait for every stream's first output (on the primary: up to the request timeout, and fault injection
+        acts here). A client that goes away meanwhile aborts the streams (ClientGone)."""
 
         async def first(g, text):
-            action = self.faults.action(text) if self.faults is not None else None
+            action = self.faults.action(text) if self.faults is not None and primary else None
             if action == "fail":
                 raise RequestFailedError("injected fault: the primary failed")
             if action == "stall":
                 await asyncio.Event().wait()  # never set: the primary stalls
             return await g.__anext__()
 
+        task = asyncio.ensure_future(asyncio.wait_for(
+            asyncio.gather(*(first(g, t) for g, (t, _) in zip(gens, prompts))),
+            timeout=self.request_timeout_s if primary else None))
         try:
-            firsts = await asyncio.wait_for(asyncio.gather(*(first(g, t) for g, (t, _) in zip(gens, prompts))),
-                                            timeout=self.request_timeout_s)
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    firsts = task.result()
+                    break
+                if await raw.is_disconnected():
+                    raise ClientGone()
         except BaseException:
+            task.cancel()
             for g in gens:
                 await g.aclose()
             raise
@@ -243,7 +272,10 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
             for g in gens:
-                await g.aclose()
+                # a stream its (just cancelled) pump task is inside closes itself when that task unwinds;
+                # closing it here too would raise "asynchronous generator is already running"
+                if not getattr(g, "ag_running", False):
+                    await g.aclose()
 
     @staticmethod
     def _usage(finals: list[RequestOutput]) -> dict:
@@ -285,7 +317,8 @@ class OpenAIServing:
         encoded = [self.engine.encode_prompt(x) for x in prompts]
         params = req.to_sampling_params(req.max_tokens, req.logprobs, req.structured())
         gens, model = await self._start(
-            lambda eng: encoded if eng is self.engine else [eng.encode_prompt(x) for x in prompts], params, req, model)
+            lambda eng: encoded if eng is self.engine else [eng.encode_prompt(x) for x in prompts], params, req, model,
+            raw)
         served = {"x-pagedllm-served-by": model}
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -400,7 +433,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.to_sampling_params(max_tokens, logprobs, structured)
         gens, model = await self._start(
-            lambda eng: encoded if eng is self.engine else [eng.encode_chat(messages, tools)], params, req, model)
+            lambda eng: encoded if eng is self.engine else [eng.encode_chat(messages, tools)], params, req, model, raw)
         served = {"x-pagedllm-served-by": model}
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -492,7 +525,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               max_body_bytes: int = MAX_BODY_BYTES, metrics=None, fallback: AsyncLLM | None = None,
               fallback_name: str | None = None, breaker: CircuitBreaker | None = None,
               request_timeout_s: float | None = None, faults: FaultInjection | None = None,
-              auto_tools: bool = False) -> FastAPI:
+              auto_tools: bool = False, metrics_require_auth: bool = False) -> FastAPI:
     serving = OpenAIServing(engine, model_names, fallback, fallback_name, breaker, request_timeout_s, faults,
                             auto_tools)
 
@@ -507,6 +540,16 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.serving = serving
+    public = frozenset({"/health"} if metrics_require_auth else {"/health", "/metrics"})
+
+    def custom_openapi():
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi.finalize(
+                get_openapi(title=app.title, version=app.version, routes=app.routes), RANGES,
+                public if api_key else None)
+        return app.openapi_schema
+
+    app.openapi = custom_openapi
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, exc: RequestValidationError):
@@ -533,9 +576,12 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     @app.exception_handler(EngineOverloadedError)
     async def _overloaded(_, exc: EngineOverloadedError):
         resp = error_json(exc.status, str(exc), None, "overloaded")
-        if exc.retry_after is not None:
-            resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+        resp.headers["Retry-After"] = str(max(1, round(exc.retry_after or 1.0)))
         return resp
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_, exc: ClientGone):
+        return Response(status_code=499)  # nobody reads this
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_, exc: EngineDeadError):
@@ -551,10 +597,11 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         return error_json(500, f"internal error: {type(exc).__name__}: {exc}")
 
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, public_paths=public)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": openapi.HealthResponse},
+                                                         **openapi.errors(503)})
     async def health():
         if not engine.is_alive:
             return error_json(503, "engine loop is not running")
@@ -565,26 +612,34 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             detail["fallback"] = {"model": fallback_name, "alive": fallback.is_alive}
         return detail
 
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses={200: {"model": openapi.VersionResponse},
+                                                          **openapi.errors(401)})
     async def version():
         return {"version": pagedllm.__version__, "runtime": engine.runtime}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": openapi.ModelList},
+                                                            **openapi.errors(401)})
     async def models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedllm",
-             "root": engine.engine.model_path, "max_model_len": engine.max_model_len}
+             "root": engine.engine.model_path, "max_model_len": engine.max_model_len,
+             "vocab_size": engine.engine.core.vocab_size}
             for name in model_names]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses={**openapi.GENERATE_RESPONSES, 200: {**openapi.GENERATE_RESPONSES[200],
+                                                             "model": openapi.CompletionResponse}})
     async def completions(req: CompletionRequest, raw: Request):
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={**openapi.GENERATE_RESPONSES, 200: {**openapi.GENERATE_RESPONSES[200],
+                                                             "model": openapi.ChatCompletionResponse}})
     async def chat(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None,
+              responses={200: {"model": openapi.TokenizeResponse}, **openapi.SIMPLE_RESPONSES})
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -592,10 +647,11 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         if req.messages is not None:
             _, ids = engine.encode_chat([m.model_dump(include={"role", "content"}) for m in req.messages])
         else:
-            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = engine.encode_text(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None,
+              responses={200: {"model": openapi.DetokenizeResponse}, **openapi.SIMPLE_RESPONSES})
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
         vocab = engine.engine.core.vocab_size
@@ -604,7 +660,15 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    @app.get("/metrics")
+    @app.get("/debug/kv", response_model=None, responses={200: {"model": openapi.KVCacheState},
+                                                           **openapi.errors(401)})
+    async def debug_kv():
+        """The KV block pool now (leak checks: after all requests end, every block is free)."""
+        return engine.kv_state()
+
+    @app.get("/metrics", response_model=None, responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **openapi.errors(401, 404)})
     async def metrics_endpoint():
         if metrics is None:
             return error_json(404, "metrics are disabled")
@@ -621,7 +685,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="name clients use (default: the model's name)")
-    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"), help="require this bearer key on /v1")
+    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                   help="require this bearer key on every route but /health (and /metrics, see below)")
+    g.add_argument("--metrics-require-auth", action="store_true", help="with --api-key, /metrics needs the key too")
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: requests in flight get this long to finish, then are ended (finish "
+                        "reason 'abort') and the process exits")
     g.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES)
     g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats log lines")
     g.add_argument("--uvicorn-log-level", default="warning")
@@ -671,6 +740,8 @@ def run_server(args: argparse.Namespace) -> int:
             chat_template = f.read()
     name = args.served_model_name or default_served_name(args.model)
     engine = AsyncLLM(config, log_stats_interval=args.log_stats_interval)
+    if faults is not None and faults.forward_fail_token is not None:
+        engine.inject_forward_fault(faults.forward_fail_token)
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     runner = engine.engine.core.runner
@@ -693,15 +764,29 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, [name], api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                     metrics=metrics, fallback=fallback, fallback_name=fallback_name, breaker=breaker,
                     request_timeout_s=args.request_timeout_s, faults=faults,
-                    auto_tools=args.enable_auto_tool_choice)
+                    auto_tools=args.enable_auto_tool_choice, metrics_require_auth=args.metrics_require_auth)
+    drain_s = args.drain_timeout_s
 
     class _Server(uvicorn.Server):
+        drain_timer: threading.Timer | None = None
+
         def handle_exit(self, sig, frame):  # graceful stop, then a normal exit (no re-raised signal)
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+            if self.drain_timer is None:  # requests still running when the drain time is up are ended
+                logger.info("stopping: requests in flight have %.0f s to finish", drain_s)
+                self.drain_timer = threading.Timer(drain_s, _end_in_flight)
+                self.drain_timer.daemon = True
+                self.drain_timer.start()
+
+    def _end_in_flight() -> None:
+        logger.warning("drain timeout (%.0f s): ending the requests still in flight", drain_s)
+        engine.shutdown()
+        if fallback is not None:
+            fallback.shutdown()
 
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                    timeout_graceful_shutdown=30))
+                                    timeout_graceful_shutdown=drain_s + 5))
     tp_failures: list[str] = []
     if runner.tp is not None:  # a tensor-parallel rank that dies takes the server down (the watchdog calls this)
         def _tp_failed(message: str) -> None:
@@ -712,6 +797,8 @@ def run_server(args: argparse.Namespace) -> int:
         runner.tp.add_failure_callback(_tp_failed)
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     server.run()
+    if server.drain_timer is not None:
+        server.drain_timer.cancel()
     engine.shutdown()
     if fallback is not None:
         fallback.shutdown()

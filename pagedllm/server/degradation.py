@@ -74,10 +74,12 @@ class CircuitBreaker:
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Test switch: the primary fails (or stalls) on requests whose prompt text contains a marker."""
+    """Test switch: the primary fails (or stalls) on requests whose prompt text contains a marker; with
+    ``forward_fail_token`` the model's forward pass itself raises whenever its batch holds that token id."""
 
     fail_marker: str | None = None
     stall_marker: str | None = None
+    forward_fail_token: int | None = None
 
     @staticmethod
     def parse(spec: str | None) -> "FaultInjection | None":
@@ -87,10 +89,13 @@ class FaultInjection:
             d = json.loads(spec)
         except json.JSONDecodeError as e:
             raise ValueError(f"--fault-injection is not valid JSON: {e}") from None
-        unknown = set(d) - {"fail_marker", "stall_marker"}
+        unknown = set(d) - {"fail_marker", "stall_marker", "forward_fail_token"}
         if unknown:
             raise ValueError(f"--fault-injection: unknown keys {sorted(unknown)}")
-        return FaultInjection(d.get("fail_marker"), d.get("stall_marker"))
+        token = d.get("forward_fail_token")
+        if token is not None and (not isinstance(token, int) or token < 0):
+            raise ValueError("--fault-injection: forward_fail_token must be a token id")
+        return FaultInjection(d.get("fail_marker"), d.get("stall_marker"), token)
 
     def action(self, text: str | None) -> str | None:
         if text is None:

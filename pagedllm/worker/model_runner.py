@@ -79,6 +79,7 @@ class ModelRunner:
         ``serve_steps`` (``store``: a local worker's rendezvous store)."""
         self.config = config
         self.rank = rank
+        self._fail_token: int | None = None  # fault injection (reliability tests): see inject_forward_fault
         self.tp = None  # a TPGroup when tensor_parallel_size > 1
         self.tp_workers = None  # rank 0's local worker processes (LocalWorkers), when it started them
         self.rank_weight_bytes: list[int] = []  # weight bytes held by each rank (tensor parallelism)
@@ -229,6 +230,11 @@ class ModelRunner:
         while (packed := self.tp.recv()) is not None:
             self._forward_step(StepInputs.unpack(packed))
 
+    def inject_forward_fault(self, token_id: int | None) -> None:
+        """Fault injection for reliability tests: every forward pass whose batch holds ``token_id`` raises, as a
+        failing kernel would (the engine then isolates the request that carries it)."""
+        self._fail_token = token_id
+
     def shutdown(self) -> None:
         """Rank 0 tells the other ranks to stop and waits for its local workers; any rank leaves the group.
         Without tensor parallelism there is nothing to do."""
@@ -334,6 +340,8 @@ class ModelRunner:
             self._swap(step.swap_out, step.swap_in)
         if not step.input_ids:
             return None
+        if self._fail_token is not None and self._fail_token in step.input_ids:
+            raise RuntimeError(f"injected fault: token {self._fail_token} in the forward pass's batch")
         input_ids, positions, meta, rows = self._step_tensors(step)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[rows]) if step.logit_rows else None

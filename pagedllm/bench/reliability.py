@@ -1,0 +1,726 @@
+"""`pagedllm bench reliability`: bad input, disconnects, overload, faults and shutdown, at volume.
+
+Each phase drives a pagedllm server over HTTP and returns its figures (requests, statuses, 5xx, crashes, leaked
+KV blocks, RSS growth, ...) with ``passed`` and the reasons it failed. The command launches the servers it needs
+(a phase that kills or restarts one gets its own); tests/test_reliability.py runs the same phases smaller.
+Results: a markdown table (docs/reliability.md holds one) and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from pagedllm.bench import fuzz
+
+GREEDY_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+                  "List three uses of copper:"]
+LOG_ERRORS = ("unhandled error", "Exception in ASGI application", "engine loop died")  # never expected in a log
+FAIL_TOKEN = 49150  # a valid id of the default model; the fault-injected server fails any batch holding it
+
+
+def auth(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def server_info(base: str, headers: dict) -> dict:
+    card = httpx.get(base + "/v1/models", headers=headers, timeout=30).json()["data"][0]
+    return {"model": card["id"], "max_model_len": card["max_model_len"], "vocab_size": card["vocab_size"]}
+
+
+def greedy_outputs(base: str, headers: dict, model: str, max_tokens: int = 24) -> list[list[int] | str]:
+    """Each prompt alone, greedy: the text (compared token for token through its logprobs' tokens)."""
+    out = []
+    with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
+        for p in GREEDY_PROMPTS:
+            r = c.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": max_tokens,
+                                                "temperature": 0, "ignore_eos": True, "logprobs": 0})
+            r.raise_for_status()
+            out.append(r.json()["choices"][0]["logprobs"]["tokens"])
+    return out
+
+
+def kv_settled(base: str, headers: dict, timeout: float = 20.0) -> dict:
+    """Poll /debug/kv until nothing runs or waits and every block is free (or the timeout); then read the
+    Prometheus gauges too. Returns the last state with ``leaked_blocks`` and ``settle_s``."""
+    t0 = time.monotonic()
+    with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
+        while True:
+            kv = c.get("/debug/kv").json()
+            idle = kv["num_running"] == 0 and kv["num_waiting"] == 0 and kv["num_free_blocks"] == kv["num_blocks"]
+            if idle or time.monotonic() - t0 > timeout:
+                break
+            time.sleep(0.2)
+        time.sleep(1.5)  # the engine loop publishes its gauges when it next wakes
+        gauges = _gauges(c.get("/metrics").text)
+    kv["leaked_blocks"] = kv["num_blocks"] - kv["num_free_blocks"]
+    kv["settle_s"] = round(time.monotonic() - t0, 2)
+    kv["gauges"] = {k: gauges.get(k) for k in ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
+                                               "pagedllm:kv_cache_usage_perc", "pagedllm:kv_cache_free_blocks",
+                                               "pagedllm:kv_cache_total_blocks")}
+    return kv
+
+
+def _gauges(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _kv_clean(kv: dict) -> list[str]:
+    g = kv["gauges"]
+    bad = []
+    if kv["leaked_blocks"] or not kv["consistent"]:
+        bad.append(f"KV pool: {kv['leaked_blocks']} blocks not free, consistent={kv['consistent']} "
+                   f"({kv.get('problem')})")
+    if kv["num_running"] or kv["num_waiting"]:
+        bad.append(f"{kv['num_running']} running / {kv['num_waiting']} waiting after the phase")
+    if g["pagedllm:num_requests_running"] or g["pagedllm:num_requests_waiting"] or g["pagedllm:kv_cache_usage_perc"]:
+        bad.append(f"gauges not back to 0: {g}")
+    if g["pagedllm:kv_cache_free_blocks"] != g["pagedllm:kv_cache_total_blocks"]:
+        bad.append(f"free-block gauge {g['pagedllm:kv_cache_free_blocks']} != total")
+    return bad
+
+
+# ---------------------------------------------------------------------- phases on one running server
+def phase_fuzz(base: str, key: str | None, schema_examples: int, body_examples: int, seed: int = 0) -> dict:
+    h = auth(key)
+    info = server_info(base, h)
+    before = greedy_outputs(base, h, info["model"])
+    total = fuzz.Tally()
+    t_hostile = fuzz.run_hostile(base, h, info["model"], info["max_model_len"], info["vocab_size"])
+    t_bodies = fuzz.run_bodies(base, h, info["model"], info["vocab_size"], body_examples, seed)
+    t_schema, schema_failures = fuzz.run_schemathesis(base, h, schema_examples, seed)
+    for t in (t_hostile, t_bodies, t_schema):
+        total.add(t)
+    alive = httpx.get(base + "/health", timeout=10).status_code == 200
+    after = greedy_outputs(base, h, info["model"])
+    kv = kv_settled(base, h)
+    problems = list(total.problems)
+    if total.server_errors or total.no_response:
+        problems.insert(0, f"{total.server_errors} 5xx, {total.no_response} without response")
+    if total.client_errors != total.openai_shaped:
+        problems.insert(0, f"{total.client_errors - total.openai_shaped} 4xx without the OpenAI error object")
+    if schema_failures:
+        problems.insert(0, f"schema checks failed: {schema_failures}")
+    if not alive:
+        problems.insert(0, "the server is not healthy after fuzzing")
+    if before != after:
+        problems.insert(0, "greedy outputs changed after fuzzing")
+    problems += _kv_clean(kv)
+    return {"phase": "fuzz", "requests": total.sent, "hostile": t_hostile.as_dict(), "bodies": t_bodies.as_dict(),
+            "schemathesis": {**t_schema.as_dict(), "check_failures": schema_failures}, "total": total.as_dict(),
+            "greedy_unchanged": before == after, "healthy_after": alive, "kv": kv,
+            "passed": not problems, "problems": problems[:20]}
+
+
+async def _one_request(client: httpx.AsyncClient, path: str, body: dict, cut: str, rng: random.Random) -> str:
+    """Send one request and maybe hang up: 'early' (before or around the first byte), 'mid' (after some
+    stream events) or 'none'. Returns what happened."""
+    async def run() -> str:
+        if not body.get("stream"):
+            r = await client.post(path, json=body)
+            return _status(r)
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return _status(r)
+            events, stop_after = 0, rng.randint(1, 12)
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if cut == "mid" and events >= stop_after:
+                        return "cut mid-stream"
+                    if line == "data: [DONE]":
+                        return "completed"
+            return "stream ended without [DONE]"
+
+    if cut == "early":
+        try:
+            return await asyncio.wait_for(run(), timeout=rng.uniform(0.0, 0.4))
+        except asyncio.TimeoutError:
+            return "cut early"
+    return await run()
+
+
+def _status(r: httpx.Response) -> str:
+    """'status 200', or the status with the error message's start ('status 503: the request waited ...')."""
+    if r.status_code == 200:
+        return "status 200"
+    try:
+        return f"status {r.status_code}: {r.json()['error']['message'][:60]}"
+    except (ValueError, KeyError, TypeError):
+        return f"status {r.status_code}"
+
+
+def _bad_outcomes(outcomes: dict[str, int]) -> dict[str, int]:
+    """Outcomes that are failures: a 5xx other than 503 (overloaded: a correct answer under load), a client-side
+    error (connection reset, protocol error) or a stream that ended without [DONE]."""
+    return {k: v for k, v in outcomes.items()
+            if (k.startswith("status 5") and not k.startswith("status 503"))
+            or k.startswith(("client error", "stream ended"))}
+
+
+def _mixed_body(model: str, rng: random.Random, i: int) -> tuple[str, dict]:
+    stream = rng.random() < 0.75
+    n = 2 if rng.random() < 0.15 else 1
+    common = {"model": model, "max_tokens": rng.randint(4, 48), "stream": stream, "n": n,
+              "temperature": rng.choice([0.0, 0.8])}
+    if rng.random() < 0.5:
+        return "/v1/completions", {**common, "prompt": f"{rng.choice(GREEDY_PROMPTS)} (variant {i})"}
+    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"Tell me about {i}."}]}
+
+
+async def _storm(base: str, headers: dict, model: str, n: int, concurrency: int, seed: int,
+                 cut_fraction: float = 0.67) -> dict:
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency)
+    outcomes: dict[str, int] = {}
+
+    async def worker(i: int, client: httpx.AsyncClient):
+        path, body = _mixed_body(model, rng, i)
+        cut = rng.choice(["early", "mid"]) if rng.random() < cut_fraction else "none"
+        async with sem:
+            try:
+                what = await _one_request(client, path, body, cut, rng)
+            except httpx.HTTPError as e:
+                what = f"client error {type(e).__name__}"
+        outcomes[what] = outcomes.get(what, 0) + 1
+
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120, limits=limits) as client:
+        await asyncio.gather(*(worker(i, client) for i in range(n)))
+    return outcomes
+
+
+def phase_disconnects(base: str, key: str | None, n: int, concurrency: int, seed: int = 0) -> dict:
+    h = auth(key)
+    model = server_info(base, h)["model"]
+    t0 = time.monotonic()
+    outcomes = asyncio.run(_storm(base, h, model, n, concurrency, seed))
+    elapsed = time.monotonic() - t0
+    kv = kv_settled(base, h)
+    problems = _kv_clean(kv)
+    bad = _bad_outcomes(outcomes)
+    if bad:
+        problems.append(f"unexpected outcomes: {bad}")
+    return {"phase": "disconnects", "requests": n, "concurrency": concurrency, "outcomes": outcomes,
+            "duration_s": round(elapsed, 1), "kv": kv, "passed": not problems, "problems": problems}
+
+
+def _rss(base: str, headers: dict) -> float:
+    return _gauges(httpx.get(base + "/metrics", headers=headers, timeout=30).text)["process_resident_memory_bytes"]
+
+
+def phase_soak(base: str, key: str | None, duration_s: float, concurrency: int = 8, seed: int = 1,
+               max_growth: float = 0.05) -> dict:
+    """Rounds of the disconnect storm for ``duration_s``; RSS sampled after each round. Growth = median RSS of
+    the last third of the samples over the median of the first third (after one warm-up round)."""
+    h = auth(key)
+    model = server_info(base, h)["model"]
+    before = greedy_outputs(base, h, model)
+    asyncio.run(_storm(base, h, model, concurrency * 4, concurrency, seed))  # warm-up: allocator pools fill
+    samples, outcomes, rounds, sent = [], {}, 0, 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < duration_s:
+        for k, v in asyncio.run(_storm(base, h, model, concurrency * 4, concurrency, seed + rounds)).items():
+            outcomes[k] = outcomes.get(k, 0) + v
+        sent += concurrency * 4
+        rounds += 1
+        samples.append((round(time.monotonic() - t0, 1), _rss(base, h)))
+    kv = kv_settled(base, h)
+    after = greedy_outputs(base, h, model)
+    third = max(len(samples) // 3, 1)
+    first = statistics.median(s for _, s in samples[:third])
+    last = statistics.median(s for _, s in samples[-third:])
+    growth = last / first - 1
+    problems = _kv_clean(kv)
+    if growth > max_growth:
+        problems.append(f"RSS grew {growth:.1%} (> {max_growth:.0%})")
+    if before != after:
+        problems.append("greedy outputs changed during the soak")
+    bad = _bad_outcomes(outcomes)
+    if bad:
+        problems.append(f"unexpected outcomes: {bad}")
+    return {"phase": "soak", "duration_s": round(time.monotonic() - t0, 1), "requests": sent, "rounds": rounds,
+            "outcomes": outcomes, "rss_first_mib": round(first / 2**20, 1), "rss_last_mib": round(last / 2**20, 1),
+            "rss_growth": round(growth, 4), "rss_samples": samples, "greedy_unchanged": before == after, "kv": kv,
+            "passed": not problems, "problems": problems}
+
+
+async def _timed_load(base: str, headers: dict, model: str, bodies: list[dict], concurrency: int,
+                      timeout: float) -> tuple[list[dict], float]:
+    """Send the bodies (at most ``concurrency`` at once); per request: status, Retry-After, completion tokens,
+    error shape, seconds. Returns the results and the wall time."""
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async def one(client, body) -> dict:
+        async with sem:
+            t0 = time.monotonic()
+            try:
+                r = await asyncio.wait_for(client.post("/v1/completions", json=body), timeout)
+            except asyncio.TimeoutError:
+                return {"status": "hung", "s": timeout}
+            except httpx.HTTPError as e:
+                return {"status": f"client error {type(e).__name__}", "s": time.monotonic() - t0}
+            res = {"status": r.status_code, "s": time.monotonic() - t0, "retry_after": r.headers.get("retry-after"),
+                   "tokens": 0, "shaped": True, "end": time.monotonic()}
+            if r.status_code == 200:
+                res["tokens"] = r.json()["usage"]["completion_tokens"]
+            else:
+                res["shaped"] = fuzz.openai_error_shape(r)
+            return res
+
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout + 5, limits=limits) as client:
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(one(client, b) for b in bodies))
+    for r in results:
+        if "end" in r:
+            r["end"] -= t0
+    return results, time.monotonic() - t0
+
+
+def phase_overload(base: str, key: str | None, max_num_seqs: int, burst: int, output_len: int = 48,
+                   timeout: float = 300.0, min_ratio: float = 0.9) -> dict:
+    """Overloaded: ``burst`` requests at once against a server started with --max-waiting-requests /
+    --max-queue-delay-ms; every request must end with 200 or 429/503 + Retry-After and the OpenAI error object.
+    Unloaded: the same number of requests as were admitted, sent by ``max_num_seqs`` clients (the batch full,
+    nothing queued or refused); the admitted requests' output tokens/s is compared with it."""
+    h = auth(key)
+    model = server_info(base, h)["model"]
+    prompts = [f"{GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)]} #{i}" for i in range(max(burst, 4 * max_num_seqs))]
+
+    def body(i: int) -> dict:
+        return {"model": model, "prompt": prompts[i], "max_tokens": output_len, "ignore_eos": True,
+                "temperature": 0}
+
+    loaded, _ = asyncio.run(_timed_load(base, h, model, [body(i) for i in range(burst)], burst, timeout))
+    ok = [r for r in loaded if r["status"] == 200]
+    window = max((r["end"] for r in ok), default=0.0)
+    tok_loaded = sum(r["tokens"] for r in ok) / window if window else 0.0
+    # the same admitted work again, without the refused crowd: the same tail (a last, partly full batch)
+    unloaded, t_unloaded = asyncio.run(_timed_load(base, h, model, [body(i) for i in range(max(len(ok), 1))],
+                                                   max_num_seqs, timeout))
+    tok_unloaded = sum(r.get("tokens", 0) for r in unloaded) / t_unloaded
+    statuses: dict[str, int] = {}
+    for r in loaded:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    refused = [r for r in loaded if r["status"] in (429, 503)]
+    problems = []
+    if any(r["status"] not in (200, 429, 503) for r in loaded):
+        problems.append(f"statuses other than 200/429/503: {statuses}")
+    if any(not r.get("retry_after") for r in refused):
+        problems.append("a 429/503 without Retry-After")
+    if any(not r.get("shaped", True) for r in loaded):
+        problems.append("an error without the OpenAI error object")
+    if any(r["status"] != 200 for r in unloaded):
+        problems.append(f"the unloaded run had failures: {[r['status'] for r in unloaded if r['status'] != 200]}")
+    ratio = tok_loaded / tok_unloaded if tok_unloaded else 0.0
+    if ratio < min_ratio:
+        problems.append(f"admitted throughput {tok_loaded:.1f} tok/s is {ratio:.0%} of unloaded {tok_unloaded:.1f}")
+    kv = kv_settled(base, h)
+    problems += _kv_clean(kv)
+    return {"phase": "overload", "burst": burst, "statuses": statuses, "admitted": len(ok), "refused": len(refused),
+            "hung": statuses.get("hung", 0), "unloaded_tok_s": round(tok_unloaded, 1),
+            "admitted_tok_s": round(tok_loaded, 1), "ratio": round(ratio, 3),
+            "max_latency_s": round(max(r["s"] for r in loaded), 1), "kv": kv, "passed": not problems,
+            "problems": problems}
+
+
+def phase_auth(base: str, key: str, metrics_public: bool = True) -> dict:
+    """Every route in the OpenAPI schema, plus the docs, without a key, with a wrong one and with the right one."""
+    schema = httpx.get(base + "/openapi.json", headers=auth(key), timeout=30).json()
+    routes = [(m.upper(), p) for p, ops in schema["paths"].items() for m in ops]
+    routes += [("GET", "/openapi.json"), ("GET", "/docs")]
+    public = {"/health"} | ({"/metrics"} if metrics_public else set())
+    wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {key}x"},
+             {"Authorization": f"Basic {key}"}, {"Authorization": key}]
+    checked, problems = 0, []
+    with httpx.Client(base_url=base, timeout=60) as c:
+        for method, path in routes:
+            kw = {"json": {}} if method == "POST" else {}
+            for hdr in wrong:
+                s = c.request(method, path, headers=hdr, **kw).status_code
+                checked += 1
+                if path in public and s == 401:
+                    problems.append(f"{method} {path} is public but answered 401")
+                if path not in public and s != 401:
+                    problems.append(f"{method} {path} with {hdr or 'no key'} answered {s}, not 401")
+            s = c.request(method, path, headers=auth(key), **kw).status_code
+            checked += 1
+            if s == 401:
+                problems.append(f"{method} {path} refused the right key")
+    return {"phase": "auth", "routes": len(routes), "requests": checked, "public": sorted(public),
+            "passed": not problems, "problems": problems}
+
+
+def phase_forward_fault(base: str, key: str | None, fail_token: int = FAIL_TOKEN) -> dict:
+    """On a server started with --fault-injection '{"forward_fail_token": T}': requests carrying T fail (500) in
+    the same batches as good ones, which must still produce exactly their solo greedy output."""
+    h = auth(key)
+    model = server_info(base, h)["model"]
+    solo = greedy_outputs(base, h, model, max_tokens=32)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base, headers=h, timeout=120) as c:
+            good = [asyncio.ensure_future(c.post("/v1/completions", json={
+                "model": model, "prompt": p, "max_tokens": 32, "temperature": 0, "ignore_eos": True, "logprobs": 0}))
+                for p in GREEDY_PROMPTS]
+            await asyncio.sleep(0.3)
+            bad = [asyncio.ensure_future(c.post("/v1/completions", json={
+                "model": model, "prompt": [1, 2, fail_token, 3 + i], "max_tokens": 4})) for i in range(3)]
+            return await asyncio.gather(*good), await asyncio.gather(*bad)
+
+    good, bad = asyncio.run(run())
+    problems = []
+    for r in bad:
+        if r.status_code != 500 or "injected fault" not in r.json()["error"]["message"]:
+            problems.append(f"a poisoned request answered {r.status_code}: {r.text[:200]}")
+    batched = [r.json()["choices"][0]["logprobs"]["tokens"] if r.status_code == 200 else None for r in good]
+    if batched != solo:
+        problems.append("good requests batched with failing ones differ from their solo greedy output")
+    kv = kv_settled(base, h)
+    problems += _kv_clean(kv)
+    return {"phase": "forward fault", "faults_injected": len(bad), "good_requests": len(good),
+            "good_identical": batched == solo, "kv": kv, "passed": not problems, "problems": problems}
+
+
+def phase_server_log(path: str) -> dict:
+    """The shared server's log after all its phases: no unhandled error, no dead engine loop."""
+    text = open(path).read()
+    counts = {m: text.count(m) for m in LOG_ERRORS}
+    problems = [f"{n} x {m!r} in {path}" for m, n in counts.items() if n]
+    return {"phase": "server log", "lines": text.count("\n"), "counts": counts, "passed": not problems,
+            "problems": problems}
+
+
+# ---------------------------------------------------------------------- phases that own their server
+def _launch(args: list[str], log_path: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", *args],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy; see {log_path}")
+
+
+def phase_shutdown(server_args: list[str], workdir: str, drain_s: float = 3.0, streams: int = 4,
+                   plain: int = 2) -> dict:
+    """SIGTERM with requests in flight that outlast the drain timeout: each must end properly (its stream ends
+    with [DONE], finish reason 'abort' or a normal one; a plain request gets its JSON) and the process must exit
+    with 0 within drain + 5 s."""
+    from pagedllm.bench.compare import _free_port
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = os.path.join(workdir, "shutdown-server.log")
+    proc = _launch(["--port", str(port), "--drain-timeout-s", str(drain_s), *server_args], log)
+    wait_healthy(proc, base, log)
+    info = server_info(base, {})
+    body = {"model": info["model"], "prompt": GREEDY_PROMPTS[0], "max_tokens": info["max_model_len"] - 16,
+            "ignore_eos": True}
+
+    async def stream_one(c) -> str:
+        try:
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                finish, done = None, False
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        for ch in json.loads(line[6:]).get("choices", []):
+                            finish = ch.get("finish_reason") or finish
+                return f"finish {finish}" if done else "cut (no [DONE])"
+        except httpx.HTTPError as e:
+            return f"cut ({type(e).__name__})"
+
+    async def plain_one(c) -> str:
+        try:
+            r = await c.post("/v1/completions", json=body)
+            return f"finish {r.json()['choices'][0]['finish_reason']}" if r.status_code == 200 else f"{r.status_code}"
+        except httpx.HTTPError as e:
+            return f"cut ({type(e).__name__})"
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            tasks = [asyncio.ensure_future(stream_one(c)) for _ in range(streams)]
+            tasks += [asyncio.ensure_future(plain_one(c)) for _ in range(plain)]
+            await asyncio.sleep(1.5)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            results = await asyncio.gather(*tasks)
+            return results, t0
+
+    results, t0 = asyncio.run(run())
+    try:
+        rc = proc.wait(timeout=drain_s + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "killed (did not exit)"
+    exit_s = time.monotonic() - t0
+    problems = []
+    if any(r.startswith("cut") or not r.startswith("finish") for r in results):
+        problems.append(f"requests not ended properly: {results}")
+    if rc != 0:
+        problems.append(f"exit code {rc}")
+    if exit_s > drain_s + 5:
+        problems.append(f"exited after {exit_s:.1f} s (drain {drain_s} s)")
+    text = open(log).read()
+    if "Traceback" in text:
+        problems.append("a traceback in the server log")
+    return {"phase": "shutdown", "in_flight": len(results), "outcomes": results, "exit_code": rc,
+            "exit_s": round(exit_s, 1), "drain_s": drain_s, "passed": not problems, "problems": problems}
+
+
+def phase_corrupt_models(workdir: str, model_path: str,
+                         kinds: tuple[str, ...] = ("truncated", "garbage", "empty", "header-only")) -> dict:
+    """Truncated, garbage, empty and header-only .gguf files: `pagedllm serve` must refuse each at start with a
+    one-line error naming the file (exit code 2)."""
+    size = os.path.getsize(model_path)
+    files = {}
+    with open(model_path, "rb") as f:
+        head = f.read(size // 3)
+    for name, data in (("truncated", head), ("garbage", os.urandom(4096)), ("empty", b""),
+                       ("header-only", head[:2_000_000])):
+        if name not in kinds:
+            continue
+        path = os.path.join(workdir, f"{name}.gguf")
+        with open(path, "wb") as f:
+            f.write(data)
+        files[name] = path
+    results, problems = {}, []
+    for name, path in files.items():
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "serve", "--model", path, "--port", "1"],
+                           capture_output=True, text=True, timeout=300)
+        err = (p.stderr or "").strip().splitlines()
+        last = err[-1] if err else ""
+        results[name] = {"exit_code": p.returncode, "message": last[:300], "s": round(time.monotonic() - t0, 1)}
+        if p.returncode == 0 or path not in last or "Traceback" in p.stderr:
+            problems.append(f"{name}: exit {p.returncode}, message {last[:200]!r}")
+    return {"phase": "corrupt model files", "files": results, "passed": not problems, "problems": problems}
+
+
+def phase_tp_kill(server_args: list[str], workdir: str) -> dict:
+    """A 3-rank tensor-parallel server (the default model divides by 3) whose other ranks are killed mid-stream: the stream ends with an error
+    and the server stops with a non-zero exit and a message naming tensor parallelism."""
+    import psutil
+
+    from pagedllm.bench.compare import _free_port
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = os.path.join(workdir, "tp-server.log")
+    proc = _launch(["--port", str(port), "--tensor-parallel-size", "3", *server_args], log)
+    wait_healthy(proc, base, log)
+    model = server_info(base, {})["model"]
+    victims = psutil.Process(proc.pid).children(recursive=True)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+            try:
+                async with c.stream("POST", "/v1/completions", json={
+                        "model": model, "prompt": GREEDY_PROMPTS[1], "max_tokens": 200, "ignore_eos": True,
+                        "stream": True}) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        lines.append(line)
+                        if len(lines) == 6:
+                            for v in victims:
+                                v.kill()
+                    return lines
+            except httpx.HTTPError as e:
+                return [f"cut ({type(e).__name__})"]
+
+    t0 = time.monotonic()
+    lines = asyncio.run(run())
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "did not exit"
+    text = open(log).read()
+    problems = []
+    if rc in (0, "did not exit"):
+        problems.append(f"exit code {rc}")
+    if "tensor parallel" not in text.lower():
+        problems.append("the log does not name the tensor-parallel failure")
+    told = any('"error"' in line for line in lines)
+    return {"phase": "tensor-parallel rank killed", "workers_killed": len(victims), "exit_code": rc,
+            "exit_s": round(time.monotonic() - t0, 1), "stream_got_error_event": told,
+            "last_stream_line": (lines[-1] if lines else "")[:200], "passed": not problems, "problems": problems}
+
+
+# ---------------------------------------------------------------------- command
+def write_report(results: list[dict], meta: dict) -> str:
+    lines = [f"# pagedllm reliability run ({meta['date']})", "",
+             f"CPU: {meta['cpu']}. Command: `{meta['command']}`", "",
+             "| phase | requests / events | figures | result |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['phase']} | {_volume(r)} | {_figures(r)} | {'pass' if r['passed'] else 'FAIL'} |")
+    for r in results:
+        if r["problems"]:
+            lines += ["", f"## {r['phase']}: problems", *[f"- {p}" for p in r["problems"]]]
+    return "\n".join(lines) + "\n"
+
+
+def _volume(r: dict) -> str:
+    p = r["phase"]
+    if p == "fuzz":
+        return (f"{r['requests']} (schemathesis {r['schemathesis']['sent']}, hypothesis bodies "
+                f"{r['bodies']['sent']}, hostile {r['hostile']['sent']})")
+    if p == "auth":
+        return f"{r['requests']} on {r['routes']} routes"
+    if p == "forward fault":
+        return f"{r['faults_injected']} faults among {r['good_requests']} good"
+    if p == "shutdown":
+        return f"{r['in_flight']} in flight"
+    if p == "overload":
+        return f"burst {r['burst']}"
+    if p == "corrupt model files":
+        return f"{len(r['files'])} files"
+    if p == "server log":
+        return f"{r['lines']} lines"
+    return str(r.get("requests", r.get("workers_killed", "")))
+
+
+def _figures(r: dict) -> str:
+    p = r["phase"]
+    if p == "fuzz":
+        t = r["total"]
+        return (f"4xx {t['4xx']} (OpenAI shape {t['4xx_openai_shape']}), 5xx {t['5xx']}, no response "
+                f"{t['no_response']}, schema check failures {sum(r['schemathesis']['check_failures'].values())}, "
+                f"greedy unchanged {r['greedy_unchanged']}, leaked blocks {r['kv']['leaked_blocks']}")
+    if p == "disconnects":
+        return f"outcomes {r['outcomes']}, leaked blocks {r['kv']['leaked_blocks']}, settled in {r['kv']['settle_s']} s"
+    if p == "soak":
+        return (f"{r['duration_s']:.0f} s, RSS {r['rss_first_mib']} → {r['rss_last_mib']} MiB "
+                f"({r['rss_growth']:+.1%}), leaked blocks {r['kv']['leaked_blocks']}, "
+                f"greedy unchanged {r['greedy_unchanged']}")
+    if p == "overload":
+        return (f"statuses {r['statuses']}, hung {r['hung']}, admitted {r['admitted_tok_s']} tok/s vs unloaded "
+                f"{r['unloaded_tok_s']} ({r['ratio']:.0%}), leaked blocks {r['kv']['leaked_blocks']}")
+    if p == "auth":
+        return f"public: {', '.join(r['public'])}; everything else 401 without the right key"
+    if p == "forward fault":
+        return f"good outputs identical {r['good_identical']}, leaked blocks {r['kv']['leaked_blocks']}"
+    if p == "shutdown":
+        return f"outcomes {sorted(set(r['outcomes']))}, exit {r['exit_code']} after {r['exit_s']} s (drain {r['drain_s']} s)"
+    if p == "corrupt model files":
+        return "; ".join(f"{k}: exit {v['exit_code']}" for k, v in r["files"].items())
+    if p == "server log":
+        return ", ".join(f"{m!r}: {n}" for m, n in r["counts"].items())
+    if p == "tensor-parallel rank killed":
+        return f"exit {r['exit_code']} after {r['exit_s']} s, stream error event {r['stream_got_error_event']}"
+    return ""
+
+
+PHASES = ("fuzz", "disconnects", "soak", "overload", "auth", "fault", "shutdown", "corrupt", "tp")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagedllm.bench.compare import running_server
+    from pagedllm.bench.cpuinfo import cpu_line
+    from pagedllm.config import default_model_path
+
+    phases = args.phases.split(",") if args.phases else list(PHASES)
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+    workdir = args.results_dir or tempfile.mkdtemp(prefix="pagedllm-reliability-")
+    os.makedirs(workdir, exist_ok=True)
+    key = "reliability-key"
+    extra = args.server_args.split()
+    results: list[dict] = []
+
+    def report(r: dict) -> None:
+        results.append(r)
+        print(f"[{r['phase']}] {'pass' if r['passed'] else 'FAIL'}: {_figures(r)}", flush=True)
+        for p in r["problems"][:5]:
+            print(f"    {p}", flush=True)
+
+    shared = [p for p in phases if p in ("fuzz", "disconnects", "soak", "overload", "auth", "fault")]
+    if shared:
+        flags = (f"--api-key {key} --max-model-len {args.max_model_len} --max-num-seqs {args.max_num_seqs} "
+                 f"--max-waiting-requests {args.max_waiting_requests} --max-queue-delay-ms {args.max_queue_delay_ms} "
+                 f"--fault-injection {json.dumps({'forward_fail_token': FAIL_TOKEN}).replace(' ', '')} "
+                 + args.server_args)
+        server_log = os.path.join(workdir, "server.log")
+        with running_server(args.dtype, None, flags, server_log) as (_, base):
+            if "auth" in phases:
+                report(phase_auth(base, key))
+            if "fuzz" in phases:
+                report(phase_fuzz(base, key, args.schema_examples, args.body_examples, args.seed))
+            if "disconnects" in phases:
+                report(phase_disconnects(base, key, args.disconnects, args.concurrency, args.seed))
+            if "fault" in phases:
+                report(phase_forward_fault(base, key))
+            if "overload" in phases:
+                report(phase_overload(base, key, args.max_num_seqs, args.burst))
+            if "soak" in phases:
+                report(phase_soak(base, key, args.soak_s, args.concurrency))
+        report(phase_server_log(server_log))
+    own = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), *extra]
+    if "shutdown" in phases:
+        report(phase_shutdown(own, workdir))
+    if "corrupt" in phases:
+        report(phase_corrupt_models(workdir, default_model_path()))
+    if "tp" in phases:
+        report(phase_tp_kill(own, workdir))
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": f"{cpu_line()}, {os.cpu_count()} logical CPUs",
+            "command": "pagedllm bench reliability " + " ".join(args.argv or [])}
+    md = write_report(results, meta)
+    with open(os.path.join(workdir, "reliability.md"), "w") as f:
+        f.write(md)
+    with open(args.result_json or os.path.join(workdir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+    print(md)
+    print(f"results in {workdir}")
+    return 0 if all(r["passed"] for r in results) else 1
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--phases", default=None, help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--server-args", default="", help="extra flags for every server the suite starts")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-waiting-requests", type=int, default=32,
+                   help="the queue bound (keep >= 2 x --concurrency: the storm itself must not overload)")
+    p.add_argument("--max-queue-delay-ms", type=float, default=20000)
+    p.add_argument("--schema-examples", type=int, default=60, help="schemathesis cases per operation and mode")
+    p.add_argument("--body-examples", type=int, default=400, help="hypothesis-drawn OpenAI bodies")
+    p.add_argument("--disconnects", type=int, default=300, help="requests in the disconnect storm")
+    p.add_argument("--concurrency", type=int, default=8, help="clients in the disconnect storm and the soak")
+    p.add_argument("--burst", type=int, default=200, help="requests sent at once in the overload phase")
+    p.add_argument("--soak-s", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--results-dir", default=None)
+    p.add_argument("--result-json", default=None)
+    p.set_defaults(argv=sys.argv[3:])
