@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
-    from pagedllm.bench import compare, offline, overhead, quant, roofline, serve, spec, tp
+    from pagedllm.bench import compare, ladder, offline, overhead, quant, reliability, roofline, serve, spec, tp
     from pagedllm.model import fetch
 
     def add_module_command(subparsers, name: str, module, help_text: str) -> None:
@@ -151,23 +151,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_module_command(sub, "quantize", quant_cli, "write a quantized checkpoint (RTN / AWQ / GPTQ, 4 or 8 bits)")
     add_module_command(sub, "eval", eval_cli, "quality gate: perplexity, KL, top-1 and business-set accuracy")
+    from pagedllm.sim import cli as sim_cli
+
+    add_module_command(sub, "simulate", sim_cli, "predict a GPU/CPU deployment with the real scheduler and a "
+                       "roofline cost model (no model, no torch)")
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     for name, module, help_text in (
         ("offline", offline, "LLM.generate vs HuggingFace one request at a time"),
         ("serve", serve, "load-test any OpenAI-compatible server"),
         ("compare", compare, "HF vs pagedllm offline vs pagedllm server, one workload"),
+        ("ladder", ladder, "the optimization ladder, step by step: speed, memory and quality gates"),
         ("roofline", roofline, "machine matmul/bandwidth limits and the engine's fraction of them"),
         ("spec", spec, "decode speed with and without speculative decoding"),
         ("quant", quant, "quantization methods side by side: memory, quality, speed"),
         ("tp", tp, "decode tokens/s and all-reduce time per step at several tensor-parallel sizes"),
         ("overhead", overhead, "engine overhead vs forward pass in a loaded server's steps (py-spy profile)"),
+        ("reliability", reliability, "fuzzing, disconnect storms, overload, faults, shutdown, soak: figures"),
     ):
         add_module_command(bsub, name, module, help_text)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:  # pure Python: skip the full parser, which imports the engine and torch
+        from pagedllm.sim.cli import run
+
+        return run(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,700 @@
+"""`pagedllm bench ladder`: the optimization ladder, measured on this machine in one run.
+
+Each row is one cumulative step from a naive deployment to the optimized one:
+
+1. naive: HuggingFace transformers, float32, one request at a time (``bench compare``'s HF baseline);
+2. + paged KV cache and continuous batching: the pagedllm server, ``--dtype float32``, prefix caching off;
+3. + 4-bit weights: ``--dtype auto`` (on CPU the GGUF file's Q4 blocks through the block kernel when the start-up
+   measurement picks them; ``/health``'s runtime says what ran), prefix caching off;
+4. + prefix caching (on);
+5. + speculative decoding (n-gram drafts; ``--spec-config``).
+
+Every step runs the same three workloads, so every cell compares like with like: W1 (the shipped prompts),
+shared-prefix (the same prompts after one shared ~420-token system prompt: what prefix caching is for) and
+code-rewrite (prompts whose answer repeats a code snippet with one change: what n-gram drafting is for). Each step
+has a target workload (W1 for steps 1-3, shared-prefix for 4, code-rewrite for 5) on which its latency, TTFT and
+memory are reported and its speedup over step 1 is computed. Server steps are measured by ``bench serve``'s client
+(streaming ``/v1/completions``, greedy, EOS ignored and masked, fixed concurrency); step 1 receives the same burst
+and serves it one request at a time. Step 1 runs the two extra workloads on their first ``--hf-subset-prompts``
+prompts only (one-at-a-time throughput does not depend on how many requests queue; the full sets would take
+~10 more minutes on a 2-core machine).
+
+Quality gates (a failed gate is shown as FAILED, never dropped):
+- step 2: greedy output identical to step 1 (HF) on the first prompts of the shared-prefix and code-rewrite sets;
+- step 3: ``pagedllm eval --candidate default --candidate-dtype auto`` against float32 (perplexity, business-set
+  accuracy, top-1 agreement; its own thresholds);
+- steps 4 and 5: greedy output identical to step 3 on the same prompts (prefix caching and greedy speculative
+  decoding must not change a token).
+Outputs for the gates come from a separate greedy pass (non-streaming, ``--gate-prompts`` prompts per workload)
+after each measured run on the same server. Writes results.json, results.md and chart.png into ``--results-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import resources
+
+WORKLOADS = ("w1", "prefix", "code")
+TITLES = {"w1": "W1", "prefix": "shared prefix", "code": "code rewrite"}
+GATE_WORKLOADS = ("prefix", "code")  # where the greedy-identity gates compare outputs
+
+# ~420 tokens with the model's tokenizer (tests check the range); shared verbatim by every shared-prefix prompt
+SHARED_SYSTEM = (
+    "You are the writing assistant of Harbourline, a small publishing and consulting company. Every answer you "
+    "write follows the house style guide below, whatever the request is about.\n"
+    "1. Audience. Write for a busy, intelligent reader who is not a specialist. Explain a technical term the first "
+    "time you use it, in plain words, and do not use it again if a simpler word will do.\n"
+    "2. Structure. Start with the answer or the main recommendation in one or two sentences. Then give the "
+    "reasons or the steps, in the order the reader will need them. End with what the reader should do next.\n"
+    "3. Length. Prefer short paragraphs of two to four sentences. Use a numbered list for steps that must happen "
+    "in order and a bulleted list for options that do not. Never pad an answer to make it look thorough.\n"
+    "4. Tone. Be warm but direct. Do not flatter the reader, do not apologise for things that are not your fault, "
+    "and do not use exclamation marks. Avoid marketing language such as 'world-class' or 'cutting-edge'.\n"
+    "5. Accuracy. If you are not sure about a fact, say so and say how the reader can check it. Never invent "
+    "names, prices, dates, statistics, quotations or references. Give ranges rather than false precision.\n"
+    "6. Safety. For anything involving health, money, law or physical risk, give general information only and "
+    "recommend a qualified professional for decisions. Point out the most common mistake people make.\n"
+    "7. Language. Use British spelling, the active voice and concrete verbs. Write numbers from one to nine in "
+    "words and larger numbers in digits. Use the 24-hour clock and write dates as 3 March 2025.\n"
+    "8. Formatting. Use headings only for long answers. Put commands, file names and code in backticks.\n"
+    "9. Closing. Finish with a single sentence that summarises the key point. Do not add a sign-off, a signature or "
+    "an offer of further help.\n\n"
+)
+
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+# ---------------------------------------------------------------------- workloads
+def shared_prefix_prompt(prompt: str) -> str:
+    return f"{SHARED_SYSTEM}Request: {prompt}"
+
+
+def code_rewrite_prompts() -> list[str]:
+    """The shipped code-rewrite set (``data/code_rewrite.jsonl``): 8 snippets x 5 one-line changes, ordered so
+    that every run of 8 consecutive prompts covers all 8 snippets with different changes."""
+    text = resources.files("pagedllm.bench").joinpath("data/code_rewrite.jsonl").read_text()
+    return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+
+
+def _cycle(prompts: list[str], n: int) -> list[str]:
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def build_workloads(num_prompts: int) -> dict[str, list[str]]:
+    """The three workloads, ``num_prompts`` each (the sets repeat beyond their length: 40 prompts each)."""
+    from pagedllm.bench.offline import load_prompts
+
+    w1 = _cycle(load_prompts(None), num_prompts)
+    return {"w1": w1, "prefix": [shared_prefix_prompt(p) for p in w1],
+            "code": _cycle(code_rewrite_prompts(), num_prompts)}
+
+
+def single_stream_prompts(n: int) -> list[str]:
+    """The last ``n`` code-rewrite prompts: with the default 32 measured prompts they are not in the concurrent
+    run, so prefix caching cannot serve them from that run's blocks."""
+    code = code_rewrite_prompts()
+    return code[len(code) - n:] if n else []
+
+
+# ---------------------------------------------------------------------- steps
+@dataclass(frozen=True)
+class Step:
+    number: int
+    title: str
+    target: str  # the workload this step is for
+    dtype: str | None = None  # None: the HF baseline (no server)
+    extra: tuple[str, ...] = ()  # more server flags (no whitespace inside one flag: compare.running_server splits)
+
+    @property
+    def flags(self) -> str:
+        if self.dtype is None:
+            return "transformers generate(), batch 1"
+        return " ".join([f"--dtype {self.dtype}", *(shlex.quote(x) for x in self.extra)])
+
+
+def ladder_steps(spec_config: dict | None = None) -> list[Step]:
+    spec = json.dumps(spec_config or NGRAM_CONFIG, separators=(",", ":"))
+    return [
+        Step(1, "naive: HF transformers float32, one request at a time", "w1"),
+        Step(2, "paged KV cache + continuous batching (float32)", "w1", "float32", ("--no-enable-prefix-caching",)),
+        Step(3, "+ 4-bit weights (engine default on CPU)", "w1", "auto", ("--no-enable-prefix-caching",)),
+        Step(4, "+ prefix caching", "prefix", "auto", ()),
+        Step(5, "+ speculative decoding (n-gram)", "code", "auto", ("--speculative-config", spec)),
+    ]
+
+
+# ---------------------------------------------------------------------- measuring
+def _log(msg: str) -> None:
+    print(f"[ladder {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+async def _measure(base: str, concurrency: int, prompts: list[str], output_len: int,
+                   show_progress: bool) -> tuple[dict, float]:
+    """One `bench serve` run (greedy, EOS ignored and masked) while polling the KV usage: (result, peak usage)."""
+    import httpx
+
+    from pagedllm.bench.compare import load_args
+    from pagedllm.bench.serve import BenchRequest, run_load
+
+    args = load_args(base, concurrency)
+    args.extra_body = {"min_tokens": output_len}  # mask EOS as HF's min_new_tokens does: the same greedy tokens
+    peak = 0.0
+    stop = asyncio.Event()
+
+    async def watch():
+        nonlocal peak
+        async with httpx.AsyncClient(base_url=base) as h:
+            while not stop.is_set():
+                try:
+                    for line in (await h.get("/metrics", timeout=5)).text.splitlines():
+                        if line.startswith("pagedllm:kv_cache_usage_perc{"):
+                            peak = max(peak, float(line.rsplit(" ", 1)[1]))
+                except httpx.HTTPError:
+                    pass
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.2)
+                except asyncio.TimeoutError:
+                    pass
+
+    w = asyncio.ensure_future(watch())
+    try:
+        res = await run_load(args, [BenchRequest(p, output_len) for p in prompts], show_progress=show_progress)
+    finally:
+        stop.set()
+        await w
+    return res, peak
+
+
+async def _greedy_texts(base: str, prompts: list[str], output_len: int, concurrency: int) -> list[str]:
+    """Greedy completions (non-streaming, EOS masked) of ``prompts``: the outputs the gates compare."""
+    import httpx
+
+    sem = asyncio.Semaphore(max(concurrency, 1))
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(None)) as h:
+        model = (await h.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(p: str) -> str:
+            async with sem:
+                r = await h.post("/v1/completions", json={
+                    "model": model, "prompt": p, "max_tokens": output_len, "min_tokens": output_len,
+                    "temperature": 0.0, "ignore_eos": True})
+                r.raise_for_status()
+                return r.json()["choices"][0]["text"]
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+_WEIGHTS_RE = re.compile(r"model .* weights .* \(([\d.]+) MiB\), .*; KV cache \d+ blocks")
+
+
+def weights_bytes_from_log(text: str) -> int | None:
+    """Weight bytes from the model runner's start-up line ("..., weights gguf (90.5 MiB), ...; KV cache ...")."""
+    m = _WEIGHTS_RE.search(text)
+    return int(float(m.group(1)) * 2**20) if m else None
+
+
+def _vmhwm(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _counter(m: dict, name: str) -> float:
+    return m.get(f"pagedllm:{name}_total", m.get(f"pagedllm:{name}", 0.0))
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+    """Prefix-cache hit rate and speculative acceptance over one run, from two `/metrics` scrapes."""
+    d = {k: _counter(after, k) - _counter(before, k) for k in (
+        "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens")}
+    out: dict = {}
+    if d["prefix_cache_queries"] > 0:
+        out["prefix_cache_hit_rate"] = d["prefix_cache_hits"] / d["prefix_cache_queries"]
+    if d["spec_decode_num_drafts"] > 0:
+        out["spec_mean_acceptance_length"] = 1 + d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_drafts"]
+        out["spec_acceptance_rate"] = d["spec_decode_num_accepted_tokens"] / max(d["spec_decode_num_draft_tokens"], 1)
+    return out
+
+
+def run_server_step(step: Step, workloads: dict[str, list[str]], single: list[str], args,
+                    results_dir: str) -> dict:
+    import httpx
+
+    from pagedllm.bench.compare import _load_row, _scrape, running_server
+
+    row = _new_row(step)
+    log_path = os.path.join(results_dir, f"server_step{step.number}.log")
+    L, C = args.output_len, args.concurrency
+    progress = not getattr(args, "no_progress", False)
+    with running_server(step.dtype, None, " ".join(step.extra), log_path) as (proc, base):
+        asyncio.run(_greedy_texts(base, ["Hello, my name is"], 4, 1))  # warm-up, shares no prefix with any set
+        row["runtime"] = httpx.get(base + "/health", timeout=10).json().get("runtime")
+        m = _scrape(base)
+        capacity = m.get("pagedllm:kv_cache_capacity_bytes", 0.0)
+        bytes_per_token = capacity / max(m.get("pagedllm:kv_cache_capacity_tokens", 0.0), 1.0)
+        max_len = httpx.get(base + "/v1/models", timeout=10).json()["data"][0].get("max_model_len", 0)
+        row["kv_capacity_bytes"] = capacity
+        if single:  # first: nothing of the sets is cached yet
+            _log(f"step {step.number}: code rewrite, one stream, {len(single)} prompts")
+            res, _ = asyncio.run(_measure(base, 1, single, L, progress))
+            row["single_stream"] = {"output_tok_s": res["output_throughput"], "num_prompts": len(single),
+                                    "failed": res["failed"]}
+        for key in WORKLOADS:
+            _log(f"step {step.number}: {TITLES[key]}, {len(workloads[key])} prompts at concurrency {C}")
+            before = _scrape(base)
+            res, peak = asyncio.run(_measure(base, C, workloads[key], L, progress))
+            time.sleep(0.3)  # the engine records a step's stats just after delivering its outputs
+            w = _load_row(f"step {step.number} {key}", res, num_prompts=len(workloads[key]),
+                          kv_bytes_used_peak=peak * capacity,
+                          kv_bytes_static_max_len=min(C, len(workloads[key])) * max_len * bytes_per_token,
+                          **counter_deltas(before, _scrape(base)))
+            if res["failed"]:
+                w["errors"] = res.get("errors", [])[:3]
+            row["workloads"][key] = w
+            if key in GATE_WORKLOADS and args.gate_prompts:
+                row["texts"][key] = asyncio.run(_greedy_texts(base, workloads[key][: args.gate_prompts], L,
+                                                              min(C, args.gate_prompts)))
+        row["peak_rss_bytes"] = _vmhwm(proc.pid)
+    with open(log_path) as f:
+        row["weights_bytes"] = weights_bytes_from_log(f.read())
+    return row
+
+
+def _run_ladder_phase(argv: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-m", "pagedllm.bench.ladder", *argv], stdout=subprocess.PIPE, text=True,
+                         check=True)  # stderr (progress bars) passes through
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _write_prompts(path: str, prompts: list[str]) -> str:
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return path
+
+
+def run_hf_step(step: Step, workloads: dict[str, list[str]], args, results_dir: str) -> dict:
+    """Step 1: `bench compare`'s HF phase (one at a time, latencies from a burst at t=0) on W1; `bench offline`'s
+    HF loop (which keeps the token ids, for step 2's gate) on the first prompts of the other two workloads."""
+    from pagedllm.bench.compare import _run_phase
+    from pagedllm.config import default_model_path
+    from pagedllm.engine.tokenizer import load_tokenizer
+
+    row = _new_row(step)
+    L = args.output_len
+    paths = {k: _write_prompts(os.path.join(results_dir, f"prompts_{k}.jsonl"), workloads[k]) for k in WORKLOADS}
+    _log(f"step 1: {TITLES['w1']}, {len(workloads['w1'])} prompts, one at a time")
+    w = _run_phase(["--phase", "hf", "--batch-size", "1", "--dtype", "float32", "--num-prompts",
+                    str(len(workloads["w1"])), "--output-len", str(L), "--prompts-file", paths["w1"]])
+    w["num_prompts"] = len(workloads["w1"])
+    row["workloads"]["w1"] = w
+    rss = [w.get("peak_rss_bytes") or 0]
+    n = min(args.hf_subset_prompts, len(workloads["w1"]))
+    tok = load_tokenizer(default_model_path()) if n else None
+    for key in ("prefix", "code"):
+        if not n:
+            break
+        _log(f"step 1: {TITLES[key]}, first {n} prompts, one at a time")
+        r = _run_ladder_phase(["--phase", "hf-ids", "--prompts-file", paths[key], "--num-prompts", str(n),
+                               "--output-len", str(L)])
+        row["workloads"][key] = {"output_tok_s": r["output_tok_s"], "output_tokens": r["output_tokens"],
+                                 "duration_s": r["seconds"], "num_prompts": n, "subset": True, "failed": 0}
+        row["texts"][key] = [tok.decode(ids, skip_special_tokens=True) for ids in r["token_ids"]]
+        rss.append(r.get("peak_rss_bytes") or 0)
+    row["peak_rss_bytes"] = max(rss) or None
+    return row
+
+
+def run_eval(args, results_dir: str) -> dict:
+    """`pagedllm eval` of step 3's weights (the engine default, --dtype auto) against float32, in its own
+    process (it loads two models); exit status 1 = the gate failed."""
+    path = os.path.join(results_dir, "eval.json")
+    cmd = [sys.executable, "-m", "pagedllm.cli.main", "eval", "--candidate", "default", "--candidate-dtype", "auto",
+           "--json", path, *shlex.split(args.eval_args)]
+    _log("step 3 gate: " + shlex.join(["pagedllm", *cmd[3:]]))
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    print(r.stdout, file=sys.stderr)
+    if r.returncode not in (0, 1) or not os.path.exists(path):
+        return {"error": f"pagedllm eval exited with status {r.returncode}", "command": shlex.join(cmd[3:])}
+    with open(path) as f:
+        res = json.load(f)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    res["command"] = "pagedllm " + shlex.join(cmd[3:])
+    return res
+
+
+def _new_row(step: Step) -> dict:
+    return {"step": step.number, "title": step.title, "target": step.target, "flags": step.flags,
+            "workloads": {}, "texts": {}, "single_stream": None, "runtime": None, "weights_bytes": None,
+            "kv_capacity_bytes": None, "peak_rss_bytes": None, "error": None}
+
+
+# ---------------------------------------------------------------------- gates
+def greedy_identity(ref: list[str], cand: list[str]) -> dict:
+    """How many of the common prompts produced the same text, and where the first differing ones diverge."""
+    n = min(len(ref), len(cand))
+    diffs = []
+    for i in range(n):
+        a, b = ref[i].rstrip("\ufffd"), cand[i].rstrip("\ufffd")  # an incomplete UTF-8 tail may be held back
+        if a != b:
+            pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            diffs.append({"prompt": i, "char": pos})
+    return {"identical": n - len(diffs), "total": n, "diffs": diffs}
+
+
+def _identity_gate(row: dict, ref_row: dict | None, ref_name: str) -> dict:
+    if ref_row is None or ref_row.get("error"):
+        return {"status": "n/a", "detail": f"{ref_name} not measured"}
+    ident = {k: greedy_identity(ref_row["texts"][k], row["texts"][k]) for k in GATE_WORKLOADS
+             if k in ref_row["texts"] and k in row["texts"]}
+    ident = {k: v for k, v in ident.items() if v["total"]}
+    if not ident:
+        return {"status": "n/a", "detail": f"no outputs to compare with {ref_name}"}
+    same = sum(v["identical"] for v in ident.values())
+    total = sum(v["total"] for v in ident.values())
+    parts = ", ".join(f"{v['identical']}/{v['total']} {TITLES[k]}" for k, v in ident.items())
+    return {"status": "PASS" if same == total else "FAILED",
+            "detail": f"greedy output identical to {ref_name}: {parts}", "identity": ident}
+
+
+def compute_gates(rows: list[dict], eval_result: dict | None) -> None:
+    """Set each row's ``gate`` ({status: PASS | FAILED | reference | n/a | not run, detail})."""
+    by = {r["step"]: r for r in rows}
+    for r in rows:
+        failed = sum((w.get("failed") or 0) for w in r["workloads"].values())
+        if r.get("error"):
+            r["gate"] = {"status": "FAILED", "detail": f"error: {r['error']}"}
+        elif failed:
+            r["gate"] = {"status": "FAILED", "detail": f"{failed} requests failed"}
+        elif r["step"] == 1:
+            r["gate"] = {"status": "reference", "detail": "baseline"}
+        elif r["step"] == 2:
+            r["gate"] = _identity_gate(r, by.get(1), "step 1 (HF)")
+        elif r["step"] == 3:
+            info = _identity_gate(r, by.get(2), "step 2")
+            note = f"; {info['detail']} (informational)" if "identity" in info else ""
+            if eval_result is None:
+                r["gate"] = {"status": "not run", "detail": "--skip-eval" + note}
+            elif eval_result.get("error"):
+                r["gate"] = {"status": "FAILED", "detail": f"eval: {eval_result['error']}" + note}
+            else:
+                base, cand = eval_result["scores"][0], eval_result["scores"][1]
+                detail = (f"pagedllm eval vs float32: business set {cand['correct']}/{cand['total']} (float32 "
+                          f"{base['correct']}/{base['total']}), perplexity {cand['perplexity']:.3f} (float32 "
+                          f"{base['perplexity']:.3f}), top-1 agreement {cand['top1_agreement']:.2%}")
+                if not eval_result["passed"]:
+                    detail += ": " + "; ".join(eval_result.get("failures", []))
+                r["gate"] = {"status": "PASS" if eval_result["passed"] else "FAILED", "detail": detail + note}
+        else:
+            r["gate"] = _identity_gate(r, by.get(3), "step 3")
+
+
+# ---------------------------------------------------------------------- report
+def speedup(rows: list[dict], step: int, workload: str) -> float | None:
+    """A step's output tok/s on a workload over step 1's on the same workload (None when either is missing)."""
+    by = {r["step"]: r for r in rows}
+    base = by.get(1, {}).get("workloads", {}).get(workload, {}).get("output_tok_s")
+    val = by.get(step, {}).get("workloads", {}).get(workload, {}).get("output_tok_s")
+    return val / base if base and val else None
+
+
+def _mib(b) -> str:
+    return "—" if not b else f"{b / 2**20:.0f}"
+
+
+def _f(v, fmt: str = ".2f") -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def _gate_cell(g: dict | None) -> str:
+    if not g:
+        return "—"
+    status = {"FAILED": "**FAILED**", "PASS": "PASS"}.get(g["status"], g["status"])
+    return f"{status}: {g['detail']}".replace("|", "/")
+
+
+def build_report(rows: list[dict], meta: dict) -> str:
+    """The markdown report: header, the ladder table (each step on its target workload), every step on every
+    workload, and notes. Pure: unit-tested on hand-made rows."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    L, C = meta["output_len"], meta["concurrency"]
+    lines = [f"Command: `{meta['command']}`", ""]
+    if meta.get("cpu"):
+        lines.append(f"CPU: {meta['cpu']}, {meta.get('cpus', '?')} logical CPUs; {meta.get('date', '')}.")
+    wl = meta.get("workloads", {})
+    desc = []
+    for k in WORKLOADS:
+        info = wl.get(k)
+        if info:
+            desc.append(f"{TITLES[k]}: {info['num_prompts']} prompts of {info['prompt_tokens_min']}-"
+                        f"{info['prompt_tokens_max']} tokens ({info['description']})")
+    if desc:
+        lines.append("Workloads — " + "; ".join(desc) + ".")
+    lines.append(f"Each prompt: {L} greedy output tokens (EOS ignored and masked). Server steps: streaming "
+                 f"`/v1/completions` at concurrency {C}; step 1: the same burst served one request at a time "
+                 f"(latency counts the wait).")
+    lines += ["", "| step | what changes | flags | measured on | output tok/s | × step 1 | mean latency (s) | "
+              "p99 latency (s) | mean TTFT (s) | weights + peak KV (MiB) | peak RSS (MiB) | quality gate |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        w = r["workloads"].get(r["target"], {})
+        failed = (r.get("gate") or {}).get("status") == "FAILED"
+        title = r["title"] + (" (**FAILED**)" if failed else "")
+        sp = speedup(rows, r["step"], r["target"])
+        mem = "—"
+        if r.get("weights_bytes"):
+            kv = w.get("kv_bytes_used_peak") or 0
+            mem = f"{_mib(r['weights_bytes'])} + {kv / 2**20:.0f} = {(r['weights_bytes'] + kv) / 2**20:.0f}"
+        flags = r["flags"].replace("|", "/")
+        ref_subset = any(x["step"] == 1 and x["workloads"].get(r["target"], {}).get("subset") for x in rows)
+        sp_cell = "—" if sp is None else f"{sp:.2f}x" + ("†" if ref_subset else "")
+        lines.append(
+            f"| {r['step']} | {title} | `{flags}` | {TITLES[r['target']]} | {_f(w.get('output_tok_s'), '.1f')} | "
+            f"{sp_cell} | {_f(w.get('mean_latency_s'))} | {_f(w.get('p99_latency_s'))} | "
+            f"{_f(w.get('mean_ttft_s'))} | {mem} | {_mib(r.get('peak_rss_bytes'))} | {_gate_cell(r.get('gate'))} |")
+    lines += ["", "Every step on every workload: output tok/s (× step 1 on the same workload); the step's target "
+              "workload in bold.", "",
+              f"| step | {' | '.join(TITLES[k] for k in WORKLOADS)} | code rewrite, one stream |",
+              "|---|" + "---|" * (len(WORKLOADS) + 1)]
+    for r in rows:
+        cells = []
+        for k in WORKLOADS:
+            w = r["workloads"].get(k)
+            if not w or w.get("output_tok_s") is None:
+                cells.append("—")
+                continue
+            sp = speedup(rows, r["step"], k)
+            c = f"{w['output_tok_s']:.1f}" + ("" if sp is None else f" ({sp:.2f}x)")
+            c += "†" if w.get("subset") else ""
+            cells.append(f"**{c}**" if k == r["target"] else c)
+        if r["step"] == 1:
+            code = r["workloads"].get("code")
+            one = "same as code rewrite (one at a time)" if code else "—"
+        else:
+            ss = r.get("single_stream")
+            one = "—" if not ss else f"{ss['output_tok_s']:.1f}"
+        lines.append(f"| {r['step']} | " + " | ".join(cells) + f" | {one} |")
+    n_gate = meta.get("gate_prompts")
+    on = f"the first {n_gate} prompts" if n_gate else "the first prompts"
+    notes = [f"Gates: step 2, greedy output identical to step 1 on {on} of the shared-prefix and code-rewrite "
+             f"sets; step 3, `pagedllm eval` of the default weights against float32 (its thresholds, by default "
+             f"perplexity +5% and business-set accuracy -1 point); steps 4 and 5, greedy output identical to step 3 "
+             f"on the same prompts. A FAILED step keeps its numbers."]
+    hf = next((r for r in rows if r["step"] == 1), None)
+    if hf and any(w.get("subset") for w in hf["workloads"].values()):
+        n = max(w.get("num_prompts", 0) for w in hf["workloads"].values() if w.get("subset"))
+        notes.append(f"† step 1 on the first {n} prompts of that workload (one-at-a-time throughput does not depend "
+                     f"on the queue length).")
+    for r in rows:
+        for k, w in r["workloads"].items():
+            if "prefix_cache_hit_rate" in w and w["prefix_cache_hit_rate"] > 0.01:
+                notes.append(f"Step {r['step']}, {TITLES[k]}: prefix-cache hit rate "
+                             f"{w['prefix_cache_hit_rate']:.0%} of prompt tokens.")
+            if "spec_mean_acceptance_length" in w:
+                notes.append(f"Step {r['step']}, {TITLES[k]}: mean acceptance length "
+                             f"{w['spec_mean_acceptance_length']:.2f} tokens per step, acceptance rate "
+                             f"{w['spec_acceptance_rate']:.0%}.")
+    ran: dict[str, list[str]] = {}  # what the server reported running (/health), steps with the same grouped
+    for r in rows:
+        if r.get("runtime"):
+            rt = r["runtime"]
+            plan = (rt.get("weight_plan") or {}).get("description")
+            what = (f"dtype {rt.get('dtype')}, weights {rt.get('weights')}, kernels {rt.get('kernels')}"
+                    + (f" ({plan})" if plan else ""))
+            ran.setdefault(what, []).append(str(r["step"]))
+    for what, steps in ran.items():
+        notes.append(f"Step{'s' if len(steps) > 1 else ''} {', '.join(steps)} ran: {what}.")
+    for r in rows:
+        w = r["workloads"].get(r["target"], {})
+        if w.get("kv_bytes_static_max_len"):
+            notes.append(f"Step {r['step']}: peak KV in use {w['kv_bytes_used_peak'] / 2**20:.0f} MiB vs "
+                         f"{w['kv_bytes_static_max_len'] / 2**20:.0f} MiB for a static max-length reservation.")
+            break
+    notes += meta.get("notes", [])
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(rows: list[dict], meta: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = sorted(rows, key=lambda r: r["step"])
+    names = [f"{r['step']}. {r['title']}" for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 0.6 * len(rows) + 2.5))
+    y = np.arange(len(rows))
+    h = 0.8 / len(WORKLOADS)
+    for i, k in enumerate(WORKLOADS):
+        vals = [r["workloads"].get(k, {}).get("output_tok_s") or 0 for r in rows]
+        a1.barh(y + (i - 1) * h, vals, height=h, label=TITLES[k])
+    a1.set_yticks(y, names)
+    a1.set_xlabel("output tokens/s (higher is better)")
+    a1.legend(loc="best", fontsize=8)
+    sps = [speedup(rows, r["step"], r["target"]) or 0 for r in rows]
+    failed = [(r.get("gate") or {}).get("status") == "FAILED" for r in rows]
+    a2.barh(y, sps, color=["tab:red" if f else "tab:green" for f in failed])
+    for yi, (s, f, r) in enumerate(zip(sps, failed, rows)):
+        a2.text(s, yi, f" {s:.2f}x on {TITLES[r['target']]}" + (" FAILED gate" if f else ""), va="center",
+                fontsize=8)
+    a2.set_yticks(y, [])
+    a2.set_xlim(0, max(sps + [1.0]) * 1.45)  # room for the labels
+    a2.set_xlabel("speedup over step 1 on the step's target workload")
+    for ax in (a1, a2):
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"pagedllm bench ladder: {meta['num_prompts']} prompts x {meta['output_len']} tokens, "
+                 f"concurrency {meta['concurrency']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(rows: list[dict], meta: dict, results_dir: str, result_json: str | None = None) -> str:
+    report = build_report(rows, meta)
+    doc = {"meta": meta, "rows": rows}
+    for path in [os.path.join(results_dir, "results.json")] + ([result_json] if result_json else []):
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+    with open(os.path.join(results_dir, "results.md"), "w") as f:
+        f.write(report)
+    write_chart(rows, meta, os.path.join(results_dir, "chart.png"))
+    return report
+
+
+# ---------------------------------------------------------------------- command
+def selected_steps(args) -> list[int]:
+    steps = sorted(set(args.steps))
+    if args.skip_hf and 1 in steps:
+        steps.remove(1)
+    return steps
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagedllm.bench.cpuinfo import cpu_info, cpu_line
+    from pagedllm.config import SpeculativeConfig, default_model_path
+    from pagedllm.engine.tokenizer import load_tokenizer
+
+    if args.num_prompts < 1 or args.output_len < 1 or args.concurrency < 1:
+        raise ValueError("--num-prompts, --output-len and --concurrency must be >= 1")
+    SpeculativeConfig.from_dict(args.spec_config)  # a bad --spec-config stops here, before anything runs
+    if any(c.isspace() for c in json.dumps(args.spec_config, separators=(",", ":"))):
+        raise ValueError("--spec-config values must not contain whitespace")
+    steps = selected_steps(args)
+    if not steps:
+        raise ValueError("no steps left to run")
+    os.makedirs(args.results_dir, exist_ok=True)
+    t_start = time.perf_counter()
+    workloads = build_workloads(args.num_prompts)
+    single = single_stream_prompts(args.single_stream_prompts)
+    tok = load_tokenizer(default_model_path())
+    descriptions = {"w1": "the shipped prompts, `pagedllm/bench/data/prompts.jsonl`",
+                    "prefix": f"the same prompts after one shared system prompt of "
+                              f"{len(tok.encode(SHARED_SYSTEM))} tokens",
+                    "code": "rewrite a 19-23 line Python snippet with one change, "
+                            "`pagedllm/bench/data/code_rewrite.jsonl`"}
+    meta = {"command": "pagedllm " + shlex.join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "cpu": cpu_line(cpu_info()), "cpus": os.cpu_count(), "num_prompts": args.num_prompts,
+            "output_len": args.output_len, "concurrency": args.concurrency, "steps": steps,
+            "gate_prompts": min(args.gate_prompts, args.num_prompts),
+            "hf_subset_prompts": min(args.hf_subset_prompts, args.num_prompts),
+            "single_stream_prompts": len(single), "spec_config": args.spec_config, "workloads": {}, "notes": []}
+    for k in WORKLOADS:
+        lens = [len(tok.encode(p)) for p in workloads[k]]
+        meta["workloads"][k] = {"num_prompts": len(lens), "prompt_tokens_min": min(lens),
+                                "prompt_tokens_max": max(lens), "description": descriptions[k]}
+    meta["notes"].append("Draft-model speculation is not a step: no draft model shares SmolLM2-135M's tokenizer. "
+                         "The opt-in Qwen2.5-Coder pair (`pagedllm fetch`) is a different target model; `pagedllm "
+                         "bench spec --model <1.5b.gguf> --draft-model <0.5b.gguf>` measures it.")
+    by_number = {s.number: s for s in ladder_steps(args.spec_config)}
+    rows: list[dict] = []
+    eval_result = None
+    for n in steps:
+        step = by_number[n]
+        t0 = time.perf_counter()
+        _log(f"step {n}: {step.title} ({step.flags})")
+        try:
+            if step.dtype is None:
+                row = run_hf_step(step, workloads, args, args.results_dir)
+            else:
+                row = run_server_step(step, workloads, single, args, args.results_dir)
+        except Exception as e:  # noqa: BLE001 - a step that breaks is reported, and the ladder goes on
+            _log(f"step {n} failed: {type(e).__name__}: {e}")
+            row = _new_row(step)
+            row["error"] = f"{type(e).__name__}: {e}"
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        if n == 3 and not args.skip_eval:
+            eval_result = run_eval(args, args.results_dir)
+            meta["eval"] = eval_result
+    compute_gates(rows, eval_result)
+    meta["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    report = write_outputs(rows, meta, args.results_dir, args.result_json)
+    print("\n" + report)
+    print(f"results in {args.results_dir}/ (results.json, results.md, chart.png); "
+          f"{meta['total_seconds'] / 60:.1f} min in all")
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per workload")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=32, help="client concurrency of the server steps")
+    p.add_argument("--steps", type=int, nargs="+", choices=[1, 2, 3, 4, 5], default=[1, 2, 3, 4, 5],
+                   help="run these steps only (gates and speedups needing a missing step show n/a)")
+    p.add_argument("--skip-hf", action="store_true", help="leave out step 1 (HF transformers)")
+    p.add_argument("--skip-eval", action="store_true", help="leave out step 3's `pagedllm eval` gate")
+    p.add_argument("--eval-args", default="", help="more `pagedllm eval` flags, e.g. '--eval-tokens 1024'")
+    p.add_argument("--gate-prompts", type=int, default=8,
+                   help="prompts per shared-prefix / code-rewrite set whose greedy outputs the gates compare")
+    p.add_argument("--hf-subset-prompts", type=int, default=8,
+                   help="step 1 runs the shared-prefix and code-rewrite sets on this many prompts (0: skip them)")
+    p.add_argument("--single-stream-prompts", type=int, default=4,
+                   help="code-rewrite prompts measured one at a time per server step (0: skip)")
+    p.add_argument("--spec-config", type=json.loads, default=NGRAM_CONFIG,
+                   help=f"step 5's --speculative-config (default {json.dumps(NGRAM_CONFIG)})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--results-dir", default="results/ladder")
+    p.add_argument("--result-json", default=None, help="also write the JSON results here")
+
+
+def _phase_main() -> int:
+    """A step-1 phase in its own process: HF one at a time on a prompts file, keeping the token ids."""
+    from pagedllm.bench.compare import _peak_rss
+    from pagedllm.bench.offline import load_prompts, run_hf_one_at_a_time
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", choices=["hf-ids"], required=True)
+    p.add_argument("--prompts-file", required=True)
+    p.add_argument("--num-prompts", type=int, required=True)
+    p.add_argument("--output-len", type=int, required=True)
+    a = p.parse_args()
+    r = run_hf_one_at_a_time(load_prompts(a.prompts_file)[: a.num_prompts], a.output_len, "float32")
+    r["peak_rss_bytes"] = _peak_rss()
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_phase_main())

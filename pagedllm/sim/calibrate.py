@@ -1,0 +1,159 @@
+"""A CPU hardware profile from ``pagedllm bench roofline --result-json`` output.
+
+What the roofline JSON measures and what each becomes:
+- ``bandwidth_gbs`` (a 512 MiB copy), ``peak_gflops_float32`` / ``peak_gflops_bfloat16`` (2048^3 matmuls): the
+  profile's memory bandwidth and fp32 / bf16 peaks;
+- ``runtime.weight_plan.timings_ms.layers.block`` (the engine's own decoder-layer linears through the qlinear
+  block kernel at 1, 4, ..., 256 rows; else the ``block_kernel`` rows at batch 1 / 8 / 32): the integer GEMM
+  path's peak (the fastest rate measured), its efficiency by row count (the points that are compute-bound), and
+  the attainable bandwidth fraction (the one-row point, which streams the weights);
+- ``rows`` (engine decode steps at batch 1 / 8 / 32, context ~78 tokens): after subtracting the roofline terms
+  the cost model predicts for those steps, a line ``fixed + per_row x batch`` fitted to the rest (least squares
+  on relative errors) gives the per-step overhead and the per-row overhead.
+
+A decode row is one token of one sequence, so decode steps cannot tell per-token costs (norms, rotary, KV writes:
+paid by every prefill token too) from per-sequence costs (sampling, detokenization, scheduling: paid once per
+request per step). ``token_share`` splits the fitted per-row overhead between the two; it is not identified by
+the roofline data (see docs/simulate.md for how the predictions move with it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sim.cost import CostModel, Deployment
+from pagedllm.sim.hardware import GIB, HardwareProfile
+from pagedllm.sim.model_profile import PRESETS, SCHEMES, ModelProfile, QuantScheme
+
+# pagedllm/bench/roofline.py's engine_decode: 64-token prompts, 24 timed steps after 2 warm-up steps: the mean
+# context of a timed step is 64 + 2 + 24 / 2 tokens
+ROOFLINE_DECODE_CONTEXT = 78
+CPU_KV_CACHE_BYTES = 1 * GIB  # the CPU engine's default --kv-cache-memory
+DEFAULT_TOKEN_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Calibration:
+    profile: HardwareProfile
+    model: ModelProfile
+    scheme: QuantScheme
+    fixed_overhead_s: float
+    row_overhead_s: float
+    token_share: float
+    fit_rows: tuple[tuple[int, float, float], ...]  # (batch, measured s, predicted s with the fitted overheads)
+    notes: tuple[str, ...] = field(default=())
+
+    def deployment(self, kv_cache_bytes: int = CPU_KV_CACHE_BYTES) -> Deployment:
+        """The engine's default CPU setup: this model and format, tp=1, float32 KV in a fixed pool."""
+        return Deployment(self.profile, self.model, self.scheme, tp=1, kv_dtype="fp32", kv_cache_bytes=kv_cache_bytes)
+
+    def describe(self) -> str:
+        p = self.profile
+        curve = ", ".join(f"{r}: {e:.2f}" for r, e in p.gemm_efficiency_curve)
+        lines = [
+            f"cpu-local calibrated from bench roofline ({p.description}):",
+            f"  bandwidth {p.memory_bw / 1e9:.1f} GB/s x {p.bandwidth_efficiency:.2f} attainable (weights at one row); "
+            f"fp32 {p.fp32_flops / 1e9:.0f}, bf16 {p.bf16_flops / 1e9:.0f} GFLOP/s; integer block kernel peak "
+            f"{p.int8_flops / 1e9:.0f} GFLOP/s, efficiency by rows {{{curve}}}",
+            f"  overheads: {self.fixed_overhead_s * 1e3:.2f} ms per step + {self.row_overhead_s * 1e3:.3f} ms per "
+            f"decode row (token share {self.token_share:g}: {p.token_overhead_s * 1e3:.3f} ms per token, "
+            f"{p.seq_overhead_s * 1e3:.3f} ms per sequence)",
+            "  decode steps (batch: measured / fitted ms): " + ", ".join(
+                f"{b}: {m * 1e3:.1f} / {q * 1e3:.1f}" for b, m, q in self.fit_rows),
+        ]
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _least_squares(xs: list[float], ys: list[float], ws: list[float]) -> tuple[float, float]:
+    """Weighted least-squares line: (intercept, slope); one point: all intercept."""
+    if len(xs) == 1:
+        return ys[0], 0.0
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / sw
+    my = sum(w * y for w, y in zip(ws, ys)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def _gemm_points(d: dict, model: ModelProfile) -> tuple[dict[int, float], str]:
+    """Seconds of one forward's decoder-layer linears at each measured row count."""
+    plan = (d.get("runtime") or {}).get("weight_plan") or {}
+    layers = ((plan.get("timings_ms") or {}).get("layers") or {}).get("block")
+    if layers:
+        return {int(k): v / 1e3 for k, v in layers.items()}, "runtime.weight_plan layer timings"
+    rows = d.get("block_kernel") or []
+    if rows:
+        per_batch: dict[int, float] = {}
+        for r in rows:  # per shape and batch: us for one matrix, `count` of them per forward
+            per_batch[r["batch"]] = per_batch.get(r["batch"], 0.0) + r["us"] * 1e-6 * r["count"]
+        # the block-kernel rows include the LM head (count 1): scale to the layers' share of MACs
+        macs_layers = model.layer_linear_params * model.num_layers
+        macs_all = macs_layers + model.embedding_params
+        return {b: t * macs_layers / macs_all for b, t in per_batch.items()}, "block_kernel rows"
+    return {}, ""
+
+
+def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme: QuantScheme | None = None,
+                              token_share: float = DEFAULT_TOKEN_SHARE, memory_bytes: int = 16 * GIB,
+                              price_per_hour: float = 0.10, attention_efficiency: float = 0.3) -> Calibration:
+    """Fit the ``cpu-local`` profile to a roofline result (``model`` / ``scheme``: what roofline ran, by default
+    the embedded SmolLM2-135M Q4_1 file)."""
+    if not 0 <= token_share <= 1:
+        raise ValueError(f"token_share must be in [0, 1], got {token_share}")
+    for k in ("bandwidth_gbs", "peak_gflops_float32", "peak_gflops_bfloat16"):
+        if k not in d:
+            raise ValueError(f"not a `pagedllm bench roofline --result-json` file: no {k!r}")
+    model = model or PRESETS["smollm2-135m"]
+    scheme = scheme or model.gguf_scheme or SCHEMES["q4_1"]
+    notes = []
+    bw = d["bandwidth_gbs"] * 1e9
+    fp32, bf16 = d["peak_gflops_float32"] * 1e9, d["peak_gflops_bfloat16"] * 1e9
+    points, src = _gemm_points(d, model)
+    macs_row = model.layer_linear_params * model.num_layers
+    if points:
+        rates = {m: 2 * m * macs_row / t for m, t in points.items()}
+        peak = max(rates.values())
+        one = min(points)
+        layer_bytes = sum(scheme.linear.matrix_bytes(i, o) for _, i, o in model.linear_shapes()) * model.num_layers
+        bw_eff = min(1.0, layer_bytes / points[one] / bw)
+        curve = tuple((m, rates[m] / peak) for m in sorted(points) if m > one)  # the one-row point is bandwidth-bound
+        notes.append(f"GEMM points from {src}")
+    else:
+        peak, bw_eff, curve = bf16, 0.6, ()
+        notes.append("no integer-kernel timings in the file: the bf16 peak at 0.65 stands in for the GEMM path")
+    cpu = d.get("cpu") or {}
+    desc = f"{cpu.get('model', 'CPU')} ({', '.join(cpu.get('flags', []))}), {d.get('threads', '?')} threads"
+    base = HardwareProfile(
+        name="cpu-local", description=desc, fp32_flops=fp32, bf16_flops=bf16, fp8_flops=0.0, int8_flops=peak,
+        memory_bw=bw, memory_bytes=memory_bytes, interconnect_bw=10e9, interconnect_latency_s=20e-6,
+        compute_efficiency=curve[-1][1] if curve else 0.65, bandwidth_efficiency=bw_eff,
+        attention_efficiency=attention_efficiency, gemm_efficiency_curve=curve, step_overhead_s=0.0,
+        seq_overhead_s=0.0, token_overhead_s=0.0, activation_bytes=4, attention_dtype="fp32", default_kv_dtype="fp32",
+        activation_reserve_bytes=0, price_per_hour=price_per_hour, calibrated=True, source="bench roofline",
+    )
+    rows = sorted((r["batch"], r["step_ms"] / 1e3) for r in d.get("rows", []))
+    dep = Deployment(base, model, scheme, kv_dtype="fp32", kv_cache_bytes=CPU_KV_CACHE_BYTES)
+    bare = CostModel(dep, include_overheads=False)
+    predicted = {b: bare.decode_step(b, ROOFLINE_DECODE_CONTEXT - 1).time_s for b, _ in rows}
+    if rows:
+        # relative errors count: step times span 10x from batch 1 to 32
+        fixed, per_row = _least_squares([b for b, _ in rows], [t - predicted[b] for b, t in rows],
+                                        [1 / t**2 for _, t in rows])
+        if per_row < 0:
+            fixed, per_row = sum(t - predicted[b] for b, t in rows) / len(rows), 0.0
+        fixed = max(fixed, 0.0)
+    else:
+        fixed, per_row = 0.003, 0.0
+        notes.append("no engine decode rows in the file: overheads default to 3 ms per step")
+    profile = base.with_overrides(step_overhead_s=fixed, seq_overhead_s=per_row * (1 - token_share),
+                                  token_overhead_s=per_row * token_share)
+    fit = tuple((b, t, predicted[b] + fixed + per_row * b) for b, t in rows)
+    return Calibration(profile, model, scheme, fixed, per_row, token_share, fit, tuple(notes))
+
+
+def load_roofline(path: str) -> dict:
+    import json
+
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,257 @@
+"""The roofline cost of one engine step, and the memory plan that sets the KV cache's capacity.
+
+Per op group (the decoder layers' QKV, O and MLP linears; attention over each sequence's context; the embedding
+lookups; the LM head, only for rows that sample), time = max(FLOPs / attainable FLOP/s, bytes / attainable
+bandwidth), with everything divided across the tensor-parallel group; the step adds two all-reduces per layer
+(ring: 2(t-1)/t x bytes / link bandwidth + 2(t-1) hop latencies), an all-gather of the sampled rows' logits, and
+fixed overheads per step, per sequence and per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pagedllm.sim.hardware import HardwareProfile
+from pagedllm.sim.kvcalc import kv_dtype_bytes
+from pagedllm.sim.model_profile import ModelProfile, QuantScheme
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A model in one number format on a tensor-parallel group of identical devices."""
+
+    hardware: HardwareProfile
+    model: ModelProfile
+    scheme: QuantScheme
+    tp: int = 1
+    kv_dtype: str = ""  # "": the hardware's default (bf16 on GPU, fp32 on this CPU's default path)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int | None = None  # fixed KV pool per device (the CPU engine's --kv-cache-memory)
+    activation_reserve_bytes: int | None = None  # None: the hardware profile's
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tensor-parallel size must be a positive integer, got {self.tp!r}")
+        if self.model.num_heads % self.tp:
+            raise ValueError(f"{self.model.name}: {self.model.num_heads} attention heads do not split over "
+                             f"tp={self.tp}")
+        if not self.kv_dtype:
+            object.__setattr__(self, "kv_dtype", self.hardware.default_kv_dtype)
+        kv_dtype_bytes(self.kv_dtype)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be > 0")
+        if self.activation_reserve_bytes is not None and self.activation_reserve_bytes < 0:
+            raise ValueError("activation_reserve_bytes must be >= 0")
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.scheme.total_bytes(self.model)
+
+    @property
+    def weight_bytes_per_device(self) -> float:
+        return self.weight_bytes / self.tp
+
+    @property
+    def kv_heads_per_device(self) -> int:
+        return math.ceil(self.model.num_kv_heads / self.tp)  # KV heads are replicated when tp > kv_heads
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        """K and V of one token in one layer, on one device."""
+        return 2 * self.kv_heads_per_device * self.model.head_dim * kv_dtype_bytes(self.kv_dtype)
+
+    @property
+    def kv_bytes_per_token_device(self) -> int:
+        return self.kv_bytes_per_token_layer * self.model.num_layers
+
+    def memory_plan(self, block_size: int = 16) -> "MemoryPlan":
+        hw = self.hardware
+        reserve = self.activation_reserve_bytes
+        if reserve is None:
+            reserve = hw.activation_reserve_bytes
+        budget = hw.memory_bytes * self.gpu_memory_utilization
+        left = budget - self.weight_bytes_per_device - reserve
+        pool = min(self.kv_cache_bytes, max(left, 0)) if self.kv_cache_bytes is not None else max(left, 0)
+        tokens = int(pool // self.kv_bytes_per_token_device)
+        blocks = tokens // block_size
+        per_token = self.kv_bytes_per_token_device
+        return MemoryPlan(budget_per_device=budget, weights_per_device=self.weight_bytes_per_device,
+                          reserve_per_device=reserve, kv_pool_per_device=blocks * block_size * per_token,
+                          kv_bytes_per_token_device=per_token, num_blocks=blocks, block_size=block_size,
+                          num_devices=self.tp)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_per_device: float  # memory x gpu_memory_utilization
+    weights_per_device: float
+    reserve_per_device: float
+    kv_pool_per_device: float
+    kv_bytes_per_token_device: int
+    num_blocks: int
+    block_size: int
+    num_devices: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def fits(self) -> bool:
+        return self.num_blocks > 0
+
+    @property
+    def total_bytes(self) -> float:
+        """Weights + KV pool over all devices."""
+        return (self.weights_per_device + self.kv_pool_per_device) * self.num_devices
+
+
+# ------------------------------------------------------------------ one step
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's part of a step: ``query_tokens`` computed after ``context_before`` cached/computed ones;
+    ``sampled_rows`` of them go through the LM head (1 at the end of a prompt or for a decode, 1 + drafts when
+    verifying speculative tokens, 0 for a prefill chunk that does not reach the end)."""
+
+    query_tokens: int
+    context_before: int
+    sampled_rows: int
+
+
+def work_from_scheduler_output(so) -> tuple[SeqWork, ...]:
+    """The step's work as the scheduler decided it (``pagedllm.outputs.SchedulerOutput``)."""
+    return tuple(SeqWork(len(s.token_ids), s.num_computed_tokens, (1 + s.num_spec_tokens) if s.sample else 0)
+                 for s in so.scheduled)
+
+
+@dataclass(frozen=True)
+class OpTime:
+    name: str
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    ops: tuple[OpTime, ...]
+    allreduce_s: float
+    overhead_s: float
+    num_tokens: int
+    num_seqs: int
+    breakdown: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(o.time_s for o in self.ops)
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.allreduce_s + self.overhead_s
+
+    def op(self, name: str) -> OpTime:
+        for o in self.ops:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+
+class CostModel:
+    """Prices steps of one deployment. ``include_overheads=False`` leaves out the fixed per-step / per-sequence
+    / per-token terms (what calibration fits)."""
+
+    def __init__(self, deployment: Deployment, include_overheads: bool = True) -> None:
+        self.dep = deployment
+        self.include_overheads = include_overheads
+        m, hw, tp = deployment.model, deployment.hardware, deployment.tp
+        self._act = hw.activation_bytes
+        self._bw = hw.attainable_bw
+        self._linears = []  # (name, flops per row, weight bytes, activation elements per row, format) x layers
+        for name, i, o in m.linear_shapes():
+            sharded_in = i // tp if name in ("o", "mlp_down") else i
+            sharded_out = o if name in ("o", "mlp_down") else o // tp
+            self._linears.append((name, 2 * i * o / tp * m.num_layers,
+                                  deployment.scheme.linear.matrix_bytes(i, o) / tp * m.num_layers,
+                                  (sharded_in + sharded_out) * m.num_layers, deployment.scheme.linear))
+        self._head_fmt = deployment.scheme.head_format(m)
+        self._head_bytes = self._head_fmt.matrix_bytes(m.hidden_size, m.vocab_size) / tp
+        self._embed_bpw = deployment.scheme.embed.bytes_per_weight
+        self._heads_dev = m.num_heads // tp
+        self._kv_layer = deployment.kv_bytes_per_token_layer
+        self._attn_rate = hw.peak_flops(hw.attention_dtype) * hw.attention_efficiency
+
+    def _gemm(self, name: str, rows: int, flops: float, nbytes: float, fmt) -> OpTime:
+        hw = self.dep.hardware
+        rate = hw.peak_flops(fmt.compute_dtype) * hw.gemm_efficiency(rows) * fmt.compute_factor
+        return OpTime(name, flops, nbytes, flops / rate, nbytes / self._bw)
+
+    def _ring(self, nbytes: float) -> float:
+        t = self.dep.tp
+        if t == 1 or nbytes <= 0:
+            return 0.0
+        hw = self.dep.hardware
+        link = hw.interconnect_bw * hw.interconnect_efficiency
+        return 2 * (t - 1) / t * nbytes / link + 2 * (t - 1) * hw.interconnect_latency_s
+
+    def step(self, work: Sequence[SeqWork]) -> StepCost:
+        m, hw, tp = self.dep.model, self.dep.hardware, self.dep.tp
+        rows = sum(w.query_tokens for w in work)
+        sampled = sum(w.sampled_rows for w in work)
+        ops = []
+        if rows:
+            for name, flops_row, wbytes, act_row, fmt in self._linears:
+                ops.append(self._gemm(name, rows, flops_row * rows, wbytes + act_row * rows * self._act, fmt))
+            # attention: each query row attends to its own prefix (causal); K/V of the context read once per
+            # sequence and layer, the new tokens' K/V written
+            d, h = m.head_dim, self._heads_dev
+            a_flops = a_bytes = 0.0
+            for w in work:
+                q, c0 = w.query_tokens, w.context_before
+                a_flops += 4 * d * h * (q * c0 + q * (q + 1) / 2)
+                a_bytes += self._kv_layer * (c0 + 2 * q) + 2 * q * h * d * self._act
+            a_flops *= m.num_layers
+            a_bytes *= m.num_layers
+            ops.append(OpTime("attention", a_flops, a_bytes, a_flops / self._attn_rate, a_bytes / self._bw))
+            e_bytes = rows * m.hidden_size * (self._embed_bpw / tp + self._act)
+            ops.append(OpTime("embedding", 0.0, e_bytes, 0.0, e_bytes / self._bw))
+        if sampled:
+            v_dev = m.vocab_size / tp
+            ops.append(self._gemm("lm_head", sampled, 2 * sampled * m.hidden_size * v_dev,
+                                  self._head_bytes + sampled * (m.hidden_size * self._act + v_dev * 4), self._head_fmt))
+        allreduce = 0.0
+        if tp > 1 and rows:
+            allreduce = 2 * m.num_layers * self._ring(rows * m.hidden_size * self._act)
+            if sampled:  # all-gather of the vocab-parallel logits: half a ring all-reduce's traffic
+                allreduce += self._ring(sampled * m.vocab_size * 4) / 2
+        overhead = 0.0
+        if self.include_overheads and work:
+            overhead = hw.step_overhead_s + hw.seq_overhead_s * len(work) + hw.token_overhead_s * rows
+        return StepCost(tuple(ops), allreduce, overhead, rows, len(work))
+
+    def step_time(self, work: Sequence[SeqWork]) -> float:
+        return self.step(work).time_s
+
+    def decode_step(self, batch: int, context: int, spec_tokens: int = 0) -> StepCost:
+        """A step of ``batch`` decodes, each after ``context`` tokens (plus ``spec_tokens`` drafts to verify)."""
+        return self.step([SeqWork(1 + spec_tokens, context, 1 + spec_tokens)] * batch)
+
+    def prefill_step(self, batch: int, prompt_len: int) -> StepCost:
+        """A step of ``batch`` whole prompts of ``prompt_len`` tokens, each sampling its first token."""
+        return self.step([SeqWork(prompt_len, 0, 1)] * batch)

@@ -1,0 +1,309 @@
+"""Model shapes (presets, a HuggingFace ``config.json``, or a GGUF header) and weight bytes per quantization."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from pagedllm.sim.hardware import COMPUTE_DTYPES
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The shapes that set a decoder-only transformer's FLOPs, weight bytes and KV bytes (Llama / Qwen2 style:
+    grouped-query attention, gated MLP)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    max_position: int = 8192
+    attention_bias: bool = False
+    gguf_scheme: "QuantScheme | None" = None  # the tensor formats of the GGUF file this profile was read from
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
+                  "max_position"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"model {self.name}: {f} must be a positive integer, got {getattr(self, f)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"model {self.name}: hidden_size not divisible by num_heads; give head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim < 1:
+            raise ValueError(f"model {self.name}: head_dim must be >= 1")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self) -> tuple[tuple[str, int, int], ...]:
+        """(group, in_features, out_features) of one decoder layer's linears."""
+        h = self.hidden_size
+        return (("qkv", h, self.q_dim + 2 * self.kv_dim), ("o", self.q_dim, h),
+                ("mlp_up", h, 2 * self.intermediate_size), ("mlp_down", self.intermediate_size, h))
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(i * o for _, i, o in self.linear_shapes())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Every parameter: linears, biases, norms, embedding, and the LM head unless tied."""
+        per_layer = self.layer_linear_params + 2 * self.hidden_size
+        if self.attention_bias:
+            per_layer += self.q_dim + 2 * self.kv_dim
+        head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.num_layers * per_layer + self.embedding_params + head + self.hidden_size
+
+
+# ------------------------------------------------------------------ weight formats
+@dataclass(frozen=True)
+class WeightFormat:
+    """How one weight matrix is stored: bytes per weight including scales/zeros, and how its matmul computes."""
+
+    name: str
+    bytes_per_weight: float
+    compute_dtype: str  # "bf16", "fp8", "int8" (W8A8 / integer block kernels), "fp32"
+    compute_factor: float = 1.0  # attainable GEMM throughput relative to that dtype's (dequantizing kernels < 1)
+    per_channel_bytes: int = 0  # extra bytes per output channel (per-channel scales)
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_weight > 0 or self.per_channel_bytes < 0:
+            raise ValueError(f"weight format {self.name}: bytes must be positive")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"weight format {self.name}: compute_dtype must be one of {COMPUTE_DTYPES}")
+        if not 0 < self.compute_factor <= 1:
+            raise ValueError(f"weight format {self.name}: compute_factor must be in (0, 1]")
+
+    def matrix_bytes(self, in_features: int, out_features: int) -> float:
+        return in_features * out_features * self.bytes_per_weight + out_features * self.per_channel_bytes
+
+
+def _gguf_block(name: str, block: int, type_size: int, compute: str = "int8") -> WeightFormat:
+    return WeightFormat(name, type_size / block, compute)
+
+
+# AWQ / GPTQ 4-bit, group 128: 0.5 byte per weight + per group an fp16 scale and a 4-bit zero (2.5 bytes / 128).
+# Their GEMM dequantizes in the kernel and computes in fp16/bf16; at large batch such kernels reach less than a
+# dense cuBLAS GEMM (assumed 0.75 of it; uncalibrated).
+_GROUP = 128
+FORMATS = MappingProxyType({
+    "fp32": WeightFormat("fp32", 4.0, "fp32"),
+    "bf16": WeightFormat("bf16", 2.0, "bf16"),
+    "fp8": WeightFormat("fp8", 1.0, "fp8", per_channel_bytes=4),
+    "int8": WeightFormat("int8", 1.0, "int8", per_channel_bytes=4),
+    "awq4": WeightFormat("awq4", 0.5 + 2.5 / _GROUP, "bf16", compute_factor=0.75),
+    "gptq4": WeightFormat("gptq4", 0.5 + 2.5 / _GROUP, "bf16", compute_factor=0.75),
+    # GGUF blocks of 32: Q4_0 = f16 scale + 16 bytes; Q4_1 = f16 scale + f16 min + 16 bytes; Q8_0 = f16 + 32
+    "q4_0": _gguf_block("q4_0", 32, 18),
+    "q4_1": _gguf_block("q4_1", 32, 20),
+    "q8_0": _gguf_block("q8_0", 32, 34),
+})
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """The format of the decoder layers' linears, the embedding table and the LM head."""
+
+    name: str
+    linear: WeightFormat
+    embed: WeightFormat
+    head: WeightFormat
+    norm_bytes: int = 4  # norms stay in full precision
+
+    def weight_bytes(self, m: ModelProfile) -> dict[str, float]:
+        """Bytes of the whole model (before tensor-parallel sharding), per part."""
+        layers = sum(self.linear.matrix_bytes(i, o) for _, i, o in m.linear_shapes()) * m.num_layers
+        if m.attention_bias:
+            layers += (m.q_dim + 2 * m.kv_dim) * 2 * m.num_layers
+        embed = self.embed.matrix_bytes(m.hidden_size, m.vocab_size)
+        head = 0.0 if m.tie_word_embeddings else self.head.matrix_bytes(m.hidden_size, m.vocab_size)
+        norms = (2 * m.num_layers + 1) * m.hidden_size * self.norm_bytes
+        return {"layers": layers, "embed": embed, "lm_head": head, "norms": norms}
+
+    def total_bytes(self, m: ModelProfile) -> float:
+        return sum(self.weight_bytes(m).values())
+
+    def head_format(self, m: ModelProfile) -> WeightFormat:
+        """What the LM head reads: the embedding table when tied."""
+        return self.embed if m.tie_word_embeddings else self.head
+
+
+def _scheme(name: str, linear: str, embed: str = "bf16", head: str | None = None) -> QuantScheme:
+    return QuantScheme(name, FORMATS[linear], FORMATS[embed], FORMATS[head or embed])
+
+
+# GPU checkpoints keep the embedding and LM head in bf16 (as AWQ/GPTQ/FP8 checkpoints usually do); GGUF files
+# keep them in 8-bit blocks (SmolLM2's Q4_1 file: Q8_0 embedding, tied head).
+SCHEMES = MappingProxyType({
+    "bf16": _scheme("bf16", "bf16"),
+    "fp8": _scheme("fp8", "fp8"),
+    "int8": _scheme("int8", "int8"),
+    "awq": _scheme("awq", "awq4"),
+    "gptq": _scheme("gptq", "gptq4"),
+    "q4_0": _scheme("q4_0", "q4_0", "q8_0"),
+    "q4_1": _scheme("q4_1", "q4_1", "q8_0"),
+    "q8_0": _scheme("q8_0", "q8_0", "q8_0"),
+})
+
+
+def get_scheme(name: str, model: ModelProfile | None = None) -> QuantScheme:
+    """A named scheme; ``gguf`` means the formats of the GGUF file the model profile was read from."""
+    key = name.lower()
+    if key == "gguf":
+        if model is None or model.gguf_scheme is None:
+            raise ValueError("quantization 'gguf' needs a model read from a .gguf file")
+        return model.gguf_scheme
+    if key not in SCHEMES:
+        raise ValueError(f"unknown quantization {name!r}; known: {sorted(SCHEMES) + ['gguf']}")
+    return SCHEMES[key]
+
+
+# ------------------------------------------------------------------ presets (published configs)
+_PRESETS = (
+    ModelProfile("llama-3-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, max_position=8192),
+    ModelProfile("llama-3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+                 intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False, max_position=8192),
+    ModelProfile("qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4,
+                 intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, max_position=32768,
+                 attention_bias=True),
+    ModelProfile("qwen2.5-72b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+                 intermediate_size=29568, vocab_size=152064, tie_word_embeddings=False, max_position=32768,
+                 attention_bias=True),
+    ModelProfile("smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
+                 intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position=8192,
+                 gguf_scheme=SCHEMES["q4_1"]),  # the embedded default model: SmolLM2-135M-Instruct.Q4_1.gguf
+)
+PRESETS = MappingProxyType({p.name: p for p in _PRESETS})
+
+
+def from_hf_config(path: str) -> ModelProfile:
+    """A HuggingFace ``config.json`` (or the directory holding it)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    if "text_config" in c:  # multimodal wrappers keep the language model's config inside
+        c = c["text_config"]
+    heads = int(c["num_attention_heads"])
+    hidden = int(c["hidden_size"])
+    return ModelProfile(
+        name=c.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-model",
+        num_layers=int(c["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=int(c.get("num_key_value_heads") or heads), intermediate_size=int(c["intermediate_size"]),
+        vocab_size=int(c["vocab_size"]), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        head_dim=int(c.get("head_dim") or hidden // heads), max_position=int(c.get("max_position_embeddings", 8192)),
+        attention_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
+    )
+
+
+def _gguf_format(type_name: str, block: int, type_size: int) -> WeightFormat:
+    key = type_name.lower()
+    if key in FORMATS:
+        return FORMATS[key]
+    if key in ("f16", "bf16"):
+        return FORMATS["bf16"]
+    if key == "f32":
+        return FORMATS["fp32"]
+    return _gguf_block(key, block, type_size)  # k-quants etc.: their block size, integer kernels
+
+
+def from_gguf(path: str) -> ModelProfile:
+    """Shapes from a GGUF header (``gguf``'s reader; numpy only) and the file's tensor formats: the format
+    holding most bytes of the decoder layers' linears, and those of the embedding and the output head."""
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES
+
+    reader = gguf.GGUFReader(path)
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch is None:
+        raise ValueError(f"{path}: no general.architecture in the GGUF header")
+
+    def kv(name, default=None):
+        return field(f"{arch}.{name}", default)
+
+    hidden = int(kv("embedding_length"))
+    heads = int(kv("attention.head_count"))
+    layer_bytes: dict[str, float] = {}
+    fmt_of: dict[str, WeightFormat] = {}
+    names = set()
+    for t in reader.tensors:
+        names.add(t.name)
+        ttype = t.tensor_type
+        block, type_size = GGML_QUANT_SIZES[ttype]
+        fmt = _gguf_format(ttype.name, block, type_size)
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+            layer_bytes[fmt.name] = layer_bytes.get(fmt.name, 0.0) + int(t.n_bytes)
+            fmt_of[fmt.name] = fmt
+        elif t.name == "token_embd.weight":
+            fmt_of["__embed"] = fmt
+        elif t.name == "output.weight":
+            fmt_of["__head"] = fmt
+    if not layer_bytes:
+        raise ValueError(f"{path}: no decoder-layer weight matrices found")
+    linear = fmt_of[max(layer_bytes, key=layer_bytes.get)]
+    embed = fmt_of.get("__embed", FORMATS["bf16"])
+    head = fmt_of.get("__head", embed)
+    tokens = field("tokenizer.ggml.tokens")
+    vocab = int(kv("vocab_size", len(tokens) if tokens is not None else 0))
+    return ModelProfile(
+        name=str(field("general.name") or os.path.basename(path)),
+        num_layers=int(kv("block_count")), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=int(kv("attention.head_count_kv", heads)), intermediate_size=int(kv("feed_forward_length")),
+        vocab_size=vocab, tie_word_embeddings="output.weight" not in names,
+        head_dim=int(kv("attention.key_length", hidden // heads)), max_position=int(kv("context_length", 8192)),
+        attention_bias="blk.0.attn_q.bias" in names,
+        gguf_scheme=QuantScheme(f"gguf:{linear.name}", linear, embed, head),
+    )
+
+
+def load_model_profile(spec: str) -> ModelProfile:
+    """A preset name, a ``.gguf`` file, or a ``config.json`` / HuggingFace directory."""
+    key = spec.lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if spec.endswith(".gguf") and os.path.isfile(spec):
+        return from_gguf(spec)
+    if os.path.isdir(spec) or (os.path.isfile(spec) and spec.endswith(".json")):
+        return from_hf_config(spec)
+    raise ValueError(f"unknown model {spec!r}: give a preset ({sorted(PRESETS)}), a .gguf file, or a config.json "
+                     "/ HuggingFace directory")
+
+
+def human_bytes(n: float) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    if n >= 1 << 10:
+        return f"{n / (1 << 10):.1f} KiB"
+    return f"{n:.0f} B"
+
+
+def human_count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"

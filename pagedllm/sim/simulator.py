@@ -1,0 +1,272 @@
+"""The event loop: the real scheduler and KV cache manager of ``pagedllm.core`` on a virtual clock, with the cost
+model in place of the model runner.
+
+Each step: requests that have arrived are added; ``Scheduler.schedule()`` decides the step (chunked prefill,
+token budget, max_num_seqs, preemption, prefix-cache hits, speculative lookahead); the cost model prices exactly
+that mix of prefill chunks and decodes; the clock advances; fake sampled tokens (and, with speculative decoding,
+draft tokens accepted with probability ``acceptance_rate`` each) go back through
+``Scheduler.update_from_output``. Requests have fixed output lengths (``max_tokens`` with ``ignore_eos``).
+Prompts are fake token ids: a shared prefix uses the same ids in every request of its group, so prefix-cache
+hits happen exactly where the real cache would find them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sim.cost import CostModel, Deployment, SeqWork, work_from_scheduler_output
+from pagedllm.sim.metrics import RequestRecord, Summary, summarize
+from pagedllm.sim.trace import Workload
+
+# fake token ids (the block hashes pack them as signed 64-bit integers)
+_PREFIX_BASE = 10**12  # + group * 10**9 + position: shared prefixes
+_UNIQUE_BASE = 2 * 10**15  # + request * 10**7 + position: the rest of a prompt
+_OUTPUT_BASE = 3 * 10**15  # + request * 10**7 + position: sampled and draft tokens
+
+
+@dataclass(frozen=True)
+class SpecDecoding:
+    """Speculative decoding through the scheduler's lookahead slots: every decoding request proposes ``k``
+    drafts per step, each accepted with probability ``acceptance_rate`` until the first rejection. Drafts are
+    free (n-gram lookup) unless ``draft`` gives a draft model's deployment to price."""
+
+    num_speculative_tokens: int = 4
+    acceptance_rate: float = 0.7
+    draft: Deployment | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 0 <= self.acceptance_rate < 1:
+            raise ValueError(f"acceptance_rate must be in [0, 1), got {self.acceptance_rate}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+
+    @property
+    def expected_tokens_per_step(self) -> float:
+        """(1 - a^(k+1)) / (1 - a): accepted drafts plus the token sampled after them."""
+        a, k = self.acceptance_rate, self.num_speculative_tokens
+        return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine flags that shape scheduling (same names and defaults as ``pagedllm serve``)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # None: the model's context length
+    num_blocks: int | None = None  # exact KV block count (tests); None: from the deployment's memory plan
+    spec: SpecDecoding | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass
+class SimResult:
+    summary: Summary
+    records: list[RequestRecord]
+    kv_timeline: list[tuple[float, float]] = field(default_factory=list)  # (time, KV usage) per step
+    step_times: list[float] = field(default_factory=list)
+
+    def to_dict(self, max_points: int = 200) -> dict:
+        tl = self.kv_timeline
+        stride = max(1, len(tl) // max_points)
+        return {"summary": self.summary.to_dict(), "kv_timeline": [list(p) for p in tl[::stride]]}
+
+
+class _Clock:
+    """The scheduler's clock: virtual seconds."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _prompt_ids(i: int, prompt_len: int, shared: int, group: int) -> list[int]:
+    pre = [_PREFIX_BASE + group * 10**9 + j for j in range(shared)]
+    return pre + [_UNIQUE_BASE + i * 10**7 + j for j in range(prompt_len - shared)]
+
+
+class _FakeRunner:
+    """Stands where the model runner stands: a made-up token for every row that samples; with speculative
+    decoding, each draft accepted with probability ``acceptance_rate`` until the first rejection, and ``k`` new
+    drafts proposed. Request ids are trace indices."""
+
+    def __init__(self, spec: SpecDecoding | None, rng: random.Random) -> None:
+        self.spec = spec
+        self.rng = rng
+        self.num_verifies = self.num_accepted = 0
+
+    def execute(self, so, requests: dict[str, Request]) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        for s in so.scheduled:
+            if not s.sample:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            accepted = 0
+            if s.num_spec_tokens:
+                while accepted < s.num_spec_tokens and self.rng.random() < self.spec.acceptance_rate:
+                    accepted += 1
+                self.num_verifies += 1
+                self.num_accepted += accepted
+            base = _OUTPUT_BASE + int(s.req_id) * 10**7 + requests[s.req_id].num_output_tokens
+            result.sampled_token_ids[s.req_id] = [base + j for j in range(accepted + 1)]
+            if so.speculate:
+                nxt = base + accepted + 1
+                result.spec_token_ids[s.req_id] = [nxt + j for j in range(self.spec.num_speculative_tokens)]
+        return result
+
+
+class _Arrivals:
+    """When requests reach the engine: at their trace times (open loop), or from closed-loop clients, each
+    sending its next request uniform(0, client_jitter_s) after its previous one finished."""
+
+    def __init__(self, workload: Workload, rng: random.Random) -> None:
+        self.w = workload
+        self.rng = rng
+        n = len(workload.requests)
+        if workload.concurrency is not None:
+            n0 = min(workload.concurrency, n)
+            self.pending = sorted((rng.uniform(0, workload.client_jitter_s), i) for i in range(n0))
+            self.next_idx = n0
+        else:
+            self.pending = sorted((r.arrival_s, i) for i, r in enumerate(workload.requests))
+            self.next_idx = n
+        self.pos = 0
+        self.first_s = self.pending[0][0]
+
+    def due(self, now: float) -> list[tuple[float, int]]:
+        out = []
+        while self.pos < len(self.pending) and self.pending[self.pos][0] <= now:
+            out.append(self.pending[self.pos])
+            self.pos += 1
+        return out
+
+    def next_time(self) -> float | None:
+        return self.pending[self.pos][0] if self.pos < len(self.pending) else None
+
+    def finished(self, now: float) -> None:
+        """A request finished: its closed-loop client sends the next one of the trace."""
+        if self.w.concurrency is not None and self.next_idx < len(self.w.requests):
+            self.pending.append((now + self.rng.uniform(0, self.w.client_jitter_s), self.next_idx))
+            self.next_idx += 1
+            self.pending[self.pos:] = sorted(self.pending[self.pos:])
+
+
+def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = EngineSettings(), seed: int = 0,
+             system: str = "pagedllm (paged KV, continuous batching)") -> SimResult:
+    model = dep.model
+    plan = dep.memory_plan(settings.block_size)
+    num_blocks = settings.num_blocks or plan.num_blocks
+    if num_blocks < 1:
+        raise ValueError(f"{model.name} ({dep.scheme.name}, {plan.weights_per_device / 2**30:.1f} GiB of weights per "
+                         f"device) leaves no memory for the KV cache on {dep.tp} x {dep.hardware.name}")
+    max_len = settings.max_model_len or model.max_position
+    spec = settings.spec
+    for r in workload.requests:
+        if r.prompt_len + r.output_len > max_len:
+            raise ValueError(f"a request of {r.prompt_len} + {r.output_len} tokens exceeds max_model_len {max_len}")
+    kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
+    sched = Scheduler(kv, settings.max_num_batched_tokens, settings.max_num_seqs, max_len,
+                      settings.enable_chunked_prefill, num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
+                      spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
+    clock = _Clock()
+    sched.clock = clock
+    cost = CostModel(dep)
+    draft_cost = CostModel(spec.draft) if spec is not None and spec.draft is not None else None
+    rng = random.Random(seed)
+    runner = _FakeRunner(spec, rng)
+    arrivals = _Arrivals(workload, rng)
+    reqs = workload.requests
+    state: dict[str, dict] = {}  # request id -> its Request and timings
+    records: list[RequestRecord] = []
+    timeline: list[tuple[float, float]] = []
+    step_times: list[float] = []
+    usage_area = usage_max = 0.0
+    prefill_computed = 0
+
+    while True:
+        for t, i in arrivals.due(clock.t):
+            r = reqs[i]
+            sp = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+            req = Request(str(i), _prompt_ids(i, r.prompt_len, r.shared_prefix_len, r.prefix_group), sp,
+                          eos_token_id=None, max_tokens=r.output_len, arrival_time=t)
+            sched.add_request(req)
+            state[req.request_id] = {"req": req, "first": None, "cached": 0, "out": 0}
+        if not sched.has_unfinished_requests():
+            nxt = arrivals.next_time()
+            if nxt is None:
+                break
+            clock.t = nxt  # idle until the next arrival
+            continue
+        so = sched.schedule()
+        if so.is_empty:
+            raise RuntimeError(f"the scheduler made no progress: {sched.waiting.peek()!r} does not fit in the KV "
+                               f"cache ({num_blocks} blocks of {settings.block_size} tokens)")
+        work = work_from_scheduler_output(so)
+        dt = cost.step_time(work)
+        if draft_cost is not None:
+            dt += _draft_time(draft_cost, work, so.speculate, spec.num_speculative_tokens)
+        usage = kv.usage()
+        timeline.append((clock.t, usage))
+        usage_area += usage * dt
+        usage_max = max(usage_max, usage)
+        step_times.append(dt)
+        for s in so.scheduled:  # prompt tokens computed (again, after a preemption by recompute)
+            end = s.num_computed_tokens + len(s.token_ids) - s.num_spec_tokens
+            prefill_computed += max(0, min(end, state[s.req_id]["req"].num_prompt_tokens) - s.num_computed_tokens)
+        clock.t += dt
+        result = runner.execute(so, sched.requests)
+        for out in sched.update_from_output(so, result):
+            st = state[out.req_id]
+            if st["first"] is None and out.new_token_ids:
+                st["first"] = clock.t
+                st["cached"] = out.num_cached_tokens
+            st["out"] += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                req = st.pop("req")
+                records.append(RequestRecord(req.arrival_time, st["first"], clock.t, req.num_prompt_tokens,
+                                             st["out"], st["cached"], req.num_preemptions))
+                arrivals.finished(clock.t)
+
+    start_s, end_s = arrivals.first_s, clock.t
+    summary = summarize(
+        system, records, start_s, end_s, dep.num_devices, dep.hardware.price_per_hour, dep.weight_bytes,
+        num_blocks * settings.block_size * dep.kv_bytes_per_token_device * dep.num_devices,
+        kv_usage_max=usage_max, kv_usage_mean=usage_area / max(end_s - start_s, 1e-12),
+        preemptions=sched.num_preemptions,
+        prefix_hit_rate=kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0,
+        num_steps=len(step_times), prefill_tokens_computed=prefill_computed,
+        spec_mean_accepted=runner.num_accepted / runner.num_verifies if runner.num_verifies else None,
+    )
+    records.sort(key=lambda r: r.arrival_s)
+    return SimResult(summary, records, timeline, step_times)
+
+
+def _draft_time(draft: CostModel, work: tuple[SeqWork, ...], speculate: bool, k: int) -> float:
+    """A draft model runs over the step's tokens (keeping its own KV), then proposes k tokens for each request
+    that sampled: k - 1 more single-token steps."""
+    t = draft.step_time([SeqWork(w.query_tokens, w.context_before, 0) for w in work])
+    proposers = [SeqWork(1, w.context_before + w.query_tokens, 1) for w in work if w.sampled_rows]
+    if speculate and proposers:
+        t += (k - 1) * draft.step_time(proposers)
+    return t

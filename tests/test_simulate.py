@@ -1,0 +1,301 @@
+"""`pagedllm simulate`: the real scheduler driven by a roofline cost model (pure Python: no torch, no model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from pagedllm.sim.calibrate import cpu_profile_from_roofline, load_roofline
+from pagedllm.sim.cost import CostModel, Deployment, SeqWork
+from pagedllm.sim.hardware import HardwareProfile, get_gpu_profile
+from pagedllm.sim.kvcalc import kv_bytes_per_token, kv_report, naive_kv_bytes_per_token
+from pagedllm.sim.ladder import LadderConfig, run_ladder
+from pagedllm.sim.model_profile import PRESETS, SCHEMES, from_hf_config, get_scheme
+from pagedllm.sim.naive import simulate_static, static_batch_size
+from pagedllm.sim.simulator import EngineSettings, SpecDecoding, simulate
+from pagedllm.sim.trace import (W1_PROMPT_TOKENS, LengthDist, Workload, closed_loop, load_trace, save_trace, synthetic)
+from pagedllm.sim.validate import load_measured, validate
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+ROOFLINE = os.path.join(DATA, "roofline_epyc.json")
+MEASURED = os.path.join(DATA, "serve_w1_epyc.json")
+
+A100 = get_gpu_profile("a100-80gb")
+L70 = PRESETS["llama-3-70b"]
+L8 = PRESETS["llama-3-8b"]
+
+
+def dep(model=L8, hw=A100, scheme="bf16", tp=1, **kw) -> Deployment:
+    return Deployment(hw, model, SCHEMES[scheme], tp, **kw)
+
+
+# ------------------------------------------------------------------ KV calculator and model profiles
+def test_kv_calculator_gqa_vs_common_formula():
+    # Llama-3-70B: 80 layers x 8 KV heads x 128 head_dim x 2 (K and V) x 2 bytes = 327,680 B = 320 KiB per token
+    assert kv_bytes_per_token(L70, "bf16") == 2 * 80 * 8 * 128 * 2 == 320 * 1024
+    assert naive_kv_bytes_per_token(L70, "bf16") == 2 * 80 * 8192 * 2  # 2.5 MiB: one KV vector per query head
+    rep = kv_report(L70, "bf16", seq_len=8192, batch=4)
+    assert rep.overstatement == 64 / 8
+    assert rep.total == 4 * 8192 * 320 * 1024 == 10 * 2**30  # 10 GiB (the common formula: 80 GiB)
+    assert kv_report(PRESETS["qwen2.5-7b"]).overstatement == 7  # 28 heads / 4 KV heads
+    # SmolLM2 in the CPU engine's float32 KV: 45 KiB per token (W1 at C=32: ~8.5k tokens -> ~370 MiB, as measured)
+    assert kv_bytes_per_token(PRESETS["smollm2-135m"], "fp32") == 2 * 30 * 3 * 64 * 4 == 46080
+
+
+@pytest.mark.parametrize("name,published", [("llama-3-8b", 8.03e9), ("llama-3-70b", 70.55e9),
+                                            ("qwen2.5-7b", 7.62e9), ("qwen2.5-72b", 72.71e9),
+                                            ("smollm2-135m", 134.5e6)])
+def test_preset_parameter_counts(name, published):
+    assert PRESETS[name].num_params == pytest.approx(published, rel=0.005)
+
+
+def test_weight_bytes_per_quantization():
+    bf16, awq, fp8 = (SCHEMES[k].total_bytes(L70) for k in ("bf16", "awq", "fp8"))
+    assert bf16 == pytest.approx(2 * L70.num_params, rel=1e-3)
+    # AWQ 4-bit g128: 0.5 B + 2.5 B of scale/zero per 128 weights in the layers; embedding and head stay bf16
+    layers = L70.layer_linear_params * L70.num_layers
+    assert SCHEMES["awq"].weight_bytes(L70)["layers"] == pytest.approx(layers * (0.5 + 2.5 / 128))
+    assert awq < fp8 < bf16 and awq / bf16 == pytest.approx(0.28, abs=0.01)
+    # the embedded model's GGUF file: Q4_1 layers (20 B per 32 weights), Q8_0 tied embedding (34 B per 32)
+    wb = SCHEMES["q4_1"].weight_bytes(PRESETS["smollm2-135m"])
+    assert wb["layers"] == 66_355_200 and wb["embed"] == 30_081_024 and wb["lm_head"] == 0
+
+
+def test_model_from_hf_config(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+           "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = from_hf_config(str(tmp_path))
+    assert (m.num_params, m.head_dim, m.num_kv_heads) == (L8.num_params, 128, 8)
+    with pytest.raises(ValueError, match="gguf"):
+        get_scheme("gguf", m)
+
+
+def test_model_from_gguf_header():
+    from pagedllm.config import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model package is not installed")
+    from pagedllm.sim.model_profile import from_gguf
+
+    m = from_gguf(path)
+    ref = PRESETS["smollm2-135m"]
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, m.vocab_size,
+            m.tie_word_embeddings) == (ref.num_layers, ref.hidden_size, ref.num_heads, ref.num_kv_heads,
+                                       ref.intermediate_size, ref.vocab_size, True)
+    s = get_scheme("gguf", m)
+    assert (s.linear.name, s.embed.name) == ("q4_1", "q8_0")
+    assert s.total_bytes(m) == pytest.approx(92.1 * 2**20, rel=0.01)  # the file's tensor bytes
+
+
+# ------------------------------------------------------------------ cost model
+def test_decode_batch1_is_memory_bound_and_large_prefill_compute_bound():
+    c = CostModel(dep())
+    d1 = c.decode_step(1, 1000)
+    for name in ("qkv", "o", "mlp_up", "mlp_down", "lm_head", "attention"):
+        assert d1.op(name).bound == "memory", name
+    # batch-1 decode reads every weight once but the embedding table (one row of it): ~15 GB / (2.04 TB/s x 0.8)
+    read = SCHEMES["bf16"].total_bytes(L8) - SCHEMES["bf16"].weight_bytes(L8)["embed"]
+    assert d1.compute_s == pytest.approx(read / A100.attainable_bw, rel=0.02)
+    pf = c.prefill_step(2, 4096)
+    for name in ("qkv", "o", "mlp_up", "mlp_down", "attention"):
+        assert pf.op(name).bound == "compute", name
+    assert pf.op("lm_head").flops == 2 * 2 * L8.hidden_size * L8.vocab_size  # only the 2 sampled rows
+    # decode throughput grows with batch while memory-bound
+    assert c.decode_step(32, 1000).time_s < 3 * d1.time_s
+
+
+def test_prefill_chunk_without_sampling_skips_lm_head():
+    c = CostModel(dep())
+    names = [o.name for o in c.step([SeqWork(512, 0, 0)]).ops]
+    assert "lm_head" not in names and "mlp_up" in names
+
+
+def test_tensor_parallel_all_reduce_adds_time():
+    c1, c2 = CostModel(dep(L70, tp=1)), CostModel(dep(L70, tp=2))
+    s1, s2 = c1.prefill_step(1, 2048), c2.prefill_step(1, 2048)
+    assert s1.allreduce_s == 0 and s2.allreduce_s > 0
+    # 2 all-reduces per layer of 2048 x 8192 bf16 activations over NVLink (ring, 2 GPUs)
+    per = 2048 * 8192 * 2 / (A100.interconnect_bw * A100.interconnect_efficiency) + 2 * A100.interconnect_latency_s
+    assert s2.allreduce_s >= 2 * 80 * per
+    slow = dep(L70, hw=A100.with_overrides(interconnect_bw=1e9), tp=2)
+    assert CostModel(slow).prefill_step(1, 2048).time_s > s2.time_s + 1.0
+    # the linears split: tp=2 does half the work per device
+    assert s2.op("mlp_up").compute_s == pytest.approx(s1.op("mlp_up").compute_s / 2)
+
+
+def test_memory_plan_and_fit():
+    assert not dep(L70, tp=1).memory_plan().fits  # 141 GB of bf16 weights on one 80 GB A100
+    plan = dep(L70, tp=2).memory_plan()
+    assert plan.fits and plan.kv_bytes_per_token_device == 160 * 1024  # KV heads split over the 2 GPUs
+    left = 81920 * 2**20 * 0.9 - SCHEMES["bf16"].total_bytes(L70) / 2 - A100.activation_reserve_bytes
+    assert plan.kv_tokens == int(left // (160 * 1024)) // 16 * 16
+    with pytest.raises(ValueError, match="no memory for the KV cache"):
+        simulate(dep(L70, tp=1), closed_loop([100], 10, 1))
+    with pytest.raises(ValueError, match="do not split"):
+        dep(PRESETS["smollm2-135m"], tp=2)  # 9 heads
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="compute_efficiency"):
+        A100.with_overrides(compute_efficiency=1.5)
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        SpecDecoding(4, 1.0)
+    with pytest.raises(ValueError, match="low <= high"):
+        LengthDist.parse("300-100")
+    with pytest.raises(ValueError, match="max_model_len"):
+        simulate(dep(), closed_loop([9000], 10, 1))
+    assert isinstance(A100, HardwareProfile) and A100.peak_flops("fp8") == A100.bf16_flops  # no fp8 on A100
+
+
+# ------------------------------------------------------------------ simulator (the real scheduler)
+def _burst(n=32, prompt=200, out=64, shared=0, concurrency=None):
+    return synthetic(n, LengthDist(prompt, prompt), LengthDist(out, out), concurrency=concurrency or n,
+                     shared_prefix_len=shared)
+
+
+def test_simulation_outputs_and_continuous_batching_beats_static():
+    w = synthetic(64, LengthDist(100, 400), LengthDist(32, 256), concurrency=16, seed=1)
+    d = dep()
+    paged = simulate(d, w, EngineSettings(enable_prefix_caching=False))
+    assert len(paged.records) == 64
+    assert sorted(r.output_len for r in paged.records) == sorted(r.output_len for r in w.requests)
+    assert all(r.first_token_s > r.arrival_s and r.finish_s >= r.first_token_s for r in paged.records)
+    naive = simulate_static(d, w, max_len=8192, max_batch=16)
+    # same batch size (16 slots): static batches idle their slots until the longest output of the batch is done
+    assert paged.summary.output_tok_s > 1.3 * naive.summary.output_tok_s
+    assert paged.summary.kv_pool_bytes > 0 and 0 < paged.summary.kv_usage_mean <= paged.summary.kv_usage_max <= 1
+
+
+def test_static_batching_reserves_max_length_and_waits_for_the_batch():
+    d = dep(L70, tp=2)
+    assert static_batch_size(d, 8192) == 3  # ~8.6 GiB of KV left / 2.5 GiB per 8192-token sequence
+    res = simulate_static(d, _burst(6, 100, 16, concurrency=6), max_len=8192)
+    finishes = sorted({round(r.finish_s, 9) for r in res.records})
+    assert len(finishes) == 2  # two batches of 3, each returned whole
+    assert res.summary.extra["static_batch_size"] == 3
+
+
+def test_prefix_caching_hits_come_from_the_real_kv_cache():
+    w = _burst(24, 88, 16, shared=512, concurrency=8)  # 600-token prompts, 512 of them shared
+    off = simulate(dep(), w, EngineSettings(enable_prefix_caching=False)).summary
+    on = simulate(dep(), w, EngineSettings(enable_prefix_caching=True)).summary
+    assert off.prefix_hit_rate == 0 and off.prefill_tokens_computed == 24 * 600
+    # every request after the first finds the 512 shared tokens (32 full blocks of 16)
+    assert on.prefill_tokens_computed <= 24 * 600 - 16 * 512
+    assert on.prefix_hit_rate > 0.6
+    assert on.mean_ttft_s < off.mean_ttft_s
+
+
+def test_tiny_kv_cache_causes_preemptions_and_everything_still_finishes():
+    w = _burst(16, 256, 256)
+    roomy = simulate(dep(), w, EngineSettings()).summary
+    assert roomy.preemptions == 0
+    tiny = simulate(dep(), w, EngineSettings(num_blocks=120))  # 1920 tokens for 16 x 512
+    assert tiny.summary.preemptions > 0
+    assert len(tiny.records) == 16 and all(r.output_len == 256 for r in tiny.records)
+    assert tiny.summary.kv_usage_max > 0.9
+    assert tiny.summary.output_tok_s < roomy.output_tok_s
+
+
+def test_speculative_decoding_through_the_scheduler():
+    sp = SpecDecoding(4, 0.7)
+    assert sp.expected_tokens_per_step == pytest.approx((1 - 0.7**5) / 0.3)
+    w = _burst(4, 100, 400, concurrency=1)
+    base = simulate(dep(), w, EngineSettings()).summary
+    spec = simulate(dep(), w, EngineSettings(spec=sp), seed=3)
+    # accepted drafts per verify step follow alpha + alpha^2 + ... + alpha^k = 1.77
+    assert spec.summary.spec_mean_accepted == pytest.approx(sum(0.7**i for i in range(1, 5)), abs=0.15)
+    assert all(r.output_len == 400 for r in spec.records)
+    assert spec.summary.num_steps < base.num_steps / 2
+    assert spec.summary.output_tok_s > 2 * base.output_tok_s  # batch 1 is memory-bound: verifying 5 tokens is ~free
+
+
+def test_poisson_trace_and_recorded_trace_roundtrip(tmp_path):
+    w = synthetic(2000, LengthDist(10, 20), LengthDist(5, 5), rate=10.0, seed=2)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(w.requests, w.requests[1:])]
+    assert min(gaps) >= 0 and sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    small = Workload(w.requests[:20])
+    save_trace(small, str(tmp_path / "t.json"))
+    assert load_trace(str(tmp_path / "t.json")).requests == small.requests
+    (tmp_path / "serve.json").write_text(json.dumps({"requests": [{"prompt_tokens": 120, "output_tokens": 128}]}))
+    assert load_trace(str(tmp_path / "serve.json"), concurrency=1).requests[0].prompt_len == 120
+    res = simulate(dep(), small, EngineSettings())
+    assert all(r.arrival_s == q.arrival_s for r, q in zip(res.records, small.requests))
+
+
+def test_ladder_rows():
+    w = replace(_burst(48, 200, 96, shared=400, concurrency=16), client_jitter_s=0.002)
+    rows = run_ladder(LadderConfig(A100, L70, 2, w))
+    assert [r.step for r in rows] == [1, 2, 3, 4, 5]
+    s = [r.summary for r in rows]
+    assert all(x is not None for x in s)
+    assert s[1].output_tok_s > s[0].output_tok_s  # paged + continuous batching beats static batching
+    assert s[2].num_devices == 1 and s[0].num_devices == 2  # AWQ 70B fits on one A100
+    assert s[3].prefix_hit_rate > 0.5 and s[3].mean_ttft_s < s[2].mean_ttft_s
+    assert s[4].spec_mean_accepted is not None
+
+
+# ------------------------------------------------------------------ calibration against this machine
+def test_cpu_calibration_fits_the_roofline_decode_steps():
+    cal = cpu_profile_from_roofline(load_roofline(ROOFLINE))
+    p = cal.profile
+    assert p.calibrated and 0 < p.bandwidth_efficiency <= 1
+    effs = [e for _, e in p.gemm_efficiency_curve]
+    assert effs == sorted(effs) and effs[-1] == 1.0
+    for batch, measured, fitted in cal.fit_rows:
+        assert fitted == pytest.approx(measured, rel=0.05), batch
+    assert [b for b, _, _ in cal.fit_rows] == [1, 8, 32]
+
+
+def test_calibrated_cpu_predicts_measured_bench_serve_within_20_percent():
+    measured = load_measured(MEASURED)
+    assert tuple(measured["workload"]["prompt_tokens"]) == W1_PROMPT_TOKENS
+    cal = cpu_profile_from_roofline(load_roofline(ROOFLINE))
+    rows = validate(cal, measured)
+    checked = [r for r in rows if r.metric in ("output tok/s", "mean TTFT (s)")]
+    assert len(checked) == 6  # C = 1, 8, 32
+    bad = [(r.concurrency, r.metric, round(100 * r.error, 1)) for r in checked if abs(r.error) > 0.20]
+    assert not bad, bad
+
+
+# ------------------------------------------------------------------ command line, no torch
+def test_cli_ladder_kv_calc_and_result_json(tmp_path, capsys):
+    from pagedllm.cli.main import main
+
+    out_json = tmp_path / "ladder.json"
+    assert main(["simulate", "--model", "llama-3-70b", "--gpu", "a100-80gb", "--tp", "2", "--ladder",
+                 "--num-requests", "32", "--concurrency", "16", "--result-json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 5 and "naive static batching" in table[1] and "speculative" in table[5]
+    assert "below 20 tok/s" in text
+    assert len(json.loads(out_json.read_text())["ladder"]) == 5
+
+    assert main(["simulate", "--model", "llama-3-70b", "--kv-calc"]) == 0
+    assert "327,680 B" in capsys.readouterr().out
+    assert main(["simulate", "--gpu", "no-such-gpu"]) == 2
+
+
+def test_simulation_imports_no_torch():
+    code = (
+        "import sys\n"
+        "from pagedllm.cli.main import main\n"
+        "assert main(['simulate', '--model', 'qwen2.5-7b', '--gpu', 'h100-80gb', '--num-requests', '8',"
+        " '--concurrency', '4', '--quantization', 'fp8']) == 0\n"
+        f"assert main(['simulate', '--calibrate', {ROOFLINE!r}, '--workload', 'w1', '--concurrency', '8']) == 0\n"
+        "import pagedllm.sim.ladder, pagedllm.sim.validate, pagedllm.sim.naive\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(DATA) + "/..")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "NO-TORCH"
