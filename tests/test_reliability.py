@@ -121,3 +121,18 @@ def test_corrupt_gguf_refused_naming_the_file(tmp_path):
             open_gguf(str(path))
     r = reliability.phase_corrupt_models(str(tmp_path), src, kinds=("truncated",))  # the CLI: exit 2, names it
     assert r["passed"], r["problems"]
+
+
+def test_command_against_a_running_server(base, tmp_path):
+    """`pagedllm bench reliability --url`: the phases that need no process control, a table and JSON."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    reliability.add_args(p)
+    args = p.parse_args(["--url", base, "--api-key", KEY, "--phases", "auth,disconnects,shutdown",
+                         "--disconnects", "12", "--concurrency", "4", "--results-dir", str(tmp_path)])
+    assert reliability.main(args) == 0
+    results = json.load(open(tmp_path / "results.json"))["results"]
+    assert [r["phase"] for r in results] == ["auth", "disconnects"]  # shutdown needs its own server: skipped
+    table = (tmp_path / "reliability.md").read_text()
+    assert "| auth |" in table and "| disconnects |" in table and "FAIL" not in table

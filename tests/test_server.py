@@ -438,4 +438,5 @@ def test_queue_bound_and_max_delay_errors(tmp_path_factory):
     for q in queued:
         e = _err(q, 503)
         assert e["type"] == "overloaded" and "1500 ms" in e["message"]
+        assert int(q.headers["retry-after"]) >= 1
     assert after.status_code == 200

@@ -128,6 +128,11 @@ def test_tensor_parallel_all_reduce_adds_time():
     assert s2.allreduce_s >= 2 * 80 * per
     slow = dep(L70, hw=A100.with_overrides(interconnect_bw=1e9), tp=2)
     assert CostModel(slow).prefill_step(1, 2048).time_s > s2.time_s + 1.0
+    # ring all-reduce at tp=4: 2(t-1)/t of the bytes cross each link (at tp=2 the factor is 1 and proves nothing)
+    s4 = CostModel(dep(L70, tp=4)).prefill_step(1, 2048)
+    per4 = (2 * 3 / 4 * 2048 * 8192 * 2 / (A100.interconnect_bw * A100.interconnect_efficiency)
+            + 2 * 3 * A100.interconnect_latency_s)
+    assert s4.allreduce_s == pytest.approx(2 * 80 * per4, rel=0.02)
     # the linears split: tp=2 does half the work per device
     assert s2.op("mlp_up").compute_s == pytest.approx(s1.op("mlp_up").compute_s / 2)
 

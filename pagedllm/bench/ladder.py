@@ -146,7 +146,8 @@ async def _measure(base: str, concurrency: int, prompts: list[str], output_len: 
     from pagedllm.bench.serve import BenchRequest, run_load
 
     args = load_args(base, concurrency)
-    args.extra_body = {"min_tokens": output_len}  # mask EOS as HF's min_new_tokens does: the same greedy tokens
+    args.ignore_eos = False  # ignore_eos would let EOS be generated (and skipped); min_tokens masks it instead,
+    args.extra_body = {"min_tokens": output_len}  # as HF's min_new_tokens does: the same greedy tokens
     peak = 0.0
     stop = asyncio.Event()
 
@@ -186,7 +187,8 @@ async def _greedy_texts(base: str, prompts: list[str], output_len: int, concurre
             async with sem:
                 r = await h.post("/v1/completions", json={
                     "model": model, "prompt": p, "max_tokens": output_len, "min_tokens": output_len,
-                    "temperature": 0.0, "ignore_eos": True})
+                    "temperature": 0.0})  # min_tokens masks EOS as HF's min_new_tokens does (ignore_eos would
+                #                           let EOS be generated and skipped, then the texts differ from HF's)
                 r.raise_for_status()
                 return r.json()["choices"][0]["text"]
 
@@ -373,6 +375,13 @@ def _identity_gate(row: dict, ref_row: dict | None, ref_name: str) -> dict:
             "detail": f"greedy output identical to {ref_name}: {parts}", "identity": ident}
 
 
+def four_bit(runtime: dict) -> bool:
+    """Whether a server's `/health` runtime says it ran 4-bit weights (the GGUF file's Q4 blocks, or a 4-bit
+    checkpoint), not a float copy."""
+    w = str(runtime.get("weights") or "").lower()
+    return any(k in w for k in ("gguf", "awq", "gptq", "rtn", "int4", "4-bit"))
+
+
 def compute_gates(rows: list[dict], eval_result: dict | None) -> None:
     """Set each row's ``gate`` ({status: PASS | FAILED | reference | n/a | not run, detail})."""
     by = {r["step"]: r for r in rows}
@@ -386,6 +395,9 @@ def compute_gates(rows: list[dict], eval_result: dict | None) -> None:
             r["gate"] = {"status": "reference", "detail": "baseline"}
         elif r["step"] == 2:
             r["gate"] = _identity_gate(r, by.get(1), "step 1 (HF)")
+        elif r["step"] == 3 and r.get("runtime") and not four_bit(r["runtime"]):
+            r["gate"] = {"status": "FAILED", "detail": f"the default path did not run 4-bit weights on this CPU "
+                                                       f"(weights: {r['runtime'].get('weights')!r})"}
         elif r["step"] == 3:
             info = _identity_gate(r, by.get(2), "step 2")
             note = f"; {info['detail']} (informational)" if "identity" in info else ""

@@ -295,7 +295,7 @@ async def _timed_load(base: str, headers: dict, model: str, bodies: list[dict], 
     return results, time.monotonic() - t0
 
 
-def phase_overload(base: str, key: str | None, max_num_seqs: int, burst: int, output_len: int = 48,
+def phase_overload(base: str, key: str | None, max_num_seqs: int, burst: int, output_len: int = 128,
                    timeout: float = 300.0, min_ratio: float = 0.9) -> dict:
     """Overloaded: ``burst`` requests at once against a server started with --max-waiting-requests /
     --max-queue-delay-ms; every request must end with 200 or 429/503 + Retry-After and the OpenAI error object.
@@ -655,7 +655,6 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
     workdir = args.results_dir or tempfile.mkdtemp(prefix="pagedllm-reliability-")
     os.makedirs(workdir, exist_ok=True)
-    key = "reliability-key"
     extra = args.server_args.split()
     results: list[dict] = []
 
@@ -665,26 +664,42 @@ def main(args: argparse.Namespace) -> int:
         for p in r["problems"][:5]:
             print(f"    {p}", flush=True)
 
-    shared = [p for p in phases if p in ("fuzz", "disconnects", "soak", "overload", "auth", "fault")]
-    if shared:
+    def shared_phases(base: str, key: str | None) -> None:
+        if "auth" in phases:
+            if key:
+                report(phase_auth(base, key))
+            else:
+                print("[auth] skipped: the server at --url has no --api-key given here")
+        if "fuzz" in phases:
+            report(phase_fuzz(base, key, args.schema_examples, args.body_examples, args.seed))
+        if "disconnects" in phases:
+            report(phase_disconnects(base, key, args.disconnects, args.concurrency, args.seed))
+        if "fault" in phases:
+            if args.url and args.fault_token is None:
+                print("[forward fault] skipped: give --fault-token T for a server started with --fault-injection "
+                      "'{\"forward_fail_token\": T}'")
+            else:
+                report(phase_forward_fault(base, key, args.fault_token or FAIL_TOKEN))
+        if "overload" in phases:
+            report(phase_overload(base, key, args.max_num_seqs, args.burst))
+        if "soak" in phases:
+            report(phase_soak(base, key, args.soak_s, args.concurrency))
+
+    if args.url:  # a server someone else started: the phases that need no process control
+        skipped = [p for p in phases if p in ("shutdown", "tp")]
+        if skipped:
+            print(f"skipped with --url (they start and stop their own servers): {', '.join(skipped)}")
+            phases = [p for p in phases if p not in skipped]
+        shared_phases(args.url.rstrip("/"), args.api_key)
+    elif any(p in phases for p in ("fuzz", "disconnects", "soak", "overload", "auth", "fault")):
+        key = "reliability-key"
         flags = (f"--api-key {key} --max-model-len {args.max_model_len} --max-num-seqs {args.max_num_seqs} "
                  f"--max-waiting-requests {args.max_waiting_requests} --max-queue-delay-ms {args.max_queue_delay_ms} "
                  f"--fault-injection {json.dumps({'forward_fail_token': FAIL_TOKEN}).replace(' ', '')} "
                  + args.server_args)
         server_log = os.path.join(workdir, "server.log")
         with running_server(args.dtype, None, flags, server_log) as (_, base):
-            if "auth" in phases:
-                report(phase_auth(base, key))
-            if "fuzz" in phases:
-                report(phase_fuzz(base, key, args.schema_examples, args.body_examples, args.seed))
-            if "disconnects" in phases:
-                report(phase_disconnects(base, key, args.disconnects, args.concurrency, args.seed))
-            if "fault" in phases:
-                report(phase_forward_fault(base, key))
-            if "overload" in phases:
-                report(phase_overload(base, key, args.max_num_seqs, args.burst))
-            if "soak" in phases:
-                report(phase_soak(base, key, args.soak_s, args.concurrency))
+            shared_phases(base, key)
         report(phase_server_log(server_log))
     own = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), *extra]
     if "shutdown" in phases:
@@ -707,6 +722,12 @@ def main(args: argparse.Namespace) -> int:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", default=None, help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
+    p.add_argument("--url", default=None,
+                   help="run against this running server instead of starting one (fuzz, disconnects, soak, overload, "
+                        "auth with --api-key, fault with --fault-token, corrupt; not shutdown or tp); give "
+                        "--max-num-seqs as the server has it")
+    p.add_argument("--api-key", default=None, help="with --url: the server's key")
+    p.add_argument("--fault-token", type=int, default=None, help="with --url: the server's forward_fail_token")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--server-args", default="", help="extra flags for every server the suite starts")
     p.add_argument("--max-model-len", type=int, default=512)

@@ -177,6 +177,8 @@ def main(args: argparse.Namespace) -> int:
         _validate(args, cal, result)
     else:
         settings = _settings(args)
+        if args.spec_draft_model and not args.spec_tokens:
+            raise ValueError("--spec-draft-model needs --spec-tokens K")
         if args.spec_tokens and args.spec_draft_model:
             draft = Deployment(hw, load_model_profile(args.spec_draft_model), scheme, args.tp, args.kv_dtype or "",
                                args.gpu_memory_utilization, kv_cache)

@@ -37,6 +37,9 @@ class Deployment:
         if self.model.num_heads % self.tp:
             raise ValueError(f"{self.model.name}: {self.model.num_heads} attention heads do not split over "
                              f"tp={self.tp}")
+        if self.model.intermediate_size % self.tp:
+            raise ValueError(f"{self.model.name}: intermediate size {self.model.intermediate_size} does not split "
+                             f"over tp={self.tp}")
         if not self.kv_dtype:
             object.__setattr__(self, "kv_dtype", self.hardware.default_kv_dtype)
         kv_dtype_bytes(self.kv_dtype)

@@ -66,20 +66,20 @@ def simulate_static(dep: Deployment, workload: Workload, max_len: int | None = N
         p_max = max(reqs[i].prompt_len for _, i in group)
         o_max = max(reqs[i].output_len for _, i in group)
         n = len(group)
-        usage = n / batch  # of the reserved slots' KV
-        t0 = now
+        reserved = batch * max_len  # tokens of KV reserved, whatever the requests use
         dt = cost.step_time([SeqWork(p_max, 0, 1)] * n)  # padded prompts
         prefill += n * p_max
         step_times.append(dt)
         now += dt
         first = now
         for k in range(1, o_max):
+            used = n * (p_max + k) / reserved  # the tokens actually held, as a fraction of the reservation
+            timeline.append((now, used))
+            usage_area += used * dt
+            usage_max = max(usage_max, used)
             dt = cost.step_time([SeqWork(1, p_max + k - 1, 1)] * n)
             step_times.append(dt)
             now += dt
-        timeline.append((t0, usage))
-        usage_area += usage * (now - t0)
-        usage_max = max(usage_max, usage)
         for t_arr, i in group:
             r = reqs[i]
             records.append(RequestRecord(t_arr, first, now, r.prompt_len, r.output_len))
