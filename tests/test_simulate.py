@@ -304,3 +304,25 @@ def test_simulation_imports_no_torch():
                        cwd=os.path.dirname(DATA) + "/..")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH"
+
+
+LADDER = os.path.join(os.path.dirname(__file__), "data", "ladder_epyc.json")
+
+
+def test_calibrated_cpu_predicts_the_measured_ladder_within_20_percent(tmp_path):
+    """Held out from the calibration: longer prompts, prefix caching on, n-gram speculation (bench ladder rows)."""
+    from pagedllm.cli.main import main
+
+    fixture = json.load(open(LADDER))
+    base = ["simulate", "--calibrate", ROOFLINE, "--gpu", "cpu-local", "--model", "smollm2-135m", "--quantization",
+            "q4_1", "--concurrency", "32", "--num-requests", "32", "--output-len", "128"]
+    bad = []
+    for i, row in enumerate(fixture["rows"]):
+        out = tmp_path / f"{i}.json"
+        assert main([*base, *row["sim_args"], "--result-json", str(out)]) == 0
+        s = json.loads(out.read_text())["summary"]
+        for key in ("output_tok_s", "mean_ttft_s"):
+            err = s[key] / row[key] - 1
+            if abs(err) > 0.20:
+                bad.append((row["name"], key, round(100 * err, 1)))
+    assert not bad, bad
