@@ -139,10 +139,27 @@ def _scrape(base: str) -> dict[str, float]:
     return out
 
 
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: str, timeout: float = 300.0) -> None:
+    """Until the server subprocess answers /health with 200; an exit or the timeout raises, naming its log."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy within {timeout:.0f} s; see {log_path}")
+
+
 @contextlib.contextmanager
 def running_server(dtype: str, quantization: str | None, extra: str, log_path: str):
     """A pagedllm server subprocess on a free port, healthy: yields (process, base URL); stopped on exit."""
-    import httpx
 
     port = _free_port()
     log = open(log_path, "w")
@@ -152,16 +169,7 @@ def running_server(dtype: str, quantization: str | None, extra: str, log_path: s
                             stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start; see {log_path}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, base, log_path)
         yield proc, base
     finally:
         proc.terminate()

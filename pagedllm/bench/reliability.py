@@ -23,6 +23,7 @@ import time
 import httpx
 
 from pagedllm.bench import fuzz
+from pagedllm.bench.compare import _free_port, wait_healthy
 
 GREEDY_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
                   "List three uses of copper:"]
@@ -415,28 +416,11 @@ def _launch(args: list[str], log_path: str) -> subprocess.Popen:
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
-def wait_healthy(proc: subprocess.Popen, base: str, log_path: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server did not become healthy; see {log_path}")
-
-
 def phase_shutdown(server_args: list[str], workdir: str, drain_s: float = 3.0, streams: int = 4,
                    plain: int = 2) -> dict:
     """SIGTERM with requests in flight that outlast the drain timeout: each must end properly (its stream ends
     with [DONE], finish reason 'abort' or a normal one; a plain request gets its JSON) and the process must exit
     with 0 within drain + 5 s."""
-    from pagedllm.bench.compare import _free_port
-
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log = os.path.join(workdir, "shutdown-server.log")
@@ -531,8 +515,6 @@ def phase_tp_kill(server_args: list[str], workdir: str) -> dict:
     """A 3-rank tensor-parallel server (the default model divides by 3) whose other ranks are killed mid-stream: the stream ends with an error
     and the server stops with a non-zero exit and a message naming tensor parallelism."""
     import psutil
-
-    from pagedllm.bench.compare import _free_port
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
