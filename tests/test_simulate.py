@@ -278,7 +278,9 @@ def test_cli_ladder_kv_calc_and_result_json(tmp_path, capsys):
 
     out_json = tmp_path / "ladder.json"
     assert main(["simulate", "--model", "llama-3-70b", "--gpu", "a100-80gb", "--tp", "2", "--ladder",
-                 "--num-requests", "32", "--concurrency", "16", "--result-json", str(out_json)]) == 0
+                 "--num-requests", "32", "--concurrency", "16", "--result-json", str(out_json),
+                 "--chart", str(tmp_path / "ladder.png")]) == 0
+    assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + 5 and "naive static batching" in table[1] and "speculative" in table[5]

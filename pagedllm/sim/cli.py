@@ -18,7 +18,7 @@ from pagedllm.sim.calibrate import CPU_KV_CACHE_BYTES, DEFAULT_TOKEN_SHARE, cpu_
 from pagedllm.sim.cost import Deployment
 from pagedllm.sim.hardware import GPU_PROFILES, get_gpu_profile
 from pagedllm.sim.kvcalc import KV_DTYPE_BYTES, kv_report
-from pagedllm.sim.ladder import QUOTED_70B_A100X2, LadderConfig, ladder_markdown, run_ladder
+from pagedllm.sim.ladder import QUOTED_70B_A100X2, LadderConfig, ladder_markdown, run_ladder, write_ladder_chart
 from pagedllm.sim.model_profile import PRESETS, SCHEMES, get_scheme, human_bytes, human_count, load_model_profile
 from pagedllm.sim.naive import simulate_static
 from pagedllm.sim.simulator import EngineSettings, SpecDecoding, simulate
@@ -89,6 +89,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--validate", metavar="MEASURED_JSON", default=None,
                    help="compare the calibrated cpu-local profile with measured bench serve runs (needs --calibrate)")
     m.add_argument("--result-json", default=None)
+    m.add_argument("--chart", default=None, help="with --ladder: write a PNG chart of the ladder here")
 
 
 def _hardware(args):
@@ -228,6 +229,9 @@ def _ladder(args, cal, hw, model, scheme, kv_cache, settings: EngineSettings, re
     print(ladder_markdown(rows))
     if model.name == "llama-3-70b" and hw.name == "a100-80gb" and args.tp == 2:
         print(f"\n{QUOTED_70B_A100X2}")
+    if args.chart:
+        write_ladder_chart(rows, f"{model.name} on {args.tp} x {hw.name}\n{wl.describe()}", args.chart)
+        print(f"chart: {args.chart}")
     result["workload"] = wl.describe()
     result["ladder"] = [{"step": r.step, "label": r.label, "note": r.note,
                          "summary": r.summary.to_dict() if r.summary else None} for r in rows]

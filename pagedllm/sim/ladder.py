@@ -128,3 +128,25 @@ QUOTED_70B_A100X2 = (
     "throughput at a handful of concurrent users); compare them with the per-stream column at low concurrency, "
     "not with the aggregate output tok/s of a loaded server above."
 )
+
+
+def write_ladder_chart(rows: list[LadderRow], title: str, path: str) -> None:
+    """A PNG: output tok/s and mean TTFT per ladder step (matplotlib, imported here: it is optional here and
+    imports no torch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r.summary is not None]
+    labels = [f"{r.step}. {r.label}" for r in done]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.6 * len(done) + 2), sharey=True)
+    a.barh(labels, [r.summary.output_tok_s for r in done], color="tab:blue")
+    a.set_xlabel("output tok/s (predicted)")
+    b.barh(labels, [r.summary.mean_ttft_s for r in done], color="tab:orange")
+    b.set_xlabel("mean TTFT, s (predicted)")
+    a.invert_yaxis()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
