@@ -1,7 +1,8 @@
 """Static checks run in CI: ruff with the project's config, and the layer rule that the scheduler core (and the
 simulator built on it) stays pure Python: no torch, no worker, model or server, even transitively."""
 
-import shutil
+import importlib.util
+import os
 import subprocess
 import sys
 
@@ -9,10 +10,11 @@ import pytest
 
 
 def test_ruff_passes():
-    ruff = shutil.which("ruff")
-    if ruff is None:
+    if importlib.util.find_spec("ruff") is None:
         pytest.fail("ruff is not installed (it is in the dev extra: pip install -e '.[dev]')")
-    p = subprocess.run([ruff, "check", "pagedllm", "tests"], capture_output=True, text=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "ruff", "check", "pagedllm", "tests"], capture_output=True,
+                       text=True, cwd=root)
     assert p.returncode == 0, p.stdout + p.stderr
 
 
