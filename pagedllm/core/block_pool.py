@@ -152,16 +152,6 @@ class BlockPool:
         block.token_ids = token_ids
         self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash (only when no block is in use). Returns whether it was done."""
-        if self.free_queue.num_free != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-        self.cached.clear()
-        return True
-
     def check_integrity(self) -> None:
         """free + in use == total; free blocks have no references; the hash map points at its blocks."""
         free = list(self.free_queue)

@@ -133,12 +133,6 @@ class KVCacheManager:
         """Drop the cached hashes of a finished request (its token list may not change any more)."""
         self.req_to_hashes.pop(request.request_id, None)
 
-    def truncate_hashes(self, request: Request, num_tokens: int) -> None:
-        """Forget hashes of blocks beyond ``num_tokens`` (the token list was changed past that point)."""
-        hashes = self.req_to_hashes.get(request.request_id)
-        if hashes is not None:
-            del hashes[num_tokens // self.block_size :]
-
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held = sum(len(v) for v in self.req_to_blocks.values())

@@ -118,10 +118,6 @@ class Scheduler:
             self._sent_to_worker.discard(req.request_id)
             self._finished_req_ids.append(req.request_id)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -221,6 +221,3 @@ class OutputProcessor:
         stats = IterationStats(finished=self._aborted)
         self._aborted = []
         return stats
-
-    def has_unfinished(self) -> bool:
-        return bool(self.parents)

@@ -39,10 +39,6 @@ class QuantPolicy:
     def scheme(self, layer_type: str) -> str:
         return getattr(self, layer_type)
 
-    @property
-    def is_quantized(self) -> bool:
-        return any(self.scheme(t) != "none" for t in LAYER_TYPES)
-
     def to_dict(self) -> dict:
         return asdict(self)
 
