@@ -263,7 +263,7 @@ def phase_soak(base: str, key: str | None, duration_s: float, concurrency: int =
             "passed": not problems, "problems": problems}
 
 
-async def _timed_load(base: str, headers: dict, model: str, bodies: list[dict], concurrency: int,
+async def _timed_load(base: str, headers: dict, bodies: list[dict], concurrency: int,
                       timeout: float) -> tuple[list[dict], float]:
     """Send the bodies (at most ``concurrency`` at once); per request: status, Retry-After, completion tokens,
     error shape, seconds. Returns the results and the wall time."""
@@ -310,12 +310,12 @@ def phase_overload(base: str, key: str | None, max_num_seqs: int, burst: int, ou
         return {"model": model, "prompt": prompts[i], "max_tokens": output_len, "ignore_eos": True,
                 "temperature": 0}
 
-    loaded, _ = asyncio.run(_timed_load(base, h, model, [body(i) for i in range(burst)], burst, timeout))
+    loaded, _ = asyncio.run(_timed_load(base, h, [body(i) for i in range(burst)], burst, timeout))
     ok = [r for r in loaded if r["status"] == 200]
     window = max((r["end"] for r in ok), default=0.0)
     tok_loaded = sum(r["tokens"] for r in ok) / window if window else 0.0
     # the same admitted work again, without the refused crowd: the same tail (a last, partly full batch)
-    unloaded, t_unloaded = asyncio.run(_timed_load(base, h, model, [body(i) for i in range(max(len(ok), 1))],
+    unloaded, t_unloaded = asyncio.run(_timed_load(base, h, [body(i) for i in range(max(len(ok), 1))],
                                                    max_num_seqs, timeout))
     tok_unloaded = sum(r.get("tokens", 0) for r in unloaded) / t_unloaded
     statuses: dict[str, int] = {}
@@ -512,8 +512,9 @@ def phase_corrupt_models(workdir: str, model_path: str,
 
 
 def phase_tp_kill(server_args: list[str], workdir: str) -> dict:
-    """A 3-rank tensor-parallel server (the default model divides by 3) whose other ranks are killed mid-stream: the stream ends with an error
-    and the server stops with a non-zero exit and a message naming tensor parallelism."""
+    """A 3-rank tensor-parallel server (the default model divides by 3) whose other ranks are killed mid-stream:
+    the stream ends with an error and the server stops with a non-zero exit and a message naming tensor
+    parallelism."""
     import psutil
 
     port = _free_port()
@@ -565,62 +566,53 @@ def write_report(results: list[dict], meta: dict) -> str:
              f"CPU: {meta['cpu']}. Command: `{meta['command']}`", "",
              "| phase | requests / events | figures | result |", "|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['phase']} | {_volume(r)} | {_figures(r)} | {'pass' if r['passed'] else 'FAIL'} |")
+        volume, figures = _summary(r)
+        lines.append(f"| {r['phase']} | {volume} | {figures} | {'pass' if r['passed'] else 'FAIL'} |")
     for r in results:
         if r["problems"]:
             lines += ["", f"## {r['phase']}: problems", *[f"- {p}" for p in r["problems"]]]
     return "\n".join(lines) + "\n"
 
 
-def _volume(r: dict) -> str:
-    p = r["phase"]
-    if p == "fuzz":
-        return (f"{r['requests']} (schemathesis {r['schemathesis']['sent']}, hypothesis bodies "
-                f"{r['bodies']['sent']}, hostile {r['hostile']['sent']})")
-    if p == "auth":
-        return f"{r['requests']} on {r['routes']} routes"
-    if p == "forward fault":
-        return f"{r['faults_injected']} faults among {r['good_requests']} good"
-    if p == "shutdown":
-        return f"{r['in_flight']} in flight"
-    if p == "overload":
-        return f"burst {r['burst']}"
-    if p == "corrupt model files":
-        return f"{len(r['files'])} files"
-    if p == "server log":
-        return f"{r['lines']} lines"
-    return str(r.get("requests", r.get("workers_killed", "")))
-
-
-def _figures(r: dict) -> str:
-    p = r["phase"]
+def _summary(r: dict) -> tuple[str, str]:
+    """A phase result's (volume, figures) for the table and the progress line."""
+    p, kv = r["phase"], r.get("kv", {})
     if p == "fuzz":
         t = r["total"]
-        return (f"4xx {t['4xx']} (OpenAI shape {t['4xx_openai_shape']}), 5xx {t['5xx']}, no response "
+        return (f"{r['requests']} (schemathesis {r['schemathesis']['sent']}, hypothesis bodies "
+                f"{r['bodies']['sent']}, hostile {r['hostile']['sent']})",
+                f"4xx {t['4xx']} (OpenAI shape {t['4xx_openai_shape']}), 5xx {t['5xx']}, no response "
                 f"{t['no_response']}, schema check failures {sum(r['schemathesis']['check_failures'].values())}, "
-                f"greedy unchanged {r['greedy_unchanged']}, leaked blocks {r['kv']['leaked_blocks']}")
+                f"greedy unchanged {r['greedy_unchanged']}, leaked blocks {kv['leaked_blocks']}")
     if p == "disconnects":
-        return f"outcomes {r['outcomes']}, leaked blocks {r['kv']['leaked_blocks']}, settled in {r['kv']['settle_s']} s"
+        return (str(r["requests"]),
+                f"outcomes {r['outcomes']}, leaked blocks {kv['leaked_blocks']}, settled in {kv['settle_s']} s")
     if p == "soak":
-        return (f"{r['duration_s']:.0f} s, RSS {r['rss_first_mib']} → {r['rss_last_mib']} MiB "
-                f"({r['rss_growth']:+.1%}), leaked blocks {r['kv']['leaked_blocks']}, "
+        return (str(r["requests"]),
+                f"{r['duration_s']:.0f} s, RSS {r['rss_first_mib']} → {r['rss_last_mib']} MiB "
+                f"({r['rss_growth']:+.1%}), leaked blocks {kv['leaked_blocks']}, "
                 f"greedy unchanged {r['greedy_unchanged']}")
     if p == "overload":
-        return (f"statuses {r['statuses']}, hung {r['hung']}, admitted {r['admitted_tok_s']} tok/s vs unloaded "
-                f"{r['unloaded_tok_s']} ({r['ratio']:.0%}), leaked blocks {r['kv']['leaked_blocks']}")
+        return (f"burst {r['burst']}",
+                f"statuses {r['statuses']}, hung {r['hung']}, admitted {r['admitted_tok_s']} tok/s vs unloaded "
+                f"{r['unloaded_tok_s']} ({r['ratio']:.0%}), leaked blocks {kv['leaked_blocks']}")
     if p == "auth":
-        return f"public: {', '.join(r['public'])}; everything else 401 without the right key"
+        return (f"{r['requests']} on {r['routes']} routes",
+                f"public: {', '.join(r['public'])}; everything else 401 without the right key")
     if p == "forward fault":
-        return f"good outputs identical {r['good_identical']}, leaked blocks {r['kv']['leaked_blocks']}"
-    if p == "shutdown":
-        return f"outcomes {sorted(set(r['outcomes']))}, exit {r['exit_code']} after {r['exit_s']} s (drain {r['drain_s']} s)"
-    if p == "corrupt model files":
-        return "; ".join(f"{k}: exit {v['exit_code']}" for k, v in r["files"].items())
+        return (f"{r['faults_injected']} faults among {r['good_requests']} good",
+                f"good outputs identical {r['good_identical']}, leaked blocks {kv['leaked_blocks']}")
     if p == "server log":
-        return ", ".join(f"{m!r}: {n}" for m, n in r["counts"].items())
-    if p == "tensor-parallel rank killed":
-        return f"exit {r['exit_code']} after {r['exit_s']} s, stream error event {r['stream_got_error_event']}"
-    return ""
+        return f"{r['lines']} lines", ", ".join(f"{m!r}: {n}" for m, n in r["counts"].items())
+    if p == "shutdown":
+        return (f"{r['in_flight']} in flight",
+                f"outcomes {sorted(set(r['outcomes']))}, exit {r['exit_code']} after {r['exit_s']} s "
+                f"(drain {r['drain_s']} s)")
+    if p == "corrupt model files":
+        return (f"{len(r['files'])} files",
+                "; ".join(f"{k}: exit {v['exit_code']}" for k, v in r["files"].items()))
+    return (str(r["workers_killed"]),  # tensor-parallel rank killed
+            f"exit {r['exit_code']} after {r['exit_s']} s, stream error event {r['stream_got_error_event']}")
 
 
 PHASES = ("fuzz", "disconnects", "soak", "overload", "auth", "fault", "shutdown", "corrupt", "tp")
@@ -642,7 +634,7 @@ def main(args: argparse.Namespace) -> int:
 
     def report(r: dict) -> None:
         results.append(r)
-        print(f"[{r['phase']}] {'pass' if r['passed'] else 'FAIL'}: {_figures(r)}", flush=True)
+        print(f"[{r['phase']}] {'pass' if r['passed'] else 'FAIL'}: {_summary(r)[1]}", flush=True)
         for p in r["problems"][:5]:
             print(f"    {p}", flush=True)
 

@@ -54,14 +54,19 @@ class EngineCore:
         self.forward_section = contextlib.nullcontext
         self.fatal_error: EngineFatalError | None = None  # once set, the engine steps no more
 
+    def check_prompt_token_ids(self, ids: list[int]) -> None:
+        """Every id a token of this model's vocabulary (ValueError otherwise). Run before anything turns the ids
+        into C integers (a negative or 2^70 id would raise OverflowError there, not this message)."""
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
+
     def add_request(self, request: Request) -> None:
-        """Admission checks; a bad request raises ValueError and changes nothing."""
+        """Admission checks (the prompt's ids: check_prompt_token_ids, before the request was made); a bad request
+        raises ValueError and changes nothing."""
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError("the prompt is empty: at least one token is required")
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
         if n + request.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

@@ -119,10 +119,7 @@ class LLMEngine:
     def add_tokenized_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                               priority: int = 0, arrival_time: float | None = None,
                               max_queue_delay_ms: float | None = None) -> str:
-        vocab = self.core.vocab_size
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:  # before anything below turns the id into a C integer
-            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        self.core.check_prompt_token_ids(ids)
         if params.structured_outputs is not None:
             self.structured.grammar(params.structured_outputs)  # compiles (cached) or raises ValueError -> 400
         parent, reqs = self.output_processor.make_requests(request_id, text, ids, params, priority, arrival_time)

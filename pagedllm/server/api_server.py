@@ -199,27 +199,14 @@ class OpenAIServing:
                 await asyncio.Event().wait()  # never set: the primary stalls
             return await g.__anext__()
 
-        task = asyncio.ensure_future(asyncio.wait_for(
+        firsts = await _unless_gone(asyncio.wait_for(
             asyncio.gather(*(first(g, t) for g, (t, _) in zip(gens, prompts))),
-            timeout=self.request_timeout_s if primary else None))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    firsts = task.result()
-                    break
-                if await raw.is_disconnected():
-                    raise ClientGone()
-        except BaseException:
-            task.cancel()
-            for g in gens:
-                await g.aclose()
-            raise
+            timeout=self.request_timeout_s if primary else None), gens, raw)
         return [_prepend(f, g) for f, g in zip(firsts, gens)]
 
     @staticmethod
-    async def _final_outputs(gens: list[AsyncIterator], raw: Request) -> list[RequestOutput] | None:
-        """Consume every generator to its end. If the client goes away, abort all and return None."""
+    async def _final_outputs(gens: list[AsyncIterator], raw: Request) -> list[RequestOutput]:
+        """Consume every generator to its end (a client that goes away aborts them all: ClientGone)."""
 
         async def last(g):
             out = None
@@ -227,20 +214,7 @@ class OpenAIServing:
                 pass
             return out
 
-        task = asyncio.ensure_future(asyncio.gather(*(last(g) for g in gens)))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-                for g in gens:
-                    await g.aclose()
-                return None
+        return await _unless_gone(asyncio.gather(*(last(g) for g in gens)), gens, raw)
 
     @staticmethod
     async def _merged(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -271,11 +245,7 @@ class OpenAIServing:
         finally:
             for t in tasks:
                 t.cancel()
-            for g in gens:
-                # a stream its (just cancelled) pump task is inside closes itself when that task unwinds;
-                # closing it here too would raise "asynchronous generator is already running"
-                if not getattr(g, "ag_running", False):
-                    await g.aclose()
+            await _close_all(gens)
 
     @staticmethod
     def _usage(finals: list[RequestOutput]) -> dict:
@@ -330,8 +300,6 @@ class OpenAIServing:
 
         if not req.stream:
             finals = await self._final_outputs(gens, raw)
-            if finals is None:
-                return Response(status_code=499)  # client closed the request; nobody reads this
             choices = []
             for i, o in enumerate(finals):
                 for c in o.outputs:
@@ -440,8 +408,6 @@ class OpenAIServing:
 
         if not req.stream:
             finals = await self._final_outputs(gens, raw)
-            if finals is None:
-                return Response(status_code=499)
             final = finals[0]
             choices = []
             for c in final.outputs:
@@ -508,6 +474,35 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=served)
+
+
+async def _unless_gone(awaitable, gens: list[AsyncIterator], raw: Request):
+    """Await while watching the connection: if the client goes away (or anything fails), cancel, close the streams
+    (which aborts their requests) and raise (ClientGone: the app answers 499, which nobody reads)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                raise ClientGone()
+    except BaseException:
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - its own cancellation or failure; the one being raised wins
+            pass
+        await _close_all(gens)
+        raise
+
+
+async def _close_all(gens: list[AsyncIterator]) -> None:
+    """Close streams (aborting their requests). One that a just-cancelled task is still inside closes itself when
+    that task unwinds; closing it here too would raise "asynchronous generator is already running"."""
+    for g in gens:
+        if not getattr(g, "ag_running", False):
+            await g.aclose()
 
 
 async def _prepend(first, gen: AsyncIterator) -> AsyncIterator:
