@@ -413,18 +413,21 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------------ stats
+    @property
+    def num_swapped(self) -> int:
+        """Waiting requests whose KV is in host memory."""
+        return sum(1 for r in self.waiting if r.host_block_ids is not None)
+
     def kv_state(self) -> dict:
         """The device and host block pools now, and whether their bookkeeping agrees (leak checks)."""
         pool = self.kv.pool
         problem = None
         try:
-            self.kv.check_integrity()
-            held = sum(len(self.kv.req_to_blocks.get(r.request_id, ())) for r in self.running)
+            self.kv.check_integrity()  # block references == blocks held by requests; the free queue in sync
             if not self.running and not any(r.request_id in self.kv.req_to_blocks for r in self.waiting):
                 assert pool.num_free_blocks == pool.num_blocks, (
                     f"no request holds blocks but {pool.num_blocks - pool.num_free_blocks} are not free")
-            assert held <= pool.num_blocks - pool.num_free_blocks, "running requests hold more than the pool lent"
-            if not any(r.host_block_ids is not None for r in self.waiting):
+            if not self.num_swapped:
                 assert self.host_pool.num_free == self.host_pool.num_blocks or self._host_release, (
                     "no request is swapped out but host blocks are taken")
         except AssertionError as e:
@@ -432,7 +435,7 @@ class Scheduler:
         return {"num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
                 "num_cached_blocks": len(pool.cached), "usage": pool.usage(),
                 "num_running": len(self.running), "num_waiting": len(self.waiting),
-                "num_swapped": sum(1 for r in self.waiting if r.host_block_ids is not None),
+                "num_swapped": self.num_swapped,
                 "num_host_blocks": self.host_pool.num_blocks, "num_free_host_blocks": self.host_pool.num_free,
                 "consistent": problem is None, "problem": problem}
 
@@ -447,7 +450,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_batched_tokens=self.last_step_tokens,
             token_budget=self.token_budget,
-            num_swapped=sum(1 for r in self.waiting if r.host_block_ids is not None),
+            num_swapped=self.num_swapped,
             num_swap_outs=self.num_swap_outs, num_swap_ins=self.num_swap_ins,
             swap_out_blocks=self.swap_out_blocks, swap_in_blocks=self.swap_in_blocks,
             num_preemptions_recompute=self.num_preemptions - self.num_preemptions_swap,
