@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# weight formats the engine can run (`--quantization`); None/"none": the checkpoint's own weights
+QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to load and how.
@@ -192,8 +195,6 @@ class EngineConfig:
             raise ValueError(f"quant_dense_min_tokens must be >= 0, got {self.quant_dense_min_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        from pagedllm.quant.load import QUANTIZATION_CHOICES
-
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

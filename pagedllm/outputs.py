@@ -177,3 +177,16 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV cache's shape as the engine allocated it (the server's metrics and /debug read it)."""
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    total_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size

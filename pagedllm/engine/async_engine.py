@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import EngineFatalError, EngineOverloadedError
-from pagedllm.outputs import IterationStats, RequestOutput, SchedulerStats
+from pagedllm.outputs import IterationStats, KVCacheSpec, RequestOutput, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,17 @@ class AsyncLLM:
     def inject_forward_fault(self, token_id: int | None) -> None:
         """Reliability tests: the forward pass raises whenever its batch holds this token id."""
         with self._lock:
-            self.engine.core.runner.inject_forward_fault(token_id)
+            self.engine.inject_forward_fault(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.engine.kv_cache_spec()
+
+    def add_tp_failure_callback(self, callback) -> bool:
+        return self.engine.add_tp_failure_callback(callback)
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt):

@@ -10,7 +10,7 @@ from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelCon
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
-from pagedllm.outputs import IterationStats, RequestOutput
+from pagedllm.outputs import IterationStats, KVCacheSpec, RequestOutput
 from pagedllm.sample.structured import StructuredOutputs
 from pagedllm.sampling_params import SamplingParams
 
@@ -147,6 +147,34 @@ class LLMEngine:
     def kv_state(self) -> dict:
         """The KV block pools now (see Scheduler.kv_state)."""
         return self.core.scheduler.kv_state()
+
+    # ------------------------------------------------------------------ what the layers above may ask
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def runner(self):
+        """The model runner, for tools that measure the model itself (eval's perplexity, bench roofline/tp).
+        Serving code uses the accessors below instead."""
+        return self.core.runner
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        r = self.core.runner
+        return KVCacheSpec(num_blocks=r.num_blocks, block_size=r.block_size, bytes_per_block=r.bytes_per_block,
+                           total_bytes=r.kv_cache_bytes)
+
+    def add_tp_failure_callback(self, callback) -> bool:
+        """Call ``callback(message)`` when a tensor-parallel rank fails; False (nothing registered) without TP."""
+        tp = self.core.runner.tp
+        if tp is None:
+            return False
+        tp.add_failure_callback(callback)
+        return True
+
+    def inject_forward_fault(self, token_id: int | None) -> None:
+        """Reliability tests: the forward pass raises whenever its batch holds this token id."""
+        self.core.runner.inject_forward_fault(token_id)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards)."""

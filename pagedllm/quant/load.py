@@ -10,10 +10,9 @@
 
 from __future__ import annotations
 
+from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.quant.checkpoint import is_quantized_checkpoint, load_checkpoint
 from pagedllm.quant.policy import ON_THE_FLY, QuantPolicy
-
-QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
 
 
 def load_weights(path: str, quantization: str | None, block_kernel: bool = False):
