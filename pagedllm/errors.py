@@ -18,3 +18,11 @@ class EngineFatalError(RuntimeError):
 
 class TensorParallelError(EngineFatalError):
     """A tensor-parallel rank died, hung past the timeout, or fell out of step with the others."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (it died, or was shut down): no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while computing this request; other requests go on."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.request import FinishReason
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -73,14 +74,40 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[SampledTokenLogprobs] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: FinishReason | None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling; set on the first output
 
 
 @dataclass
-class SchedulerStats:
+class SchedulerCounters:
+    """The scheduler's cumulative counters (fields of ``SchedulerStats`` too)."""
+
+    num_preemptions: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_swap_outs: int = 0  # requests swapped out / in
+    num_swap_ins: int = 0
+    swap_out_blocks: int = 0  # blocks copied
+    swap_in_blocks: int = 0
+    num_rejected: int = 0  # requests refused (queue full) or dropped (waited too long)
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Speculative decoding's cumulative counters (fields of ``SchedulerStats`` too)."""
+
+    spec_num_drafts: int = 0  # verification steps
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # accepted drafts by position
+
+
+@dataclass
+class SchedulerStats(SpecDecodeCounters, SchedulerCounters):
+    """The scheduler now: the gauges below, and the cumulative counters it inherits."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -88,26 +115,14 @@ class SchedulerStats:
     num_blocks: int = 0
     prefix_cache_queries: int = 0  # tokens looked up, cumulative
     prefix_cache_hits: int = 0  # tokens found, cumulative
-    num_preemptions: int = 0  # cumulative
     num_batched_tokens: int = 0  # this step
     token_budget: int = 0  # the step budget in force (SLA mode adapts it)
     num_swapped: int = 0  # requests waiting with their KV in host memory
-    num_swap_outs: int = 0  # cumulative requests swapped out / in
-    num_swap_ins: int = 0
-    swap_out_blocks: int = 0  # cumulative blocks copied
-    swap_in_blocks: int = 0
-    num_preemptions_recompute: int = 0
-    num_preemptions_swap: int = 0
-    # speculative decoding, cumulative
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
 class FinishedRequestStats:
-    finish_reason: str
+    finish_reason: FinishReason
     e2e_latency: float
     queue_time: float
     num_prompt_tokens: int
@@ -148,7 +163,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
 

@@ -13,6 +13,21 @@ import time
 from pagedllm.sampling_params import SamplingParams
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request (one of its samples) ended; a ``str`` whose value is what the OpenAI API shows."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # the caller aborted it (or went away), or the server shut down
+    ERROR = "error"  # the model runner failed on this request (RequestFailedError)
+    OVERLOADED = "overloaded"  # dropped after waiting longer than its maximum queue delay (HTTP 503)
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
 class RequestStatus(enum.IntEnum):
     # Order is a contract: every status > PREEMPTED is finished.
     WAITING = 0
@@ -27,14 +42,14 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def finish_reason(status: "RequestStatus") -> str | None:
+    def finish_reason(status: "RequestStatus") -> FinishReason | None:
         return _FINISH_REASONS.get(status)
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -62,8 +77,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.spec_token_ids: list[int] = []
-        self.host_block_ids: list[int] | None = None  # where its KV waits while swapped out  # draft tokens to verify in the next step (not in all_token_ids)
+        self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (not in all_token_ids)
+        self.host_block_ids: list[int] | None = None  # where its KV waits while swapped out
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, in tokens (-1: not yet known)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -18,7 +18,7 @@ RAW = "\n".join([
     f"{STEP};update_stats (pagedllm/engine/async_engine.py) 2",
     f"{ENGINE};wait (threading.py) 50",
     f"{HTTP};_run_once (asyncio/base_events.py);select (selectors.py) 70",
-    f"{HTTP};_run_once (asyncio/base_events.py);stream (pagedllm/server/api_server.py) 10",
+    f"{HTTP};_run_once (asyncio/base_events.py);lines (pagedllm/server/streaming.py) 10",
     "process 1:\"python\";thread (0x3);_worker (concurrent/futures/thread.py) 9",
     "",
 ])

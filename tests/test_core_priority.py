@@ -4,12 +4,10 @@ import time
 
 import pytest
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import EngineOverloadedError
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from test_core_scheduler import Driver, assert_all_free
+from test_core_scheduler import Driver, assert_all_free, make_sched
 
 
 def req(rid, n_prompt=8, max_tokens=6, priority=0, arrival=None, delay=None):
@@ -20,8 +18,7 @@ def req(rid, n_prompt=8, max_tokens=6, priority=0, arrival=None, delay=None):
 
 
 def sched(num_blocks=64, max_num_seqs=8, policy="priority", **kw):
-    return Scheduler(KVCacheManager(num_blocks, 4, enable_caching=False), 64, max_num_seqs, 256, True,
-                     policy=policy, **kw)
+    return make_sched(num_blocks, 4, 64, max_num_seqs, 256, enable_caching=False, policy=policy, **kw)
 
 
 def test_high_priority_waits_less_under_saturation():
@@ -39,7 +36,7 @@ def test_high_priority_waits_less_under_saturation():
     # high preempted low0 (worse priority) and ran before every other low-priority request
     assert order[0] == "high"
     assert order.index("high") < order.index("low1") < order.index("low2")
-    assert s.num_preemptions == 1
+    assert s.counters.num_preemptions == 1
     for rid in ("low0", "low1", "low2", "high"):
         assert len(drv.tokens[rid]) == 6
     assert_all_free(s)
@@ -92,7 +89,7 @@ def test_max_queue_delay_drops_waiting_requests():
     so, outs = drv.step()
     dropped = [o for o in outs if o.finish_reason == "overloaded"]
     assert [o.req_id for o in dropped] == ["late"] and "50 ms" in dropped[0].stop_reason
-    assert "late" not in s.requests and s.num_rejected == 1
+    assert "late" not in s.requests and s.counters.num_rejected == 1
     drv.run()
     assert len(drv.tokens["patient"]) == 6
     assert_all_free(s)

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import pytest
 
+from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_pool import BlockPool, hash_block_tokens
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.scheduler import Scheduler
@@ -37,9 +38,14 @@ def fake_token(req_id: str, num_output_tokens: int) -> int:
 
 
 def make_sched(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256,
-               enable_caching=True, enable_chunked_prefill=True) -> Scheduler:
+               enable_caching=True, enable_chunked_prefill=True, budget_controller=None,
+               **scheduler_options) -> Scheduler:
+    """A scheduler over a fresh KV cache manager; ``scheduler_options``: more SchedulerConfig fields."""
     kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching)
-    return Scheduler(kv, max_num_batched_tokens, max_num_seqs, max_model_len, enable_chunked_prefill)
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                             enable_chunked_prefill=enable_chunked_prefill, **scheduler_options)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_caching)
+    return Scheduler(config, cache, kv, max_model_len, budget_controller=budget_controller)
 
 
 def fake_output(so, token_fn=fake_token) -> ModelRunnerOutput:
@@ -97,9 +103,9 @@ def check_step(sched: Scheduler, so) -> None:
     """Invariants that must hold right after every schedule()."""
     kv = sched.kv
     n = sum(len(s.token_ids) for s in so.scheduled)
-    assert n <= sched.max_num_batched_tokens
+    assert n <= sched.config.max_num_batched_tokens
     assert n == so.num_batched_tokens
-    assert len(sched.running) <= sched.max_num_seqs
+    assert len(sched.running) <= sched.config.max_num_seqs
     assert {r.request_id for r in sched.running} == set(kv.req_to_blocks), "blocks held by non-running requests"
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
@@ -500,11 +506,11 @@ def test_preemption_victim_and_recompute(enable_caching):
     first = True
     while sched.has_unfinished_requests():
         order = [r.request_id for r in sched.running]
-        total_before = sched.num_preemptions
+        total_before = sched.counters.num_preemptions
         so = sched.schedule()
         check_step(sched, so)
         k = so.num_preemptions
-        assert sched.num_preemptions == total_before + k
+        assert sched.counters.num_preemptions == total_before + k
         if k:
             preempted = [rid for rid in order if reqs[rid].status == RequestStatus.PREEMPTED]
             # the latest-arrived running requests, and they go back to the front of the queue in order
@@ -528,7 +534,7 @@ def test_preemption_victim_and_recompute(enable_caching):
         drv.steps += 1
         assert drv.steps < 1000
     drv.run()  # flush finished ids
-    assert victims and sched.num_preemptions == len(victims)
+    assert victims and sched.counters.num_preemptions == len(victims)
     assert sum(r.num_preemptions for r in reqs.values()) == len(victims)
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs.values())
     assert_all_free(sched)
@@ -539,7 +545,7 @@ def test_preemption_victim_and_recompute(enable_caching):
         sdrv = Driver(solo)
         solo.add_request(make_req(rid, p, max_tokens=12))
         sdrv.run()
-        assert solo.num_preemptions == 0
+        assert solo.counters.num_preemptions == 0
         assert drv.tokens[rid] == sdrv.tokens[rid] == reqs[rid].output_token_ids
         assert len(drv.tokens[rid]) == 12
 
@@ -557,7 +563,7 @@ def test_request_that_cannot_grow_preempts_itself_when_last():
     assert so.num_preemptions == 1 and [s.req_id for s in so.scheduled] == ["A"]
     assert [r.request_id for r in sched.waiting] == ["B"] and [r.request_id for r in sched.running] == ["A"]
     drv.run()
-    assert sched.num_preemptions == 1
+    assert sched.counters.num_preemptions == 1
     assert drv.tokens["A"] == [fake_token("A", i) for i in range(6)]
     assert drv.tokens["B"] == [fake_token("B", i) for i in range(6)]
     assert_all_free(sched)

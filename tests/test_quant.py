@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.layers.linear import build_linear
 from pagedllm.quant.formats import (
     dequantize, dequantize_fp8, quantize_fp8, quantize_rtn, weight_error_bound)
-from pagedllm.quant.linear import Fp8Linear, Int4Linear, Int8Linear, build_linear
+from pagedllm.quant.linear import Fp8Linear, Int4Linear, Int8Linear
 
 
 @pytest.mark.parametrize("bits,group_size,symmetric", [
@@ -90,7 +91,7 @@ def _correlated_inputs(n=2048, k=128, seed=0):
 
 
 def test_gptq_beats_round_to_nearest_on_layer_output():
-    from pagedllm.quant.gptq import gptq_quantize
+    from pagedllm.quantize.gptq import gptq_quantize
 
     torch.manual_seed(0)
     x = _correlated_inputs()
@@ -104,8 +105,8 @@ def test_gptq_beats_round_to_nearest_on_layer_output():
 
 
 def test_awq_protects_salient_channels():
-    from pagedllm.quant.awq import awq_quantize
-    from pagedllm.quant.calibrate import LinearStats
+    from pagedllm.quantize.awq import awq_quantize
+    from pagedllm.quantize.calibrate import LinearStats
 
     torch.manual_seed(0)
     x = _correlated_inputs()

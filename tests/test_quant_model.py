@@ -22,7 +22,7 @@ def awq_checkpoint(tmp_path_factory):
     """AWQ int4 (group 32) of the default model, written with `save_checkpoint`; also returns the weights."""
     from pagedllm.engine.tokenizer import load_tokenizer
     from pagedllm.quant.checkpoint import save_checkpoint
-    from pagedllm.quant.quantize import default_policy, quantize_model
+    from pagedllm.quantize.quantize import default_policy, quantize_model
     from pagedllm.quant.texts import python_doc_text, token_chunks
 
     path = default_model_path()

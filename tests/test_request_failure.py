@@ -9,7 +9,7 @@ from conftest import PROMPTS
 from pagedllm import SamplingParams
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.llm_engine import build_config
-from pagedllm.server.api_server import build_app
+from pagedllm.server.app import build_app
 
 POISON = 49150  # a valid token id that makes the (patched) model fail
 

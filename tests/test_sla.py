@@ -5,13 +5,12 @@ import random
 
 import pytest
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.sla import BudgetController, QueuedPrefill
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from test_core_scheduler import Driver
+from test_core_scheduler import Driver, make_sched
 
 # "True" step time: a + b * tokens + c * sequences + d * context tokens (seconds), with +-3% noise.
 TRUTH = (0.010, 0.00005, 0.0003, 0.0000005)
@@ -108,7 +107,7 @@ def test_budget_stays_within_bounds():
 
 def test_scheduler_follows_the_controller():
     ctrl = BudgetController(max_budget=256, min_budget=16, target_tpot_s=0.020)
-    sched = Scheduler(KVCacheManager(1024, 4), 256, 8, 512, True, budget_controller=ctrl)
+    sched = make_sched(1024, 4, 256, 8, 512, budget_controller=ctrl)
     drv = Driver(sched)
     rng = random.Random(0)
     now, first, last, count = 0.0, {}, {}, {}
@@ -150,8 +149,7 @@ def simulate(budget=2048, target_ttft_s=None, target_tpot_s=None, rate=8.0, n=20
     if target_ttft_s or target_tpot_s:
         ctrl = BudgetController(budget, min_budget=min(max_num_seqs + 16, budget),
                                 target_tpot_s=target_tpot_s, target_ttft_s=target_ttft_s)
-    sched = Scheduler(KVCacheManager(8192, 16, enable_caching=False), budget, max_num_seqs, 4096, True,
-                      budget_controller=ctrl)
+    sched = make_sched(8192, 16, budget, max_num_seqs, 4096, enable_caching=False, budget_controller=ctrl)
     now = 0.0
     sched.clock = lambda: now
     arrivals, t = [], 0.0
@@ -215,7 +213,7 @@ def test_ttft_target_alone_is_not_stuck_at_the_floor():
 
 def test_without_chunked_prefill_every_request_finishes():
     ctrl = BudgetController(max_budget=512, min_budget=16, target_tpot_s=0.012)  # ~16 prefill tokens a step
-    sched = Scheduler(KVCacheManager(1024, 4), 512, 8, 512, False, budget_controller=ctrl)
+    sched = make_sched(1024, 4, 512, 8, 512, enable_chunked_prefill=False, budget_controller=ctrl)
     drv = Driver(sched)
     rng = random.Random(0)
     for i in range(8):
@@ -226,3 +224,11 @@ def test_without_chunked_prefill_every_request_finishes():
         assert not so.is_empty
         sched.observe_step_time(so.num_batched_tokens, synthetic_step(*sched._step_shape, rng))
     assert len(drv.finished) == 8
+
+
+def test_the_engine_controller_comes_from_the_scheduler_config():
+    assert BudgetController.from_config(SchedulerConfig()) is None  # no target: a fixed budget
+    sched = make_sched(max_num_batched_tokens=512, max_num_seqs=8, target_tpot_ms=20, target_ttft_ms=500)
+    ctrl = sched.budget_controller
+    assert (ctrl.max_budget, ctrl.min_budget, ctrl.target_tpot_s, ctrl.target_ttft_s) == (512, 24, 0.020, 0.5)
+    assert sched.stats().token_budget == sched.token_budget == 512  # the maximum until steps are measured

@@ -175,7 +175,7 @@ def test_constrained_request_beside_free_ones_and_after_preemption(llm32):
     jsonschema.validate(json.loads(ref), SCHEMAS[0])
     tight = LLM(dtype="float32", num_gpu_blocks_override=16, max_model_len=256, max_num_seqs=8)
     outs = tight.generate([PROMPT] * 8, cons, use_tqdm=False)
-    assert tight.engine.core.scheduler.num_preemptions > 0, "the pool was large enough: no preemption happened"
+    assert tight.engine.stats().num_preemptions > 0, "the pool was large enough: no preemption happened"
     for o in outs:
         assert o.outputs[0].text == ref  # greedy: identical to the request run alone
 
@@ -193,7 +193,7 @@ def test_constrained_with_speculation_and_n(llm32):
                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
     got = spec.generate([PROMPT] * len(cons), params, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == ref
-    assert spec.engine.core.scheduler.spec_num_draft_tokens > 0  # drafts were proposed and verified
+    assert spec.engine.stats().spec_num_draft_tokens > 0  # drafts were proposed and verified
     many = llm32.generate(PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=120,
                                                  structured_outputs={"json": SCHEMAS[0]}), use_tqdm=False)[0]
     assert len(many.outputs) == 4

@@ -17,9 +17,9 @@ import torch
 
 from conftest import PROMPTS
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed.sharding import shard_weights, tp_layout
+from pagedllm.distributed.sharding import shard_weights
 from pagedllm.errors import TensorParallelError
-from pagedllm.model.loader import ModelArchConfig
+from pagedllm.model.arch import ModelArchConfig, tp_layout
 
 N = 3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)

@@ -23,9 +23,17 @@ import sys
 import time
 import urllib.parse
 
+import httpx
 import numpy as np
 
+from pagedllm.bench.common import add_dtype_arg, add_workload_args
 from pagedllm.bench.cpuinfo import cpu_info, cpu_line
+from pagedllm.bench.offline import load_prompts
+from pagedllm.bench.serve import BenchRequest, run_load
+from pagedllm.config import default_model_path
+from pagedllm.engine.llm import LLM
+from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.sampling_params import SamplingParams
 
 
 def _peak_rss() -> int:
@@ -43,8 +51,6 @@ def phase_hf(prompts: list[str], output_len: int, batch_size: int, dtype: str) -
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
-
-    from pagedllm.config import default_model_path
 
     d, f = os.path.split(default_model_path())
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
@@ -81,34 +87,33 @@ def phase_hf(prompts: list[str], output_len: int, batch_size: int, dtype: str) -
 
 
 def phase_offline(prompts: list[str], output_len: int, dtype: str, quantization: str | None = None) -> dict:
-    from pagedllm import LLM, SamplingParams
-
     llm = LLM(dtype=dtype, quantization=quantization)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
-    core = llm.engine.core
+    engine = llm.engine
     peak_blocks = 0
-    orig_step = core.step
+    engine_step = engine.step
 
-    def step():
+    def step():  # the KV blocks in use after each step: their peak is what this workload needed
         nonlocal peak_blocks
-        out = orig_step()
-        peak_blocks = max(peak_blocks, core.kv_cache_manager.num_blocks - core.kv_cache_manager.pool.num_free_blocks)
+        out = engine_step()
+        st = engine.stats()
+        peak_blocks = max(peak_blocks, st.num_blocks - st.num_free_blocks)
         return out
 
-    core.step = step
+    engine.step = step
     t0 = time.perf_counter()
     t0_mono = time.monotonic()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    runner = core.runner
-    bytes_per_token = runner.bytes_per_block // runner.block_size
+    kv = engine.kv_cache_spec()
+    bytes_per_token = kv.bytes_per_block // kv.block_size
     return _row(
-        f"pagedllm offline LLM.generate ({runner.dtype}{_qlabel(quantization)})".replace("torch.", ""), n_out, dt,
+        f"pagedllm offline LLM.generate ({engine.runtime['dtype']}{_qlabel(quantization)})", n_out, dt,
         [o.metrics.last_token_time - t0_mono for o in outs], [o.metrics.first_token_time - t0_mono for o in outs],
         _peak_rss(),
-        kv_bytes_used_peak=peak_blocks * runner.bytes_per_block,
-        kv_bytes_static_max_len=len(prompts) * runner.max_model_len * bytes_per_token,
+        kv_bytes_used_peak=peak_blocks * kv.bytes_per_block,
+        kv_bytes_static_max_len=len(prompts) * engine.max_model_len * bytes_per_token,
     )
 
 
@@ -130,8 +135,6 @@ def _free_port() -> int:
 
 
 def _scrape(base: str) -> dict[str, float]:
-    import httpx
-
     out = {}
     for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
         if line.startswith("pagedllm:") and "{" in line:
@@ -141,7 +144,6 @@ def _scrape(base: str) -> dict[str, float]:
 
 def wait_healthy(proc: subprocess.Popen, base: str, log_path: str, timeout: float = 300.0) -> None:
     """Until the server subprocess answers /health with 200; an exit or the timeout raises, naming its log."""
-    import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -197,10 +199,6 @@ def _load_row(system: str, res: dict, **extra) -> dict:
 
 def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list[int], dtype: str,
                  results_dir: str, quantization: str | None = None, extra: str = "") -> list[dict]:
-    import httpx
-
-    from pagedllm.bench.serve import BenchRequest, run_load
-    from pagedllm.bench.offline import load_prompts
 
     rows = []
     with running_server(dtype, quantization, extra, os.path.join(results_dir, "server.log")) as (proc, base):
@@ -261,7 +259,6 @@ def parse_peer(value: str) -> tuple[str, str]:
 
 def check_peer(name: str, url: str) -> str:
     """The model the peer serves (the first of its /v1/models); ValueError if it cannot be reached."""
-    import httpx
 
     try:
         resp = httpx.get(url + "/v1/models", timeout=10)
@@ -279,7 +276,6 @@ def phase_peer(name: str, url: str, model: str, prompts: list[str], output_len: 
     ignored (``ignore_eos``, honoured by llama.cpp's server and vLLM), same client; ``extra_body`` is merged into
     every request (by default ``cache_prompt: false``: llama.cpp's slots otherwise reuse the KV of a prompt they
     saw in an earlier phase, a prefix cache the pagedllm rows may have switched off)."""
-    from pagedllm.bench.serve import BenchRequest, run_load
 
     reqs = [BenchRequest(p, output_len) for p in prompts]
     rows = []
@@ -361,10 +357,6 @@ def _run_phase(argv: list[str]) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm.bench.offline import load_prompts
-    from pagedllm.engine.tokenizer import load_tokenizer
-    from pagedllm.config import default_model_path
-
     names = [name for name, _ in args.peer]
     if len(set(names)) != len(names):
         raise ValueError(f"--peer names must differ, got {names}")
@@ -404,13 +396,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--prompts-file", default=None)
+    add_workload_args(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32])
     p.add_argument("--hf-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    p.add_argument("--dtype", default="auto", help="pagedllm dtype")
+    add_dtype_arg(p)
     p.add_argument("--quantization", default=None, help="pagedllm --quantization (e.g. gguf, int8)")
     p.add_argument("--server-args", default="", help="extra flags for the pagedllm server, e.g. "
                                                        "'--quant-dense-min-tokens 16'")
@@ -426,15 +416,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _phase_main() -> int:
-    from pagedllm.bench.offline import load_prompts
-
     p = argparse.ArgumentParser()
     p.add_argument("--phase", choices=["hf", "offline"], required=True)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-prompts", type=int, required=True)
-    p.add_argument("--output-len", type=int, required=True)
-    p.add_argument("--prompts-file", default=None)
+    add_dtype_arg(p, default="float32")
+    add_workload_args(p, num_prompts=None, output_len=None)
     p.add_argument("--quantization", default=None)
     a = p.parse_args()
     prompts = load_prompts(a.prompts_file)[: a.num_prompts]

@@ -308,7 +308,8 @@ def run_schemathesis(base: str, headers: dict, examples_per_operation: int, seed
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
-    from schemathesis import GenerationMode, checks as st_checks
+    from schemathesis import GenerationMode
+    from schemathesis import checks as st_checks
 
     raw = httpx.get(base + "/openapi.json", headers=headers, timeout=30).raise_for_status().json()
     for ops in raw.get("paths", {}).values():  # the key is sent with every case; auth has its own phase

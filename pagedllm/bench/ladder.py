@@ -43,6 +43,16 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 
+import httpx
+
+from pagedllm.bench.common import add_result_json_arg, add_workload_args, write_json
+from pagedllm.bench.compare import _load_row, _peak_rss, _run_phase, _scrape, load_args, running_server
+from pagedllm.bench.cpuinfo import cpu_info, cpu_line
+from pagedllm.bench.offline import load_prompts, run_hf_one_at_a_time
+from pagedllm.bench.serve import BenchRequest, run_load
+from pagedllm.config import SpeculativeConfig, default_model_path
+from pagedllm.engine.tokenizer import load_tokenizer
+
 WORKLOADS = ("w1", "prefix", "code")
 TITLES = {"w1": "W1", "prefix": "shared prefix", "code": "code rewrite"}
 GATE_WORKLOADS = ("prefix", "code")  # where the greedy-identity gates compare outputs
@@ -91,7 +101,6 @@ def _cycle(prompts: list[str], n: int) -> list[str]:
 
 def build_workloads(num_prompts: int) -> dict[str, list[str]]:
     """The three workloads, ``num_prompts`` each (the sets repeat beyond their length: 40 prompts each)."""
-    from pagedllm.bench.offline import load_prompts
 
     w1 = _cycle(load_prompts(None), num_prompts)
     return {"w1": w1, "prefix": [shared_prefix_prompt(p) for p in w1],
@@ -140,10 +149,6 @@ def _log(msg: str) -> None:
 async def _measure(base: str, concurrency: int, prompts: list[str], output_len: int,
                    show_progress: bool) -> tuple[dict, float]:
     """One `bench serve` run (greedy, EOS ignored and masked) while polling the KV usage: (result, peak usage)."""
-    import httpx
-
-    from pagedllm.bench.compare import load_args
-    from pagedllm.bench.serve import BenchRequest, run_load
 
     args = load_args(base, concurrency)
     args.ignore_eos = False  # ignore_eos would let EOS be generated (and skipped); min_tokens masks it instead,
@@ -177,7 +182,6 @@ async def _measure(base: str, concurrency: int, prompts: list[str], output_len: 
 
 async def _greedy_texts(base: str, prompts: list[str], output_len: int, concurrency: int) -> list[str]:
     """Greedy completions (non-streaming, EOS masked) of ``prompts``: the outputs the gates compare."""
-    import httpx
 
     sem = asyncio.Semaphore(max(concurrency, 1))
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(None)) as h:
@@ -235,9 +239,6 @@ def counter_deltas(before: dict, after: dict) -> dict:
 
 def run_server_step(step: Step, workloads: dict[str, list[str]], single: list[str], args,
                     results_dir: str) -> dict:
-    import httpx
-
-    from pagedllm.bench.compare import _load_row, _scrape, running_server
 
     row = _new_row(step)
     log_path = os.path.join(results_dir, f"server_step{step.number}.log")
@@ -293,9 +294,6 @@ def _write_prompts(path: str, prompts: list[str]) -> str:
 def run_hf_step(step: Step, workloads: dict[str, list[str]], args, results_dir: str) -> dict:
     """Step 1: `bench compare`'s HF phase (one at a time, latencies from a burst at t=0) on W1; `bench offline`'s
     HF loop (which keeps the token ids, for step 2's gate) on the first prompts of the other two workloads."""
-    from pagedllm.bench.compare import _run_phase
-    from pagedllm.config import default_model_path
-    from pagedllm.engine.tokenizer import load_tokenizer
 
     row = _new_row(step)
     L = args.output_len
@@ -585,10 +583,7 @@ def write_outputs(rows: list[dict], meta: dict, results_dir: str, result_json: s
     report = build_report(rows, meta)
     doc = {"meta": meta, "rows": rows}
     for path in [os.path.join(results_dir, "results.json")] + ([result_json] if result_json else []):
-        if os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=2)
+        write_json(path, doc)
     with open(os.path.join(results_dir, "results.md"), "w") as f:
         f.write(report)
     write_chart(rows, meta, os.path.join(results_dir, "chart.png"))
@@ -604,10 +599,6 @@ def selected_steps(args) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm.bench.cpuinfo import cpu_info, cpu_line
-    from pagedllm.config import SpeculativeConfig, default_model_path
-    from pagedllm.engine.tokenizer import load_tokenizer
-
     if args.num_prompts < 1 or args.output_len < 1 or args.concurrency < 1:
         raise ValueError("--num-prompts, --output-len and --concurrency must be >= 1")
     SpeculativeConfig.from_dict(args.spec_config)  # a bad --spec-config stops here, before anything runs
@@ -688,19 +679,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"step 5's --speculative-config (default {json.dumps(NGRAM_CONFIG)})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--results-dir", default="results/ladder")
-    p.add_argument("--result-json", default=None, help="also write the JSON results here")
+    add_result_json_arg(p)
 
 
 def _phase_main() -> int:
     """A step-1 phase in its own process: HF one at a time on a prompts file, keeping the token ids."""
-    from pagedllm.bench.compare import _peak_rss
-    from pagedllm.bench.offline import load_prompts, run_hf_one_at_a_time
-
     p = argparse.ArgumentParser()
     p.add_argument("--phase", choices=["hf-ids"], required=True)
-    p.add_argument("--prompts-file", required=True)
-    p.add_argument("--num-prompts", type=int, required=True)
-    p.add_argument("--output-len", type=int, required=True)
+    add_workload_args(p, num_prompts=None, output_len=None, prompts_file_required=True)
     a = p.parse_args()
     r = run_hf_one_at_a_time(load_prompts(a.prompts_file)[: a.num_prompts], a.output_len, "float32")
     r["peak_rss_bytes"] = _peak_rss()

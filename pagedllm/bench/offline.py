@@ -9,6 +9,11 @@ import os
 import time
 from importlib import resources
 
+from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, add_workload_args, write_json
+from pagedllm.config import default_model_path
+from pagedllm.engine.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+
 
 def load_prompts(path: str | None = None) -> list[str]:
     if path is None:
@@ -20,8 +25,6 @@ def load_prompts(path: str | None = None) -> list[str]:
 
 
 def run_pagedllm(prompts: list[str], output_len: int, **engine_kwargs) -> dict:
-    from pagedllm import LLM, SamplingParams
-
     llm = LLM(**engine_kwargs)
     # min_tokens masks EOS exactly as HF's min_new_tokens does, so both generate the same greedy tokens
     params = SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
@@ -38,8 +41,6 @@ def run_hf_one_at_a_time(prompts: list[str], output_len: int, dtype: str = "floa
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pagedllm.config import default_model_path
 
     d, f = os.path.split(default_model_path())
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
@@ -73,16 +74,12 @@ def main(args: argparse.Namespace) -> int:
     if len(rows) == 2:
         same = sum(a == b for a, b in zip(rows[0]["token_ids"], rows[1]["token_ids"]))
         print(f"greedy outputs identical to HF for {same}/{len(prompts)} prompts")
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "token_ids"} for r in rows], f, indent=2)
+    write_json(args.result_json, [{k: v for k, v in r.items() if k != "token_ids"} for r in rows])
     return 0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--prompts-file", default=None, help="JSONL with a 'prompt' field (default: the shipped set)")
-    p.add_argument("--dtype", default="auto")
+    add_workload_args(p)
+    add_dtype_arg(p)
     p.add_argument("--skip-hf", action="store_true", help="only measure pagedllm")
-    p.add_argument("--result-json", default=None)
+    add_result_json_arg(p)

@@ -24,13 +24,19 @@ import subprocess
 import time
 from collections import Counter
 
+from pagedllm.bench.common import add_dtype_arg, add_workload_args
+from pagedllm.bench.compare import load_args, running_server
+from pagedllm.bench.offline import load_prompts
+from pagedllm.bench.serve import BenchRequest, run_load
+
 # (bucket, markers): the first bucket one of whose markers is in a sample's stack takes it; order matters
-# (the forward pass runs inside the model runner, sampling after it).
+# (the forward pass runs inside the model runner, sampling after it; building the sampling metadata, in
+# pagedllm/sample/metadata.py, is input preparation, not sampling).
 ENGINE_BUCKETS: list[tuple[str, tuple[str, ...]]] = [
     ("model forward", ("pagedllm/model/", "pagedllm/layers/", "pagedllm/quant/linear.py", "pagedllm/kernels/")),
-    ("sampling", ("pagedllm/sample/",)),
     ("input preparation", ("pagedllm/worker/step_inputs.py", "_step_tensors (", "_decode_metadata (",
                            "sampling_metadata")),
+    ("sampling", ("pagedllm/sample/",)),
     ("scheduling", ("pagedllm/core/",)),
     ("output processing", ("pagedllm/engine/output_processor.py", "_deliver (", "detokeniz")),
 ]
@@ -95,10 +101,6 @@ def format_table(summary: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm.bench.compare import load_args, running_server
-    from pagedllm.bench.offline import load_prompts
-    from pagedllm.bench.serve import BenchRequest, run_load
-
     pyspy = shutil.which("py-spy")
     if pyspy is None:
         raise ValueError("py-spy is not installed: pip install py-spy")
@@ -134,10 +136,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--prompts-file", default=None, help="JSONL with a 'prompt' field (default: the shipped set)")
-    p.add_argument("--dtype", default="bfloat16")
+    add_workload_args(p)
+    add_dtype_arg(p, default="bfloat16")
     p.add_argument("--quantization", default=None)
     p.add_argument("--server-args", default="", help="extra server flags")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")

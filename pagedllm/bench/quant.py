@@ -13,11 +13,19 @@ import json
 import os
 import time
 
+from pagedllm.bench.common import add_model_arg, add_result_json_arg, write_json
+from pagedllm.bench.offline import load_prompts
+from pagedllm.engine.llm import LLM
+from pagedllm.eval.quality import eval_chunks, load_items, score_model, table
+from pagedllm.quant.checkpoint import is_quantized_checkpoint
+from pagedllm.quantize.quantize import default_policy, quantize_to_dir
+from pagedllm.sampling_params import SamplingParams
+
 DEFAULT_VARIANTS = ["none", "int8", "fp8", "gguf", "awq:32", "rtn:64", "awq:64", "gptq:64"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default")
+    add_model_arg(p, default="default")
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
                    help="none, int8, fp8, gguf (load time) or METHOD:GROUP for 4-bit checkpoints "
                         "(METHOD in rtn/awq/gptq)")
@@ -25,13 +33,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--calib-tokens", type=int, default=4096)
     p.add_argument("--skip-speed", action="store_true")
-    p.add_argument("--result-json", default="results/quant/bench_quant.json")
+    add_result_json_arg(p, default="results/quant/bench_quant.json")
 
 
 def _speed(llm) -> dict:
-    from pagedllm import SamplingParams
-    from pagedllm.bench.offline import load_prompts
-
     msg = [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message."}]
     llm.chat(msg, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
     runs = []
@@ -48,9 +53,6 @@ def _speed(llm) -> dict:
 
 
 def _checkpoint(args, method: str, group: int) -> str:
-    from pagedllm.quant.checkpoint import is_quantized_checkpoint
-    from pagedllm.quant.quantize import default_policy, quantize_to_dir
-
     out = os.path.join(args.ckpt_dir, f"{method}-int4-g{group}")
     if not is_quantized_checkpoint(out):
         info, _ = quantize_to_dir(args.model, method, 4, default_policy(4, group, False), out,
@@ -60,9 +62,6 @@ def _checkpoint(args, method: str, group: int) -> str:
 
 
 def main(args) -> int:
-    from pagedllm import LLM
-    from pagedllm.eval.quality import eval_chunks, load_items, score_model, table
-
     items = load_items()
     rows, results, base_lp, chunks = [], [], None, None
     for v in args.variants:
@@ -95,8 +94,5 @@ def main(args) -> int:
             print(f"| {r['label']} | {r['weight_bytes'] / 2**20:.1f} | {base['weight_bytes'] / r['weight_bytes']:.2f} | "
                   f"{r['tok_s_b1']} | {r['tok_s_b1'] / base['tok_s_b1']:.2f} | {r['tok_s_b32']} | "
                   f"{r['tok_s_b32'] / base['tok_s_b32']:.2f} |")
-    if args.result_json:
-        os.makedirs(os.path.dirname(args.result_json) or ".", exist_ok=True)
-        with open(args.result_json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.result_json, results)
     return 0

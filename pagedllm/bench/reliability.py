@@ -23,7 +23,10 @@ import time
 import httpx
 
 from pagedllm.bench import fuzz
-from pagedllm.bench.compare import _free_port, wait_healthy
+from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, write_json
+from pagedllm.bench.compare import _free_port, running_server, wait_healthy
+from pagedllm.bench.cpuinfo import cpu_line
+from pagedllm.config import default_model_path
 
 GREEDY_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
                   "List three uses of copper:"]
@@ -619,10 +622,6 @@ PHASES = ("fuzz", "disconnects", "soak", "overload", "auth", "fault", "shutdown"
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm.bench.compare import running_server
-    from pagedllm.bench.cpuinfo import cpu_line
-    from pagedllm.config import default_model_path
-
     phases = args.phases.split(",") if args.phases else list(PHASES)
     unknown = set(phases) - set(PHASES)
     if unknown:
@@ -687,8 +686,7 @@ def main(args: argparse.Namespace) -> int:
     md = write_report(results, meta)
     with open(os.path.join(workdir, "reliability.md"), "w") as f:
         f.write(md)
-    with open(args.result_json or os.path.join(workdir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+    write_json(args.result_json or os.path.join(workdir, "results.json"), {"meta": meta, "results": results}, indent=1)
     print(md)
     print(f"results in {workdir}")
     return 0 if all(r["passed"] for r in results) else 1
@@ -702,7 +700,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "--max-num-seqs as the server has it")
     p.add_argument("--api-key", default=None, help="with --url: the server's key")
     p.add_argument("--fault-token", type=int, default=None, help="with --url: the server's forward_fail_token")
-    p.add_argument("--dtype", default="auto")
+    add_dtype_arg(p)
     p.add_argument("--server-args", default="", help="extra flags for every server the suite starts")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=8)
@@ -717,5 +715,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--soak-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--results-dir", default=None)
-    p.add_argument("--result-json", default=None)
+    add_result_json_arg(p)
     p.set_defaults(argv=sys.argv[3:])

@@ -4,12 +4,18 @@ throughput as a fraction of them (model FLOPs utilisation at several batch sizes
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, write_json
 from pagedllm.bench.cpuinfo import cpu_info, cpu_line
+from pagedllm.engine.llm import LLM
+from pagedllm.kernels import cpu_ops
+from pagedllm.layers.linear import DenseLinear, tensor_bytes
+from pagedllm.quant.formats import quantize_rtn
+from pagedllm.quant.linear import BlockQuantLinear
+from pagedllm.sampling_params import SamplingParams
 
 
 def _time(fn, min_time: float = 0.3, warmup: int = 2) -> float:
@@ -42,7 +48,6 @@ def model_shapes(arch) -> list[tuple[int, int, int]]:
 def model_linear_gflops(arch, batch: int, dtype: torch.dtype) -> float:
     """Throughput of the model's own linear shapes at this batch size (one of each shape, weighted by count),
     each through the faster of torch's plain linear and the pre-packed oneDNN layout the engine uses."""
-    from pagedllm.layers.linear import DenseLinear
 
     total_flops = total_time = 0.0
     for k, n, count in model_shapes(arch):
@@ -60,10 +65,6 @@ def model_linear_gflops(arch, batch: int, dtype: torch.dtype) -> float:
 def block_kernel_rows(arch, batches=(1, 8, 32)) -> list[dict]:
     """The qlinear block kernel on the model's linear shapes with 4-bit blocks (random weights): time, weight bytes
     streamed per second, and multiply-adds per second, per shape and batch size."""
-    from pagedllm.kernels import cpu_ops
-    from pagedllm.layers.linear import tensor_bytes
-    from pagedllm.quant.formats import quantize_rtn
-    from pagedllm.quant.linear import BlockQuantLinear
 
     ops = cpu_ops()
     if ops is None:
@@ -84,7 +85,6 @@ def block_kernel_rows(arch, batches=(1, 8, 32)) -> list[dict]:
 def decode_read_bytes(model) -> int:
     """Weight bytes one single-row decode step reads: packed weights where a layer has them (not its dense copy
     for large steps), and the LM head (a tied embedding only through it)."""
-    from pagedllm.layers.linear import tensor_bytes
 
     tensors = [model.norm]
     for name, lin in model.linears().items():
@@ -109,15 +109,14 @@ def flops_per_token(arch, context: int) -> float:
 
 def engine_decode(llm, batch: int, prompt_len: int = 64, steps: int = 24) -> tuple[float, float]:
     """Seconds per decode step with `batch` running requests; returns (step time, mean context)."""
-    from pagedllm import SamplingParams
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         eng.add_tokenized_request(f"roof-{batch}-{i}", None, [(7 * i + j) % 1000 + 100 for j in range(prompt_len)], sp)
-    sched = eng.core.scheduler
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in list(sched.waiting) + sched.running):
-        eng.step()
+    prefilling = {f"roof-{batch}-{i}" for i in range(batch)}
+    while prefilling:  # a request's first token ends its prefill
+        prefilling -= {o.request_id for o in eng.step() if o.outputs[0].token_ids}
     for _ in range(2):
         eng.step()
     t0 = time.perf_counter()
@@ -131,8 +130,6 @@ def engine_decode(llm, batch: int, prompt_len: int = 64, steps: int = 24) -> tup
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm import LLM
-
     torch.manual_seed(0)
     res: dict = {"threads": torch.get_num_threads(), "cpu": cpu_info()}
     print(f"CPU: {cpu_line(res['cpu'])}")
@@ -144,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"matmul 2048^3 {name}: {res[f'peak_gflops_{name}']:.0f} GFLOP/s")
 
     llm = LLM(dtype=args.dtype)
-    runner = llm.engine.core.runner
+    runner = llm.engine.runner
     arch, dtype = runner.arch, runner.dtype
     res["runtime"] = runner.describe()
     blocks = block_kernel_rows(arch)
@@ -180,13 +177,11 @@ def main(args: argparse.Namespace) -> int:
     if b1:
         print(f"\nbatch 1: {100 * b1['bandwidth_fraction']:.1f}% of the bandwidth roofline "
               f"(weights + KV read per step / step time / copy bandwidth)")
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.result_json, res)
     return 0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--result-json", default=None)
+    add_dtype_arg(p)
+    add_result_json_arg(p)

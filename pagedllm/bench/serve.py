@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import httpx
 
+from pagedllm.bench.common import add_result_json_arg, write_json
 from pagedllm.bench.metrics import RequestRecord, parse_goodput, records_to_json, summarize
+from pagedllm.bench.offline import load_prompts
 
 _WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
@@ -45,7 +47,6 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     n = args.num_prompts
     if args.dataset == "file":
-        from pagedllm.bench.offline import load_prompts
 
         prompts = load_prompts(args.dataset_path)  # None: the shipped prompt set
         if not prompts:
@@ -227,7 +228,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="constrain every request (structured_outputs): throughput with vs without constraints")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs: ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--result-json", default=None)
+    add_result_json_arg(p)
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -239,7 +240,5 @@ def main(args: argparse.Namespace) -> int:
     requests = build_dataset(args)
     result = asyncio.run(run_load(args, requests, show_progress=not args.no_progress))
     print_summary(result)
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.result_json, result)
     return 0 if result["completed"] else 1

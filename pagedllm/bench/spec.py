@@ -8,8 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
+
+from pagedllm.bench.common import add_dtype_arg, add_model_arg, add_result_json_arg, write_json
+from pagedllm.bench.offline import load_prompts
+from pagedllm.engine.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 REWRITES = [
     ("rename `total` to `result`",
@@ -35,8 +39,6 @@ def rewrite_prompts() -> list[str]:
 
 
 def _single(llm, prompts, output_len) -> dict:
-    from pagedllm import SamplingParams
-
     sp = SamplingParams(temperature=0, max_tokens=output_len)
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     n_out, t_decode = 0, 0.0
@@ -53,17 +55,12 @@ def _single(llm, prompts, output_len) -> dict:
 
 
 def _batch(llm, prompts, output_len) -> float:
-    from pagedllm import SamplingParams
-
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True), use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm import LLM
-    from pagedllm.bench.offline import load_prompts
-
     prompts = rewrite_prompts()
     configs = [("no speculation", None), ("ngram k=%d" % args.k,
                 {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5})]
@@ -75,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     for name, cfg in configs:
         llm = LLM(args.model, dtype=args.dtype, speculative_config=cfg, max_model_len=args.max_model_len)
         r = _single(llm, prompts, args.output_len)
-        st = llm.engine.core.stats()
+        st = llm.engine.stats()
         row = {"config": name, "single_decode_tok_s": r["decode_tok_s"]}
         if st.spec_num_drafts:
             row["mean_acceptance_length"] = 1 + st.spec_num_accepted_tokens / st.spec_num_drafts
@@ -105,16 +102,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"\n{len(batch_prompts)} prompts at once x {args.batch_output_len} tokens (throughput)")
     for name, v in thr.items():
         print(f"{name:32s} {v:8.1f} output tok/s")
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump({"single": rows, "concurrent_output_tok_s": thr}, f, indent=2)
+    write_json(args.result_json, {"single": rows, "concurrent_output_tok_s": thr})
     return 0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="target model (default: the embedded one)")
+    add_model_arg(p, help_text="target model (default: the embedded one)")
     p.add_argument("--draft-model", default=None, help="also measure a draft model (same tokenizer)")
-    p.add_argument("--dtype", default="auto")
+    add_dtype_arg(p)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--output-len", type=int, default=160)
     p.add_argument("--concurrency", type=int, default=32)
@@ -122,4 +117,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-by-batch-size", type=int, default=8)
     p.add_argument("--skip-concurrency", action="store_true", help="only the single-request measurement")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--result-json", default=None)
+    add_result_json_arg(p)

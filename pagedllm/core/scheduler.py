@@ -9,9 +9,11 @@ When blocks run out, the latest-arrived running request is preempted by recomput
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from itertools import islice
 
+from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.core.block_pool import HostBlockPool
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request_queue import make_queue
@@ -22,71 +24,78 @@ from pagedllm.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
+    SchedulerCounters,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodeCounters,
 )
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
+    """Built from the engine's config objects: ``scheduler_config`` (budget, sequence slots, policy, queue limits,
+    SLA targets) and ``cache_config`` (preemption mode; its block size must be the KV cache manager's)."""
+
     def __init__(
         self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
         max_model_len: int,
-        enable_chunked_prefill: bool = True,
+        *,
         num_lookahead_slots: int = 0,
         spec_disable_by_batch_size: int | None = None,
-        policy: str = "fcfs",
-        max_waiting_requests: int | None = None,
-        max_queue_delay_ms: float | None = None,
-        preemption_mode: str = "recompute",
         num_host_blocks: int = 0,
         budget_controller: BudgetController | None = None,
     ) -> None:
-        self.budget_controller = budget_controller  # SLA mode: the step budget follows measured step times
+        if kv_cache_manager.block_size != cache_config.block_size:
+            raise ValueError(f"the KV cache manager's block size ({kv_cache_manager.block_size}) is not the cache "
+                             f"config's ({cache_config.block_size})")
+        self.config = scheduler_config
         self.kv = kv_cache_manager
-        self.preemption_mode = preemption_mode
+        self.max_model_len = max_model_len
+        # SLA mode: the step budget follows measured step times (a test may hand in its own controller)
+        if budget_controller is None:
+            budget_controller = BudgetController.from_config(scheduler_config)
+        self.budget_controller = budget_controller
+        self.swap_on_preempt = cache_config.preemption_mode == "swap"
         self.host_pool = HostBlockPool(num_host_blocks)
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._host_release: list[int] = []  # host blocks read by the last step's swap-ins: free from the next
-        self.num_swap_outs = self.num_swap_ins = self.swap_out_blocks = self.swap_in_blocks = 0
-        self.num_preemptions_swap = 0
-        self.policy = policy
-        self.max_waiting_requests = max_waiting_requests
-        self.max_queue_delay_ms = max_queue_delay_ms
         self._rejected: list[EngineCoreOutput] = []  # requests dropped for waiting too long, reported next update
-        self.num_rejected = 0
         self.num_lookahead_slots = num_lookahead_slots  # > 0 when speculative decoding is on
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
-        self.spec_num_drafts = 0
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
-        self.spec_accepted_per_pos: list[int] = []
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.counters = SchedulerCounters()
+        self.spec_counters = SpecDecodeCounters()
         self.requests: dict[str, Request] = {}
-        self.waiting = make_queue(policy)
+        self.waiting = make_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self._sent_to_worker: set[str] = set()
         self._finished_req_ids: list[str] = []
-        self.num_preemptions = 0
         self.last_step_tokens = 0
         self._step_shape: tuple[int, int, int] | None = None  # (tokens, sequences, context) of the last step
         self.clock = time.monotonic  # arrival times are on this clock (a simulation may swap it)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                    num_host_blocks: int = 0) -> "Scheduler":
+        """The engine's scheduler: speculative decoding's lookahead from ``config.speculative``."""
+        spec = config.speculative
+        return cls(config.scheduler, config.cache, kv_cache_manager, max_model_len,
+                   num_lookahead_slots=spec.num_lookahead_slots if spec else 0,
+                   spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+                   num_host_blocks=num_host_blocks)
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
-            self.num_rejected += 1
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            self.counters.num_rejected += 1
             raise EngineOverloadedError(
-                f"the waiting queue is full ({self.max_waiting_requests} requests): retry later", 429, retry_after=1.0
+                f"the waiting queue is full ({limit} requests): retry later", 429, retry_after=1.0
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -126,14 +135,14 @@ class Scheduler:
         """Drop never-scheduled requests that waited longer than their maximum queue delay."""
         expired = []
         for req in self.waiting:
-            limit = req.max_queue_delay_ms if req.max_queue_delay_ms is not None else self.max_queue_delay_ms
+            limit = req.max_queue_delay_ms if req.max_queue_delay_ms is not None else self.config.max_queue_delay_ms
             if limit is not None and req.first_scheduled_time is None and (now - req.arrival_time) * 1000 > limit:
                 expired.append((req, limit))
         for req, limit in expired:
             self.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
-            self.num_rejected += 1
+            self.counters.num_rejected += 1
             self._rejected.append(EngineCoreOutput(
-                req.request_id, [], None, finish_reason="overloaded",
+                req.request_id, [], None, finish_reason=FinishReason.OVERLOADED,
                 stop_reason=f"the request waited more than its maximum queue delay ({limit:g} ms)",
             ))
 
@@ -145,7 +154,7 @@ class Scheduler:
         cand = self.waiting.peek()
         need = cdiv(cand.num_tokens + self.num_lookahead_slots, self.kv.block_size)
         n = 0
-        while (self.kv.pool.num_free_blocks < need or len(self.running) >= self.max_num_seqs) and self.running:
+        while (self.kv.pool.num_free_blocks < need or len(self.running) >= self.config.max_num_seqs) and self.running:
             worst = self.running[-1]
             if (worst.priority, worst.arrival_time) <= (cand.priority, cand.arrival_time):
                 break
@@ -158,7 +167,7 @@ class Scheduler:
     def token_budget(self) -> int:
         if self.budget_controller is not None:
             return self.budget_controller.budget()
-        return self.max_num_batched_tokens
+        return self.config.max_num_batched_tokens
 
     def observe_step_time(self, num_tokens: int, seconds: float) -> None:
         """SLA mode: the measured duration of the step last scheduled (``num_tokens`` tokens)."""
@@ -189,9 +198,17 @@ class Scheduler:
             age = 0.0 if req.first_token_time is not None else now - req.arrival_time  # counts from now
             queue.append(QueuedPrefill(max(req.num_tokens - req.num_computed_tokens, 1), age, req.num_computed_tokens))
         budget = ctrl.plan(num_decodes, decode_tokens, decode_context, queue, min_gaps)
-        if not self.enable_chunked_prefill and queue and not self.running:  # prompts go whole: never stall
-            budget = max(budget, min(queue[0].tokens, self.max_num_batched_tokens))
+        if not self.config.enable_chunked_prefill and queue and not self.running:  # prompts go whole: never stall
+            budget = max(budget, min(queue[0].tokens, self.config.max_num_batched_tokens))
         return budget, ctrl.max_new_prefills
+
+    def _lookahead_slots(self) -> int:
+        """KV slots beyond its tokens that each request scheduled this step gets: the speculative lookahead, or 0
+        when speculation is off (or paused: at least ``spec_disable_by_batch_size`` requests run)."""
+        limit = self.spec_disable_by_batch_size
+        if limit is not None and len(self.running) >= limit:
+            return 0
+        return self.num_lookahead_slots
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -202,7 +219,7 @@ class Scheduler:
             self._host_release = []
         if self.waiting:
             self._expire_waiting(self.clock())
-        if self.policy == "priority":
+        if self.config.policy == "priority":
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))  # victims come from the tail
             preempted_for_priority = self._preempt_for_priority()
         else:
@@ -214,11 +231,10 @@ class Scheduler:
             step_budget = self.token_budget
         budget = step_budget
         num_new_started = 0
+        lookahead = self._lookahead_slots()
+        speculate = lookahead > 0
 
         # 1. Running requests, oldest first; victims are taken from the tail, which is not scheduled yet.
-        speculate = self.num_lookahead_slots > 0 and (
-            self.spec_disable_by_batch_size is None or len(self.running) < self.spec_disable_by_batch_size
-        )
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -232,7 +248,6 @@ class Scheduler:
             room = min(budget - num_new, self.max_model_len - req.num_computed_tokens - num_new - 1,
                        req.max_tokens - req.num_output_tokens - 1)
             spec = spec[: max(room, 0)]
-            lookahead = self.num_lookahead_slots if speculate else 0
             while True:
                 if self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead) is not None:
                     scheduled.append((req, num_new, spec))
@@ -246,49 +261,14 @@ class Scheduler:
                     break
 
         # 2. Waiting requests, in order, while budget, sequence slots and blocks last (none after a preemption).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_now:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted_now:
             if max_new is not None and num_new_started >= max_new:
                 break
             num_new_started += 1  # counted even if it does not start: the loop ends then anyway
             req = self.waiting.peek()
-            if req.host_block_ids is not None:  # swapped out: bring its KV back instead of recomputing
-                num_new = req.num_tokens - req.num_computed_tokens
-                if num_new > budget and not self.enable_chunked_prefill:
-                    break
-                num_new = min(num_new, budget)
-                lookahead = self.num_lookahead_slots if speculate else 0
-                if self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead) is None:
-                    break
-                self.waiting.pop()
-                host = req.host_block_ids
-                dev = self.kv.get_block_ids(req.request_id)[: len(host)]
-                self._swap_in.extend(zip(host, dev))
-                self._host_release.extend(host)
-                req.host_block_ids = None
-                self.num_swap_ins += 1
-                self.swap_in_blocks += len(host)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled.append((req, num_new, []))
-                budget -= num_new
-                continue
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
-            num_new = req.num_tokens - num_hit_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
+            num_new = self._admit(req, budget, lookahead)
+            if num_new is None:
                 break
-            num_new = min(num_new, budget)
-            lookahead = self.num_lookahead_slots if speculate else 0
-            if self.kv.allocate_slots(req, num_new, hits, num_lookahead_tokens=lookahead) is None:
-                break
-            self.waiting.pop()
-            self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
-            req.num_computed_tokens = num_hit_tokens
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = self.clock()
-            self.running.append(req)
             scheduled.append((req, num_new, []))
             budget -= num_new
 
@@ -324,23 +304,60 @@ class Scheduler:
         self.last_step_tokens = out.num_batched_tokens
         return out
 
+    def _admit(self, req: Request, budget: int, lookahead: int) -> int | None:
+        """Start the queue's head ``req`` within ``budget`` tokens: a swapped-out request gets its KV back (copied
+        in before the forward pass), any other one takes its prefix-cache hits and computes the rest. Returns the
+        tokens it computes this step, or None (nothing changed) when it does not fit."""
+        swapped = req.host_block_ids is not None
+        if swapped:
+            hits, num_computed = [], req.num_computed_tokens
+        else:
+            hits, num_computed = self.kv.get_computed_blocks(req)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+        num_new = req.num_tokens - num_computed
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if self.kv.allocate_slots(req, num_new, hits, num_lookahead_tokens=lookahead) is None:
+            return None
+        self.waiting.pop()
+        if swapped:
+            host = req.host_block_ids
+            dev = self.kv.get_block_ids(req.request_id)[: len(host)]
+            self._swap_in.extend(zip(host, dev))
+            self._host_release.extend(host)
+            req.host_block_ids = None
+            self.counters.num_swap_ins += 1
+            self.counters.swap_in_blocks += len(host)
+        else:
+            self.kv.record_prefix_lookup(req.num_tokens, num_computed)
+            req.num_computed_tokens = num_computed
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+        self.running.append(req)
+        return num_new
+
     def _preempt(self, req: Request) -> None:
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids = []
         n_blocks = cdiv(req.num_computed_tokens, self.kv.block_size)
-        if self.preemption_mode == "swap" and 0 < n_blocks <= self.host_pool.num_free:
+        c = self.counters
+        if self.swap_on_preempt and 0 < n_blocks <= self.host_pool.num_free:
             # the copies run before this step's forward pass, so the freed device blocks can be reused at once
             host = self.host_pool.take(n_blocks)
             self._swap_out.extend(zip(self.kv.get_block_ids(req.request_id)[:n_blocks], host))
             req.host_block_ids = host
-            self.num_swap_outs += 1
-            self.swap_out_blocks += n_blocks
-            self.num_preemptions_swap += 1
+            c.num_swap_outs += 1
+            c.swap_out_blocks += n_blocks
+            c.num_preemptions_swap += 1
         else:
             req.num_computed_tokens = 0  # recompute
+            c.num_preemptions_recompute += 1
         self.kv.free(req)
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        c.num_preemptions += 1
         self.waiting.prepend(req)
 
     # ------------------------------------------------------------------ results of one step
@@ -392,13 +409,15 @@ class Scheduler:
         return outputs
 
     def _record_spec(self, num_drafts: int, num_accepted: int) -> None:
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
-        self.spec_num_accepted_tokens += num_accepted
-        while len(self.spec_accepted_per_pos) < num_drafts:
-            self.spec_accepted_per_pos.append(0)
+        """One verification of ``num_drafts`` drafts, of which the first ``num_accepted`` were accepted."""
+        c = self.spec_counters
+        c.spec_num_drafts += 1
+        c.spec_num_draft_tokens += num_drafts
+        c.spec_num_accepted_tokens += num_accepted
+        while len(c.spec_accepted_per_pos) < num_drafts:
+            c.spec_accepted_per_pos.append(0)
         for i in range(num_accepted):
-            self.spec_accepted_per_pos[i] += 1
+            c.spec_accepted_per_pos[i] += 1
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -441,22 +460,15 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
+            **dataclasses.asdict(self.counters),
+            **dataclasses.asdict(self.spec_counters),  # a copy: spec_accepted_per_pos goes on changing
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage(),
             num_free_blocks=self.kv.pool.num_free_blocks, num_blocks=self.kv.num_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
             num_batched_tokens=self.last_step_tokens,
             token_budget=self.token_budget,
             num_swapped=self.num_swapped,
-            num_swap_outs=self.num_swap_outs, num_swap_ins=self.num_swap_ins,
-            swap_out_blocks=self.swap_out_blocks, swap_in_blocks=self.swap_in_blocks,
-            num_preemptions_recompute=self.num_preemptions - self.num_preemptions_swap,
-            num_preemptions_swap=self.num_preemptions_swap,
-            spec_num_drafts=self.spec_num_drafts,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )

@@ -44,6 +44,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from pagedllm.config import SchedulerConfig
+
 _SCALE = (1.0, 256.0, 16.0, 4096.0)  # features (1, tokens, seqs, context) are divided by these: O(1) in the fit
 
 
@@ -81,6 +83,16 @@ class BudgetController:
         self._recent: deque[float] = deque(maxlen=64)  # the last measured step times
         self.current = max_budget
         self.max_new_prefills: int | None = None  # None: no cap
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> "BudgetController | None":
+        """The engine's controller for the config's TTFT/TPOT targets (millisecond); None without targets."""
+        if not config.sla_mode:
+            return None
+        budget = config.max_num_batched_tokens
+        return cls(budget, min_budget=min(config.max_num_seqs + 16, budget),
+                   target_tpot_s=config.target_tpot_ms / 1000 if config.target_tpot_ms else None,
+                   target_ttft_s=config.target_ttft_ms / 1000 if config.target_ttft_ms else None)
 
     # ------------------------------------------------------------------ the step-time model
     def observe(self, num_tokens: int, step_time_s: float, num_seqs: int = 1, context_tokens: int = 0) -> None:

@@ -1,2 +1,3 @@
 """Tensor parallelism over torch.distributed: the process group (``group``), starting and watching the ranks
-(``launcher``), Megatron-style weight sharding (``sharding``) and the loop of ranks > 0 (``worker``)."""
+(``launcher``) and Megatron-style weight sharding (``sharding``). Below the worker: the loop of ranks > 0 is
+``pagedllm.worker.tp_worker``, which this package starts as a process but never imports."""

@@ -1,7 +1,7 @@
 """Starting the tensor-parallel ranks and watching the local ones.
 
 - One machine (no init method given): rank 0 hosts a rendezvous store on a free localhost port and starts ranks
-  1..N-1 as child processes (``python -m pagedllm.distributed.worker``; the engine config goes over the child's
+  1..N-1 as child processes (``python -m pagedllm.worker.tp_worker``; the engine config goes over the child's
   stdin). A watchdog thread polls them: one that exits fails the group at once (the engine's next or current step
   raises ``TensorParallelError`` naming the rank and its exit code), idle or not.
 - Several machines: every rank joins through ``init_method`` (``tcp://HOST:PORT``, or ``env://`` under torchrun);
@@ -93,7 +93,7 @@ class LocalWorkers:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         for rank in range(1, world):
-            proc = subprocess.Popen([sys.executable, "-m", "pagedllm.distributed.worker"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "pagedllm.worker.tp_worker"], stdin=subprocess.PIPE,
                                     env=env)
             proc.stdin.write(pickle.dumps({"config": config, "rank": rank, "store": (LOCALHOST, self.store.port),
                                            "parent_pid": os.getpid(),

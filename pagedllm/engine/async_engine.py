@@ -18,19 +18,12 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.errors import EngineFatalError, EngineOverloadedError
+from pagedllm.errors import EngineDeadError, EngineFatalError, EngineOverloadedError, RequestFailedError
 from pagedllm.outputs import IterationStats, KVCacheSpec, RequestOutput, SchedulerStats
+from pagedllm.request import FinishReason
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while computing this request; other requests go on."""
 
 
 @dataclass
@@ -97,6 +90,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.runtime = self.engine.runtime
+        self.model_path = self.engine.model_path
 
     def _main(self, config: EngineConfig) -> None:
         try:
@@ -105,7 +99,7 @@ class AsyncLLM:
             self._init_error = e
             self._ready.set()
             return
-        self.engine.core.forward_section = self._unlocked_forward
+        self.engine.set_forward_section(self._unlocked_forward)
         self._ready.set()
         self._run()
 
@@ -130,7 +124,7 @@ class AsyncLLM:
 
     def stats(self) -> SchedulerStats:
         with self._lock:
-            return self.engine.core.stats()
+            return self.engine.stats()
 
     def kv_state(self) -> dict:
         with self._lock:
@@ -186,7 +180,7 @@ class AsyncLLM:
             self._wake.notify()
             if self._in_forward:  # the request may be in the step being computed: abort it once the step ends
                 self._pending_aborts.append(request_id)
-                return request_id in self.engine.output_processor.parents
+                return self.engine.has_request(request_id)
             return self.engine.abort_request(request_id) is not None
 
     # ------------------------------------------------------------------ loop
@@ -207,13 +201,11 @@ class AsyncLLM:
                         self.engine.abort_request(rid)
                     self._pending_aborts.clear()
                 for out in outputs:
-                    errors = [c for c in out.outputs if c.finish_reason in ("error", "overloaded")]
-                    if errors:
+                    exc = next((e for c in out.outputs if (e := _finish_error(c.finish_reason, c.stop_reason))),
+                               None)
+                    if exc is not None:
                         with self._lock:
                             self.engine.abort_request(out.request_id)  # its other samples, if n > 1
-                        c = errors[0]
-                        exc = (RequestFailedError(str(c.stop_reason)) if c.finish_reason == "error"
-                               else EngineOverloadedError(str(c.stop_reason), 503))
                         self._deliver(out.request_id, exc, True)
                     else:
                         self._deliver(out.request_id, out, out.finished)
@@ -234,24 +226,22 @@ class AsyncLLM:
 
     def _step_locked(self) -> tuple[list[RequestOutput], IterationStats, SchedulerStats]:
         if not self.engine.has_unfinished_requests():
-            return [], self.engine.output_processor.drain_aborted_stats(), self.engine.core.stats()
-        scheduled = [r.request_id for r in self.engine.core.scheduler.running]
+            return [], self.engine.drain_aborted_stats(), self.engine.stats()
+        scheduled = self.engine.running_request_ids()
         try:
             outputs = self.engine.step()
         except EngineFatalError:  # e.g. a tensor-parallel worker died: the loop dies, every request is told
             raise
         except Exception as e:
             logger.exception("engine step failed; failing the requests of this step")
-            running = {r.request_id for r in self.engine.core.scheduler.running} | set(scheduled)
-            failed = [rid for rid, ch in self.engine.output_processor.children.items() if rid in running]
-            parents = {self.engine.output_processor.children[c].parent.request_id for c in failed}
-            for pid in parents:
+            running = set(self.engine.running_request_ids()) | set(scheduled)
+            for pid in self.engine.request_ids_of(running):
                 self.engine.abort_request(pid)
                 stream = self._streams.pop(pid, None)
                 if stream is not None:
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestFailedError(str(e)))
-            return [], IterationStats(), self.engine.core.stats()
-        return outputs, self.engine.last_iteration_stats, self.engine.core.stats()
+            return [], IterationStats(), self.engine.stats()
+        return outputs, self.engine.last_iteration_stats, self.engine.stats()
 
     def _deliver(self, rid: str, item, final: bool) -> None:
         stream = self._streams.pop(rid, None) if final else self._streams.get(rid)
@@ -268,7 +258,7 @@ class AsyncLLM:
             deadline = time.monotonic() + timeout
             while self._in_forward and time.monotonic() < deadline:  # let the step being computed end first
                 self._wake.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            for rid in list(self.engine.output_processor.parents):
+            for rid in self.engine.unfinished_request_ids():
                 out = self.engine.abort_request(rid)
                 stream = self._streams.pop(rid, None)
                 if stream is not None and out is not None:
@@ -282,6 +272,15 @@ class AsyncLLM:
         if not self._thread.is_alive() and not self._closed:  # a step still running would race the shutdown
             self._closed = True
             self.engine.shutdown()
+
+
+def _finish_error(reason: FinishReason | None, stop_reason) -> Exception | None:
+    """The exception a request's caller gets for a finish reason that is an error, else None."""
+    if reason == FinishReason.ERROR:
+        return RequestFailedError(str(stop_reason))
+    if reason == FinishReason.OVERLOADED:
+        return EngineOverloadedError(str(stop_reason), 503)
+    return None
 
 
 class _IntervalStats:

@@ -9,45 +9,34 @@ import time
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.sla import BudgetController
 from pagedllm.errors import EngineFatalError
 from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
-        from pagedllm.worker.model_runner import ModelRunner
+    """The scheduler and the model runner it drives. ``runner`` is built by the caller (``LLMEngine`` makes a
+    ``ModelRunner``; a test may hand in a fake one): it gives ``max_model_len``, ``arch.vocab_size``,
+    ``num_blocks``, ``num_host_blocks``, ``execute(SchedulerOutput) -> ModelRunnerOutput`` and ``shutdown()``."""
 
+    def __init__(self, config: EngineConfig, runner) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
-        self.max_model_len = self.runner.max_model_len
-        self.vocab_size = self.runner.arch.vocab_size
-        self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+        self.runner = runner
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = runner.arch.vocab_size
         sc = config.scheduler
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({self.max_model_len}) with chunked prefill disabled: long prompts could never be scheduled"
             )
-        spec = config.speculative
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len,
-            sc.enable_chunked_prefill,
-            num_lookahead_slots=spec.num_lookahead_slots if spec else 0,
-            spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-            policy=sc.policy, max_waiting_requests=sc.max_waiting_requests, max_queue_delay_ms=sc.max_queue_delay_ms,
-            preemption_mode=config.cache.preemption_mode, num_host_blocks=self.runner.num_host_blocks,
-            budget_controller=BudgetController(
-                sc.max_num_batched_tokens, min_budget=min(sc.max_num_seqs + 16, sc.max_num_batched_tokens),
-                target_tpot_s=sc.target_tpot_ms / 1000 if sc.target_tpot_ms else None,
-                target_ttft_s=sc.target_ttft_ms / 1000 if sc.target_ttft_ms else None,
-            ) if (sc.target_tpot_ms or sc.target_ttft_ms) else None,
+        self.kv_cache_manager = KVCacheManager(
+            runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
+        self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.max_model_len,
+                                               num_host_blocks=runner.num_host_blocks)
         self.num_steps = 0
         # entered around the model runner's forward pass; AsyncLLM uses it to release its lock meanwhile, so the
         # event loop can queue requests and read stats while the step computes
@@ -55,18 +44,25 @@ class EngineCore:
         self.fatal_error: EngineFatalError | None = None  # once set, the engine steps no more
 
     def check_prompt_token_ids(self, ids: list[int]) -> None:
-        """Every id a token of this model's vocabulary (ValueError otherwise). Run before anything turns the ids
-        into C integers (a negative or 2^70 id would raise OverflowError there, not this message)."""
+        """The one check of a prompt (ValueError, naming what is wrong): at least one token, every id a token of
+        this model's vocabulary, and shorter than the context length. Run before anything turns the ids into C
+        integers (a negative or 2^70 id would raise OverflowError there, not this message)."""
         bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is required")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(ids)} tokens; it must be shorter than the context length."
+            )
 
     def add_request(self, request: Request) -> None:
-        """Admission checks (the prompt's ids: check_prompt_token_ids, before the request was made); a bad request
-        raises ValueError and changes nothing."""
+        """Admission checks of the request (its prompt passed check_prompt_token_ids before the request was
+        made): the prompt and max_tokens fit the context, the sampling parameters fit the vocabulary. A bad
+        request raises ValueError and changes nothing."""
         n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("the prompt is empty: at least one token is required")
         if n + request.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -111,7 +107,7 @@ class EngineCore:
             if req is not None:
                 self.kv_cache_manager.uncache_private_blocks(req)
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
-            outputs.append(EngineCoreOutput(rid, [], None, finish_reason="error", stop_reason=msg))
+            outputs.append(EngineCoreOutput(rid, [], None, finish_reason=FinishReason.ERROR, stop_reason=msg))
         return outputs
 
     def _execute_isolated(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
@@ -132,8 +128,17 @@ class EngineCore:
             merged.spec_token_ids.update(r.spec_token_ids)
         return merged, failed
 
+    # ------------------------------------------------------------------ what the engine may ask
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def running_request_ids(self) -> list[str]:
+        """The core requests running now (the ones a step computes)."""
+        return [r.request_id for r in self.scheduler.running]
+
+    def kv_state(self) -> dict:
+        """The KV block pools now (see Scheduler.kv_state)."""
+        return self.scheduler.kv_state()
 
     def shutdown(self) -> None:
         """Stop the model runner's other ranks (tensor parallelism); a no-op otherwise."""

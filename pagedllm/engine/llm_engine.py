@@ -5,60 +5,46 @@ from __future__ import annotations
 
 import itertools
 
-from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig)
+from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
-from pagedllm.outputs import IterationStats, KVCacheSpec, RequestOutput
+from pagedllm.outputs import IterationStats, KVCacheSpec, RequestOutput, SchedulerStats
 from pagedllm.sample.structured import StructuredOutputs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
 
 
-def build_config(
-    model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None, seed: int = 0,
-    served_model_name: str | None = None, block_size: int = 16, kv_cache_memory: int | None = None,
-    gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-    num_gpu_blocks_override: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
-    enable_chunked_prefill: bool = True, device: str = "auto", tensor_parallel_size: int = 1,
-    quantization: str | None = None, speculative_config: dict | str | None = None,
-    speculative_disable_by_batch_size: int | None = None, scheduling_policy: str = "fcfs",
-    max_waiting_requests: int | None = None, max_queue_delay_ms: float | None = None,
-    preemption_mode: str = "recompute", swap_space: float = 4.0, num_host_blocks_override: int | None = None,
-    target_ttft_ms: float | None = None, target_tpot_ms: float | None = None,
-    distributed_init_method: str | None = None, tp_threads_per_rank: int | None = None,
-    distributed_timeout_s: float = 600.0, quant_dense_min_tokens: int = 0,
-) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model, dtype, max_model_len, seed, served_model_name),
-        cache=CacheConfig(block_size, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
-                          num_gpu_blocks_override, preemption_mode, swap_space, num_host_blocks_override),
-        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, scheduling_policy,
-                                  max_waiting_requests, max_queue_delay_ms, target_ttft_ms, target_tpot_ms),
-        device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization,
-        quant_dense_min_tokens=quant_dense_min_tokens,
-        speculative=SpeculativeConfig.from_dict(speculative_config, speculative_disable_by_batch_size),
-        parallel=ParallelConfig(distributed_init_method, tp_threads_per_rank, distributed_timeout_s),
-    )
+def build_config(model: str | None = None, **options) -> EngineConfig:
+    """An ``EngineConfig`` from options by name: the fields of the config dataclasses (``pagedllm.config``), e.g.
+    ``dtype``, ``max_model_len``, ``block_size``, ``kv_cache_memory``, ``enable_prefix_caching``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``scheduling_policy``, ``speculative_config``, ``device`` (each
+    also a flag: ``pagedllm serve --help``). An unknown name raises TypeError."""
+    return EngineConfig.from_options(model=model, **options)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.core = EngineCore(config)
-        self.model_path = self.core.runner.model_path
+        runner = ModelRunner(config)
+        try:
+            self.core = EngineCore(config, runner)
+        except BaseException:
+            runner.shutdown()  # e.g. the config does not fit the model: stop the other tensor-parallel ranks
+            raise
+        self.model_path = runner.model_path
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = self.core.max_model_len
-        eos = self.core.runner.arch.eos_token_id
+        eos = runner.arch.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self._ids = itertools.count()
         self.last_iteration_stats = IterationStats()
-        self.runtime = self.core.runner.describe()  # device, dtype, weight format, kernel path, weight plan
+        self.runtime = runner.describe()  # device, dtype, weight format, kernel path, weight plan
         self._structured: StructuredOutputs | None = None
 
     @property
@@ -66,8 +52,8 @@ class LLMEngine:
         """Grammar compiler for constrained requests, made on the first one (about 0.6 s: llguidance reads the
         vocabulary) and shared with the model runner."""
         if self._structured is None:
-            self._structured = StructuredOutputs(self.tokenizer, self.core.runner.arch.vocab_size, self.eos_token_id)
-            self.core.runner.structured = self._structured
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_id)
+            self.runner.structured = self._structured
         return self._structured
 
     # ------------------------------------------------------------------ prompts
@@ -144,9 +130,38 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def unfinished_request_ids(self) -> list[str]:
+        """The user requests not finished yet (ids of add_request)."""
+        return list(self.output_processor.parents)
+
+    def has_request(self, request_id: str) -> bool:
+        """The user request is not finished yet."""
+        return request_id in self.output_processor.parents
+
+    def request_ids_of(self, core_request_ids) -> set[str]:
+        """The user requests that these core requests (a request's samples, n > 1) belong to, if still tracked."""
+        children = self.output_processor.children
+        return {children[c].parent.request_id for c in core_request_ids if c in children}
+
+    # ------------------------------------------------------------------ state
+    def stats(self) -> SchedulerStats:
+        return self.core.stats()
+
+    def running_request_ids(self) -> list[str]:
+        """The core requests running now (those a step computes)."""
+        return self.core.running_request_ids()
+
     def kv_state(self) -> dict:
         """The KV block pools now (see Scheduler.kv_state)."""
-        return self.core.scheduler.kv_state()
+        return self.core.kv_state()
+
+    def drain_aborted_stats(self) -> IterationStats:
+        """Statistics of aborts not yet reported (when no step runs to carry them)."""
+        return self.output_processor.drain_aborted_stats()
+
+    def set_forward_section(self, section) -> None:
+        """A context manager factory entered around each forward pass (AsyncLLM releases its lock there)."""
+        self.core.forward_section = section
 
     # ------------------------------------------------------------------ what the layers above may ask
     @property
@@ -160,13 +175,13 @@ class LLMEngine:
         return self.core.runner
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        r = self.core.runner
+        r = self.runner
         return KVCacheSpec(num_blocks=r.num_blocks, block_size=r.block_size, bytes_per_block=r.bytes_per_block,
                            total_bytes=r.kv_cache_bytes)
 
     def add_tp_failure_callback(self, callback) -> bool:
         """Call ``callback(message)`` when a tensor-parallel rank fails; False (nothing registered) without TP."""
-        tp = self.core.runner.tp
+        tp = self.runner.tp
         if tp is None:
             return False
         tp.add_failure_callback(callback)
@@ -174,7 +189,7 @@ class LLMEngine:
 
     def inject_forward_fault(self, token_id: int | None) -> None:
         """Reliability tests: the forward pass raises whenever its batch holds this token id."""
-        self.core.runner.inject_forward_fault(token_id)
+        self.runner.inject_forward_fault(token_id)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (the engine cannot step afterwards)."""

@@ -21,7 +21,7 @@ from pagedllm.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
-from pagedllm.request import Request
+from pagedllm.request import FinishReason, Request
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -37,7 +37,7 @@ class ChildState:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     last_token_time: float | None = None
     queue_time: float = 0.0
@@ -92,17 +92,11 @@ class OutputProcessor:
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
         priority: int = 0, arrival_time: float | None = None,
     ) -> tuple[ParentState, list[Request]]:
-        """Validate and build the core requests of one user request (n children). Nothing is stored yet."""
+        """Build the core requests of one user request (n children) from a prompt the engine core has checked
+        (``EngineCore.check_prompt_token_ids``). Nothing is stored yet."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty: at least one token is required")
-        if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
-                f"{n_prompt} tokens; it must be shorter than the context length."
-            )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentState(request_id, prompt, list(prompt_token_ids), [], arrival)
@@ -189,11 +183,11 @@ class OutputProcessor:
         now = time.monotonic()
         for c in parent.children:
             if c.finish_reason is None:
-                c.finish_reason = "abort"
+                c.finish_reason = FinishReason.ABORT
                 ids.append(child_request_id(request_id, c.index, len(parent.children)))
                 self.children.pop(ids[-1], None)
                 self._aborted.append(FinishedRequestStats(
-                    "abort", now - parent.arrival_time, c.queue_time, len(parent.prompt_token_ids), len(c.token_ids)
+                    FinishReason.ABORT, now - parent.arrival_time, c.queue_time, len(parent.prompt_token_ids), len(c.token_ids)
                 ))
         return parent.to_output(), ids
 
@@ -204,7 +198,7 @@ class OutputProcessor:
             if idx >= 0:
                 end = idx + len(stop) if child.params.include_stop_str_in_output else idx
                 child.detok.text = text[:end]
-                child.finish_reason = "stop"
+                child.finish_reason = FinishReason.STOP
                 child.stop_reason = stop
                 return True
         return False

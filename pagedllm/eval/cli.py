@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from pagedllm.engine.llm import LLM
+from pagedllm.eval.quality import (
+    BUSINESS_SET, answer_items, eval_chunks, gate, is_correct, load_items, score_model, table, to_json)
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default="default", help="model path (default: SmolLM2-135M, dequantized)")
@@ -26,15 +30,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _llm(path: str, quantization: str | None, dtype: str = "float32"):
-    from pagedllm.engine.llm import LLM
-
     return LLM(model=path, quantization=quantization, max_model_len=1024, dtype=dtype)
 
 
 def main(args) -> int:
-    from pagedllm.eval.quality import (
-        BUSINESS_SET, answer_items, eval_chunks, gate, is_correct, load_items, score_model, table, to_json)
-
     if args.select_from:
         if not args.write:
             raise ValueError("--select-from needs --write")

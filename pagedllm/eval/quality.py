@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.model.scoring import sequence_logprobs
 from pagedllm.quant.texts import python_doc_text, token_chunks
+from pagedllm.sampling_params import SamplingParams
 
 BUSINESS_SET = os.path.join(os.path.dirname(__file__), "data", "business.jsonl")
 
@@ -44,8 +45,6 @@ def is_correct(output: str, answers: list[str]) -> bool:
 
 
 def answer_items(llm, items: list[dict], max_tokens: int = 32) -> list[str]:
-    from pagedllm.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outs = llm.chat([[{"role": "user", "content": it["prompt"]}] for it in items], params, use_tqdm=False)
     return [o.outputs[0].text for o in outs]
@@ -71,7 +70,7 @@ def eval_chunks(tokenizer, max_tokens: int, chunk_len: int = 256) -> list[list[i
 def score_model(llm, label: str, chunks: list[list[int]], items: list[dict], baseline_logprobs=None):
     """Scores of one loaded model; returns (scores, per-chunk logprobs, per-item outputs)."""
     t0 = time.perf_counter()
-    model = llm.engine.core.runner.model
+    model = llm.engine.runner.model
     nll, count, kl_sum, agree = 0.0, 0, 0.0, 0
     logprobs = []
     for ci, chunk in enumerate(chunks):

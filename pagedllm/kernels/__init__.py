@@ -18,6 +18,8 @@ import os
 import platform
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -73,8 +75,6 @@ def can_run(march: str) -> bool:
 
 def build_key(march: str) -> str:
     """Hash of what decides the binary: source, flags, torch version, and (for ``native``) the CPU itself."""
-    import torch
-
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(" ".join((*BASE_CFLAGS, f"-march={march}")).encode())
     h.update(torch.__version__.encode())
@@ -87,7 +87,7 @@ def build_key(march: str) -> str:
 
 def build(march: str = "native", verbose: bool = False):
     """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # 0.2 s of setuptools: only where the kernels are built or loaded
 
     tag = march.replace("-", "_")
     return load(

@@ -1,13 +1,21 @@
 """Linear layers as small callables: the model calls ``layer(x)`` and does not care how the weight is stored.
 
-``DenseLinear`` holds a full-precision weight; the packed quantized kinds live in ``pagedllm.quant.linear``. Every
-kind reports the bytes it keeps (``weight_bytes``) so memory can be counted without knowing the format.
+``DenseLinear`` holds a full-precision weight; the packed quantized kinds live in ``pagedllm.quant.linear``, and
+``build_linear`` picks the kind for a weight. Every kind reports the bytes it keeps (``weight_bytes``) so memory can
+be counted without knowing the format.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+from pagedllm.quant.formats import Fp8Weight, dequantize_any
+from pagedllm.quant.linear import ACT_DTYPE, QBLOCK, BlockQuantLinear, Fp8Linear, Int4Linear, Int8Linear
+
+logger = logging.getLogger(__name__)
 
 
 class DenseLinear:
@@ -63,3 +71,37 @@ def tensor_bytes(tensors) -> int:
         seen.add(key)
         total += t.numel() * t.element_size()
     return total
+
+
+def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype, dense_min_tokens: int = 0,
+                 block_ops=None, dense_dtype: torch.dtype = ACT_DTYPE):
+    """The right linear kind for ``w``: a float tensor, a ``QuantizedWeight`` or an ``Fp8Weight``.
+
+    ``block_ops`` (the fused CPU kernels): integer weights in groups of a multiple of 32 run through
+    ``BlockQuantLinear``; otherwise through torch's packed kernels. ``dense_min_tokens`` > 0 also keeps a
+    ``dense_dtype`` copy for steps of at least that many rows.
+    A packed kernel that the device's torch build lacks (or rejects for this shape) falls back to a
+    full-precision copy with a warning, so a checkpoint always loads."""
+    if isinstance(w, torch.Tensor):
+        return DenseLinear(w.to(device=device, dtype=dtype).contiguous(),
+                           None if bias is None else bias.to(device=device, dtype=dtype))
+    try:
+        if isinstance(w, Fp8Weight):
+            lin = Fp8Linear(w, bias, device, dtype)
+        elif block_ops is not None and device.type == "cpu" and w.group_size % QBLOCK == 0:
+            lin = BlockQuantLinear(w, bias, device, dtype, block_ops)
+        elif w.bits == 8 and w.symmetric and w.group_size == w.shape[1]:
+            lin = Int8Linear(w, bias, device, dtype)
+        elif w.bits == 4:
+            lin = Int4Linear(w, bias, device, dtype)
+        else:
+            raise ValueError(f"no packed kernel for {w.bits}-bit weights with group size {w.group_size} "
+                             f"(8-bit needs one symmetric scale per output channel)")
+        lin(torch.zeros(1, lin.in_features, device=device, dtype=dtype))  # probe the kernel once
+        if dense_min_tokens > 0:
+            full = dequantize_any(w).to(device).to(dense_dtype).contiguous()
+            lin.keep_dense(DenseLinear(full).prepack(keep_weight=False), dense_min_tokens)
+        return lin
+    except (RuntimeError, NotImplementedError) as e:
+        logger.warning("packed kernel unavailable on %s (%s); using a dequantized %s copy", device, e, dtype)
+        return build_linear(dequantize_any(w), bias, device, dtype)

@@ -12,12 +12,11 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
-from pagedllm.layers.linear import tensor_bytes
+from pagedllm.layers.linear import build_linear, tensor_bytes
 from pagedllm.layers.norm import rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.model.loader import ModelArchConfig
+from pagedllm.model.arch import ModelArchConfig, tp_layout
 from pagedllm.quant.formats import concat
-from pagedllm.quant.linear import build_linear
 from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
 LM_HEAD_DENSE_MIN_TOKENS = 2  # with a dense copy kept (--quant-dense-min-tokens), the head uses it from 2 rows
@@ -49,8 +48,6 @@ class LlamaForCausalLM:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.vocab_start, self.vocab_per_rank = 0, cfg.vocab_size
         if tp is not None:
-            from pagedllm.distributed.sharding import tp_layout
-
             lay = tp_layout(cfg, tp.world_size, tp.rank)
             self.num_heads, self.num_kv_heads = lay.num_heads, lay.num_kv_heads
             self.vocab_start, self.vocab_per_rank = lay.vocab_start, lay.vocab_per_rank

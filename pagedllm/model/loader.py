@@ -9,38 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
-
-
-@dataclass(frozen=True)
-class ModelArchConfig:
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    bos_token_id: int | None
-    eos_token_id: int | None
-    vocab_fingerprint: str | None = None  # sha256 of the token strings, where the file lists them
-
-    def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+from pagedllm.model.arch import SUPPORTED_ARCHS, ModelArchConfig
+from pagedllm.quant.formats import QuantizedWeight, reorder_rows
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -61,8 +35,6 @@ def _native_q4(data: np.ndarray, kind: str):
 
     Q4_1 block: f16 d, f16 m, 16 bytes of nibbles (low nibbles are elements 0-15, high nibbles 16-31); value
     d*q + m = (q - 8)*d + (m + 8d). Q4_0 block: f16 d, 16 bytes; value d*(q - 8)."""
-    from pagedllm.quant.formats import QuantizedWeight
-
     head = 4 if kind == "Q4_1" else 2
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, head + 16)
@@ -79,8 +51,6 @@ def _native_q4(data: np.ndarray, kind: str):
 def _native_q8(data: np.ndarray):
     """GGUF Q8_0 blocks of 32 (f16 d, 32 signed bytes; value d*s) -> a symmetric 8-bit ``QuantizedWeight`` with
     the same numbers (codes s + 128)."""
-    from pagedllm.quant.formats import QuantizedWeight
-
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, 34)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -110,8 +80,6 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False) -> tu
     """``native_q4``: keep Q4_0/Q4_1 tensors (other than the embedding) as packed 4-bit weights instead of
     dequantizing them; ``native_q8``: keep Q8_0 tensors (the embedding too) as packed 8-bit weights."""
     import gguf
-
-    from pagedllm.quant.formats import reorder_rows
 
     reader = open_gguf(path)
     arch = _gguf_field(reader, "general.architecture")
@@ -267,7 +235,7 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
 def load_model_files(path: str, native_q4: bool = False, native_q8: bool = False,
                      ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Float weights of a GGUF file or HF-style directory (GGUF 4-/8-bit blocks kept packed with ``native_q4`` /
-    ``native_q8``). Quantized checkpoints (``pagedllm quantize``) are read by ``pagedllm.quant.load``."""
+    ``native_q8``). Quantized checkpoints (``pagedllm quantize``) are read by ``pagedllm.model.weights``."""
     if os.path.isdir(path):
         return load_hf_dir(path)
     if path.endswith(".gguf"):

@@ -1,6 +1,10 @@
 """Quantized checkpoints: a directory with ``model.safetensors`` (engine weight names; quantized weights split
 into ``.codes`` / ``.scales`` / ``.zeros`` / ``.input_scale``, 4-bit codes packed two per byte), ``quant_config.json``
-(architecture, method, bits, group size, per-layer-type policy, per-tensor formats) and the tokenizer files."""
+(architecture, method, bits, group size, per-layer-type policy, per-tensor formats) and the tokenizer files.
+
+Written by ``pagedllm quantize`` (``pagedllm.quantize``), read at load time (``pagedllm.model.weights``): the format
+lives here, below the model, so both sides share it. The architecture is stored as a plain dict (the fields of
+``pagedllm.model.arch.ModelArchConfig``)."""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ def _unpack4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def save_checkpoint(out_dir: str, arch, weights: dict, quant_info: dict, tokenizer=None) -> None:
+    """``arch``: a ``ModelArchConfig`` (any dataclass; stored as its fields)."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
@@ -66,14 +71,13 @@ def read_quant_info(path: str) -> dict:
 
 
 def load_checkpoint(path: str):
-    """-> (ModelArchConfig, weights dict with QuantizedWeight / Fp8Weight values, quantization info)."""
+    """-> (architecture fields (a dict for ``ModelArchConfig``), weights dict with QuantizedWeight / Fp8Weight
+    values, quantization info)."""
     from safetensors.torch import load_file
-
-    from pagedllm.model.loader import ModelArchConfig
 
     with open(os.path.join(path, CONFIG_NAME)) as f:
         cfg = json.load(f)
-    arch = ModelArchConfig(**cfg["arch"])
+    arch = dict(cfg["arch"])
     flat = load_file(os.path.join(path, "model.safetensors"))
     weights: dict = {}
     for name, fmt in cfg["tensors"].items():

@@ -11,20 +11,16 @@
   quantized per token to e4m3 on the fly, as vLLM's fp8 does); native on CUDA sm89+, oneDNN on CPU.
 
 torch's kernels run with bfloat16 activations (torch's packed kernels take bf16 on CPU; they are 5-15x slower with
-float32 inputs); inputs are cast to bf16 and the output back to the model's dtype.
+float32 inputs); inputs are cast to bf16 and the output back to the model's dtype. ``layers.linear.build_linear``
+picks the kind for a weight.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.linear import DenseLinear
-from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight, dequantize_any
-
-logger = logging.getLogger(__name__)
+from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight
 
 ACT_DTYPE = torch.bfloat16
 QBLOCK = 32  # input channels per block of BlockQuantLinear
@@ -33,18 +29,18 @@ QBLOCK = 32  # input channels per block of BlockQuantLinear
 class _Packed:
     bias: torch.Tensor | None
     out_dtype: torch.dtype
-    dense: DenseLinear | None = None  # optional bf16 copy for large steps (see ``keep_dense``)
+    dense = None  # optional dense copy (a ``layers.linear.DenseLinear``) for large steps (see ``keep_dense``)
     dense_min_tokens: int = 0
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         y = y.to(self.out_dtype)
         return y if self.bias is None else y + self.bias
 
-    def keep_dense(self, full: torch.Tensor, min_tokens: int, dtype: torch.dtype = ACT_DTYPE) -> None:
-        """Also keep ``full`` (the effective weight) in ``dtype`` (bf16: oneDNN pre-packed) and use it for steps of
-        >= ``min_tokens`` rows: the packed kernels are compute-bound at large M, where a dense GEMM can be faster
-        (several times with AMX)."""
-        self.dense = DenseLinear(full.to(dtype).contiguous()).prepack(keep_weight=False)
+    def keep_dense(self, dense, min_tokens: int) -> None:
+        """Also keep ``dense`` (the effective weight as a ``DenseLinear``, e.g. bf16 pre-packed for oneDNN) and use
+        it for steps of >= ``min_tokens`` rows: the packed kernels are compute-bound at large M, where a dense GEMM
+        can be faster (several times with AMX)."""
+        self.dense = dense
         self.dense_min_tokens = min_tokens
 
     def _common_init(self, input_scale: torch.Tensor | None, bias: torch.Tensor | None, device: torch.device,
@@ -219,36 +215,3 @@ class Fp8Linear(_Packed):
 
     def _tensors(self) -> list:
         return [self.weight_t, self.scales, self.bias]
-
-
-def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype, dense_min_tokens: int = 0,
-                 block_ops=None, dense_dtype: torch.dtype = ACT_DTYPE):
-    """The right linear kind for ``w``: a float tensor, a ``QuantizedWeight`` or an ``Fp8Weight``.
-
-    ``block_ops`` (the fused CPU kernels): integer weights in groups of a multiple of 32 run through
-    ``BlockQuantLinear``; otherwise through torch's packed kernels. ``dense_min_tokens`` > 0 also keeps a
-    ``dense_dtype`` copy for steps of at least that many rows.
-    A packed kernel that the device's torch build lacks (or rejects for this shape) falls back to a
-    full-precision copy with a warning, so a checkpoint always loads."""
-    if isinstance(w, torch.Tensor):
-        return DenseLinear(w.to(device=device, dtype=dtype).contiguous(),
-                           None if bias is None else bias.to(device=device, dtype=dtype))
-    try:
-        if isinstance(w, Fp8Weight):
-            lin = Fp8Linear(w, bias, device, dtype)
-        elif block_ops is not None and device.type == "cpu" and w.group_size % QBLOCK == 0:
-            lin = BlockQuantLinear(w, bias, device, dtype, block_ops)
-        elif w.bits == 8 and w.symmetric and w.group_size == w.shape[1]:
-            lin = Int8Linear(w, bias, device, dtype)
-        elif w.bits == 4:
-            lin = Int4Linear(w, bias, device, dtype)
-        else:
-            raise ValueError(f"no packed kernel for {w.bits}-bit weights with group size {w.group_size} "
-                             f"(8-bit needs one symmetric scale per output channel)")
-        lin(torch.zeros(1, lin.in_features, device=device, dtype=dtype))  # probe the kernel once
-        if dense_min_tokens > 0:
-            lin.keep_dense(dequantize_any(w).to(device), dense_min_tokens, dense_dtype)
-        return lin
-    except (RuntimeError, NotImplementedError) as e:
-        logger.warning("packed kernel unavailable on %s (%s); using a dequantized %s copy", device, e, dtype)
-        return build_linear(dequantize_any(w), bias, device, dtype)

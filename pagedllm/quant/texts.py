@@ -4,6 +4,8 @@ name) calibrate, odd-numbered ones are held out for evaluation, so a quantizer n
 
 from __future__ import annotations
 
+import json
+
 
 def python_doc_text(split: str) -> str:
     from pydoc_data.topics import topics
@@ -23,8 +25,6 @@ def token_chunks(tokenizer, text: str, chunk_len: int, max_tokens: int) -> list[
 
 def read_text_file(path: str) -> str:
     """A plain text file, or JSONL whose records have a ``text`` or ``prompt`` field."""
-    import json
-
     with open(path) as f:
         data = f.read()
     if path.endswith(".jsonl"):

@@ -23,6 +23,7 @@ import llguidance
 import llguidance.hf
 import torch
 
+from pagedllm.sample.metadata import CachedRequestState
 from pagedllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -87,3 +88,47 @@ def unpack_bitmasks(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 bitmasks -> (rows, vocab) bool: token t allowed where bit t % 32 of word t // 32 is set."""
     bits = (masks.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=masks.device)) & 1
     return bits.bool().reshape(masks.shape[0], -1)[:, :vocab_size]
+
+
+def sync_matcher(st: CachedRequestState, structured: StructuredOutputs):
+    """The request's grammar matcher, made on first use and brought in step with its output tokens (new ones
+    consumed; ones the scheduler dropped, e.g. rejected drafts, rolled back)."""
+    if st.matcher is None:
+        st.matcher = structured.matcher(st.sampling_params.structured_outputs)
+        st.consumed = 0
+    n = len(st.output_token_ids)
+    if st.consumed > n:
+        st.matcher.rollback(st.consumed - n)
+    elif st.consumed < n:
+        for t in st.output_token_ids[st.consumed :]:
+            if not st.matcher.consume_token(t):
+                logger.warning("request %s: token %d is outside its grammar (%s)", st.req_id, t,
+                               st.matcher.get_error())
+                break
+    st.consumed = n
+    return st.matcher
+
+
+def grammar_masks(groups, requests: dict[str, CachedRequestState], structured: StructuredOutputs, vocab: int,
+                  device: torch.device):
+    """(rows, allowed) for the step's constrained requests, or None. A request verifying k drafts has k+1
+    rows: row i is masked by its grammar's state after drafts[:i] (the drafts are consumed for this and
+    rolled back; the tokens the verification accepts are consumed after sampling)."""
+    rows, masks = [], []
+    for s, first, n in groups:
+        st = requests[s.req_id]
+        if st.sampling_params.structured_outputs is None:
+            continue
+        m = sync_matcher(st, structured)
+        spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+        consumed = 0
+        for i in range(n):
+            rows.append(first + i)
+            masks.append(fill_bitmasks([m], vocab))
+            if i < len(spec) and consumed == i and m.consume_token(spec[i]):
+                consumed += 1  # past a draft the grammar refuses, the later rows' samples are discarded
+        m.rollback(consumed)
+    if not rows:
+        return None
+    allowed = unpack_bitmasks(torch.cat(masks), vocab).to(device)
+    return torch.tensor(rows, device=device), allowed

@@ -1,4 +1,5 @@
-"""Degradation for the server: a circuit breaker on the primary engine and a fault-injection switch for tests.
+"""Degradation for the server: which engine serves a request (the primary, or a fallback model), a circuit breaker
+on the primary engine and a fault-injection switch for tests.
 
 Breaker: closed -> open after ``threshold`` consecutive failures or timeouts inside ``window_s``; open -> half-open
 after ``cooldown_s``, letting ``half_open_probes`` requests try the primary; a probe's success closes it, a failure
@@ -7,9 +8,20 @@ opens it again.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+
+from fastapi import Request
+
+from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from pagedllm.server.streaming import first_outputs
+
+logger = logging.getLogger("pagedllm.server")
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 STATE_CODE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}
@@ -105,3 +117,62 @@ class FaultInjection:
         if self.stall_marker and self.stall_marker in text:
             return "stall"
         return None
+
+    async def apply(self, text: str | None) -> None:
+        """Before a primary stream's first output: fail, or stall for ever, when the prompt holds a marker."""
+        action = self.action(text)
+        if action == "fail":
+            raise RequestFailedError("injected fault: the primary failed")
+        if action == "stall":
+            await asyncio.Event().wait()  # never set: the primary stalls
+
+
+# queue(engine) queues a request's prompts on an engine -> (its streams, the prompts' texts)
+QueueFn = Callable[[AsyncLLM], Awaitable[tuple[list[AsyncIterator], list[str | None]]]]
+
+
+class FallbackRouter:
+    """Which engine serves a request: the primary, or the fallback model when the primary's circuit is open, when
+    the primary fails before its first token, or when it does not start within the request timeout."""
+
+    def __init__(self, primary: AsyncLLM, primary_name: str, fallback: AsyncLLM | None = None,
+                 fallback_name: str | None = None, breaker: CircuitBreaker | None = None,
+                 request_timeout_s: float | None = None, faults: FaultInjection | None = None) -> None:
+        self.primary, self.primary_name = primary, primary_name
+        self.fallback, self.fallback_name = fallback, fallback_name
+        self.breaker = breaker
+        self.request_timeout_s = request_timeout_s
+        self.faults = faults
+
+    async def route(self, model: str, queue: QueueFn, raw: Request, stream: bool) -> tuple[list[AsyncIterator], str]:
+        """Queue the request (``queue``) where it is served; returns its streams and the name of the model serving
+        them. A stream's first output is awaited before the response starts, so that a request the engine drops
+        while queued (overload) gets its HTTP status (503 + Retry-After) rather than an error inside a 200 stream:
+        always when streaming, and on the primary whenever it may fail over (fallback, timeout, fault injection)."""
+        guarded = self.fallback is not None or self.request_timeout_s is not None or self.faults is not None
+        if model != self.fallback_name and (self.breaker is None or self.breaker.allow()):
+            gens, texts = await queue(self.primary)
+            if not guarded:
+                return (await first_outputs(gens, raw) if stream else gens), self.primary_name
+            faults = self.faults
+            try:
+                gens = await first_outputs(gens, raw, self.request_timeout_s,
+                                           None if faults is None else (lambda i: faults.apply(texts[i])))
+            except (asyncio.TimeoutError, RequestFailedError, EngineDeadError) as e:
+                if self.breaker is not None:
+                    self.breaker.record_failure()
+                if self.fallback is None:
+                    if isinstance(e, asyncio.TimeoutError):
+                        raise EngineOverloadedError(
+                            f"the request did not start within {self.request_timeout_s:g} s", 503) from None
+                    raise
+                logger.warning("primary failed (%s); serving the request with the fallback model",
+                               type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)
+            else:
+                if self.breaker is not None:
+                    self.breaker.record_success()
+                return gens, self.primary_name
+        elif self.fallback is None:
+            raise EngineOverloadedError("the primary model's circuit breaker is open", 503, retry_after=1.0)
+        gens, _ = await queue(self.fallback)
+        return (await first_outputs(gens, raw) if stream else gens), self.fallback_name

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from pagedllm.server.protocol import HINT_FIELDS
+
 
 class ErrorInfo(BaseModel):
     message: str
@@ -177,8 +179,6 @@ SIMPLE_RESPONSES = errors(400, 401, 404, 413)
 def finalize(schema: dict, ranges: dict, require_key: frozenset[str] | None) -> dict:
     """Edit FastAPI's generated schema in place: 400 instead of 422, numeric ranges, closed request objects
     (``additionalProperties: false`` plus the accepted hint fields), the bearer scheme on protected routes."""
-    from pagedllm.server.protocol import HINT_FIELDS
-
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)

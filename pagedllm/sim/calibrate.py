@@ -19,6 +19,7 @@ the roofline data (see docs/simulate.md for how the predictions move with it).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from pagedllm.sim.cost import CostModel, Deployment
@@ -153,7 +154,5 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
 
 
 def load_roofline(path: str) -> dict:
-    import json
-
     with open(path) as f:
         return json.load(f)

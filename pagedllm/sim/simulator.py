@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.outputs import ModelRunnerOutput
@@ -186,9 +187,12 @@ def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = Eng
         if r.prompt_len + r.output_len > max_len:
             raise ValueError(f"a request of {r.prompt_len} + {r.output_len} tokens exceeds max_model_len {max_len}")
     kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
-    sched = Scheduler(kv, settings.max_num_batched_tokens, settings.max_num_seqs, max_len,
-                      settings.enable_chunked_prefill, num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
-                      spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
+                        enable_chunked_prefill=settings.enable_chunked_prefill),
+        CacheConfig(block_size=settings.block_size, enable_prefix_caching=settings.enable_prefix_caching), kv, max_len,
+        num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
+        spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
     clock = _Clock()
     sched.clock = clock
     cost = CostModel(dep)
@@ -253,7 +257,7 @@ def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = Eng
         system, records, start_s, end_s, dep.num_devices, dep.hardware.price_per_hour, dep.weight_bytes,
         num_blocks * settings.block_size * dep.kv_bytes_per_token_device * dep.num_devices,
         kv_usage_max=usage_max, kv_usage_mean=usage_area / max(end_s - start_s, 1e-12),
-        preemptions=sched.num_preemptions,
+        preemptions=sched.counters.num_preemptions,
         prefix_hit_rate=kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0,
         num_steps=len(step_times), prefill_tokens_computed=prefill_computed,
         spec_mean_accepted=runner.num_accepted / runner.num_verifies if runner.num_verifies else None,

@@ -1,40 +1,44 @@
 """The model runner: the only place that owns the device and its tensors.
 
 It turns a ``SchedulerOutput`` into input tensors (flat tokens, positions, slot mapping, block tables), runs the
-model, samples, and returns a ``ModelRunnerOutput`` of plain ints and lists.
+model, samples, and returns a ``ModelRunnerOutput`` of plain ints and lists. The parts it orchestrates live
+beside it: the KV cache (``worker.kv_cache``), sampling metadata and grammar masks (``sample.metadata``,
+``sample.structured``), speculative proposers and draft verification (``spec.proposer``, ``spec.verify``), and
+tensor parallelism (``distributed``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import weakref
 import zlib
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig, resolve_model_path
+from pagedllm.distributed.launcher import join_tensor_parallel, rank_device
+from pagedllm.distributed.sharding import check_shardable, shard_weights
 from pagedllm.errors import TensorParallelError
 from pagedllm.kernels import cpu_ops, kernel_path
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.loader import ModelArchConfig, load_model_files
-from pagedllm.quant.load import load_weights
+from pagedllm.model.loader import load_model_files
+from pagedllm.model.weights import load_weights
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
-from pagedllm.sample.rejection_sampler import rejection_sample
-from pagedllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
-from pagedllm.sample.structured import StructuredOutputs, fill_bitmasks, unpack_bitmasks
-from pagedllm.spec.ngram import propose_ngram
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sample.metadata import CachedRequestState, build_sampling_metadata
+from pagedllm.sample.sampler import Sampler, gather_logprobs
+from pagedllm.sample.structured import StructuredOutputs, grammar_masks, sync_matcher
+from pagedllm.spec.proposer import DraftProposer, NgramProposer, Proposer, load_draft_model
+from pagedllm.spec.verify import accept_greedy, verify_random
 from pagedllm.worker.autotune import WeightPlan, blocks_for_autotune, choose_plan, plan_summary
+from pagedllm.worker.kv_cache import KVCache
 from pagedllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # prefill chunks with at most this much context run through the fused row kernel (see ``_step_tensors``)
 ROW_KERNEL_MAX_CONTEXT = 2048  # measured: 1 x 2000 tokens costs the same both ways; 32 x 180 is 4.6x faster here
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,17 +56,6 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[requested]
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    output_token_ids: list[int] = field(default_factory=list)
-    matcher: object | None = None  # llguidance matcher of a constrained request, fed output_token_ids[:consumed]
-    consumed: int = 0
 
 
 class _Forward(NamedTuple):
@@ -85,8 +78,6 @@ class ModelRunner:
         self.rank_weight_bytes: list[int] = []  # weight bytes held by each rank (tensor parallelism)
         self.device = choose_device(config.device)
         if config.tensor_parallel_size > 1:
-            from pagedllm.distributed.launcher import rank_device
-
             self.device = rank_device(self.device, rank)
         self.dtype = choose_dtype(config.model.dtype, self.device)
         path = resolve_model_path(config.model.model)
@@ -117,43 +108,25 @@ class ModelRunner:
         self.max_model_len = max_len
         self.block_size = config.cache.block_size
         self.draft_model: LlamaForCausalLM | None = None
-        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         spec = config.speculative
         if spec is not None and spec.method == "draft_model" and rank == 0:
-            self.draft_model = self._load_draft(spec.model)  # with tensor parallelism: whole, on rank 0 only
-        self.num_blocks = self._num_kv_blocks()
+            # with tensor parallelism: whole, on rank 0 only
+            self.draft_model = load_draft_model(spec.model, arch, max_len, self.device, self.dtype)
+        self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.dtype)
+        num_blocks = self.kv.budget_blocks()
         if self.tp is not None:
-            self.num_blocks = self._tp_agree(self.num_blocks)
-        needed = math.ceil(self.max_model_len / self.block_size)
-        if needed > self.num_blocks:
-            raise ValueError(
-                f"the KV cache holds {self.num_blocks} blocks of {self.block_size} tokens "
-                f"({self.num_blocks * self.block_size} tokens) but max_model_len={self.max_model_len} needs "
-                f"{needed} blocks for a single request: raise --kv-cache-memory / --gpu-memory-utilization "
-                f"or lower --max-model-len"
-            )
-        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, arch.head_dim)
-        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(arch.num_layers)]
-        self.num_host_blocks = 0
-        self.host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if config.cache.preemption_mode == "swap":
+            num_blocks = self._tp_agree(num_blocks)
+        self.kv.allocate(num_blocks, self.max_model_len)
+        self.proposer: Proposer | None = None  # rank 0's speculative proposer
+        if spec is not None and rank == 0:
             if self.draft_model is not None:
-                raise ValueError("preemption_mode='swap' together with a draft model is not supported yet")
-            self.num_host_blocks = config.cache.num_host_blocks_override or int(
-                config.cache.swap_space * 2**30 // self.bytes_per_block)
-            if self.num_host_blocks < 1:
-                raise ValueError(f"swap_space {config.cache.swap_space} GiB holds no KV block "
-                                 f"({self.bytes_per_block} bytes each)")
-            pin = self.device.type == "cuda"
-            self.host_kv_caches = [
-                tuple(torch.zeros((self.num_host_blocks, *shape[1:]), dtype=self.dtype, pin_memory=pin)
-                      for _ in range(2))
-                for _ in range(arch.num_layers)
-            ]
-        if self.draft_model is not None:
-            da = self.draft_model.cfg
-            dshape = (self.num_blocks, self.block_size, da.num_kv_heads, da.head_dim)
-            self.draft_kv_caches = [(self._zeros(dshape), self._zeros(dshape)) for _ in range(da.num_layers)]
+                # the draft's decode metadata as the runner builds it (a partial: no reference to the runner)
+                meta = functools.partial(_decode_metadata, bs=self.block_size, dev=self.device,
+                                         with_mask=self.model.ops is None)
+                self.proposer = DraftProposer(spec, max_len, self.draft_model, self.kv.draft_kv_caches,
+                                              self.block_size, self.device, meta)
+            else:
+                self.proposer = NgramProposer(spec, max_len)
         self.sampler = Sampler()
         self.structured: StructuredOutputs | None = None  # set by the engine (it owns the tokenizer)
         self.requests: dict[str, CachedRequestState] = {}
@@ -195,12 +168,39 @@ class ModelRunner:
             d["weight_plan"] = plan_summary(self.weight_plan)
         return d
 
+    # ------------------------------------------------------------------ KV cache
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block across all layers (the draft model's layers included)."""
+        return self.kv.bytes_per_block
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv.kv_cache_bytes
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv.kv_caches
+
+    @property
+    def draft_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv.draft_kv_caches
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.kv.num_host_blocks
+
+    @property
+    def host_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv.host_kv_caches
+
     # ------------------------------------------------------------------ tensor parallelism
     def _start_tensor_parallel(self, arch: ModelArchConfig, weights: dict, store) -> dict:
         """Check the model splits (before any worker starts), join the ranks, and keep this rank's shard."""
-        from pagedllm.distributed.launcher import join_tensor_parallel
-        from pagedllm.distributed.sharding import check_shardable, shard_weights
-
         check_shardable(arch, weights, self.config.tensor_parallel_size)
         self.tp, self.tp_workers = join_tensor_parallel(self.config, self.rank, self.device, store)
         self._tp_finalizer = weakref.finalize(self, _close_tensor_parallel, self.tp, self.tp_workers)
@@ -241,55 +241,6 @@ class ModelRunner:
         if self.tp is not None:
             self._tp_finalizer()
 
-    # ------------------------------------------------------------------ memory
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Zero-filled KV storage. On CPU it comes from calloc, so pages are committed only when first written:
-        the process's resident memory grows with the KV cache actually used, not with the budget."""
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        nbytes = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
-
-    def _load_draft(self, path: str) -> LlamaForCausalLM:
-        darch, dweights = load_model_files(resolve_model_path(path))
-        a = self.arch
-        if darch.vocab_size != a.vocab_size or (
-            darch.vocab_fingerprint and a.vocab_fingerprint and darch.vocab_fingerprint != a.vocab_fingerprint
-        ):
-            raise ValueError(
-                f"the draft model {path} does not share the target's vocabulary (vocab sizes {darch.vocab_size} vs "
-                f"{a.vocab_size}): speculative decoding needs the same tokenizer"
-            )
-        if darch.max_position < self.max_model_len:
-            raise ValueError(f"the draft model's context ({darch.max_position}) is shorter than max_model_len "
-                             f"({self.max_model_len})")
-        return LlamaForCausalLM(darch, dweights, self.device, self.dtype)
-
-    @property
-    def bytes_per_block(self) -> int:
-        """KV bytes of one block across all layers (the draft model's layers included)."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
-        return sum(2 * m.cfg.num_layers * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem for m in models)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
-
-    def _num_kv_blocks(self) -> int:
-        c = self.config.cache
-        if c.num_gpu_blocks_override is not None:
-            return c.num_gpu_blocks_override
-        if c.kv_cache_memory is not None:
-            budget = c.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            activation_reserve = 1 << 30
-            budget = int(total * c.gpu_memory_utilization) - (total - free) - activation_reserve
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(budget // self.bytes_per_block, 0)
-
     # ------------------------------------------------------------------ one step
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
@@ -311,11 +262,10 @@ class ModelRunner:
             return out
         if groups:
             self._sample(so, fwd.logits, groups, out)
-        if self.draft_model is not None:
-            # the draft keeps its own KV for every token the target computes (same block tables and slots)
-            self.draft_model.forward(fwd.input_ids, fwd.positions, self.draft_kv_caches, fwd.meta)
+        if self.proposer is not None:
+            self.proposer.observe(fwd.input_ids, fwd.positions, fwd.meta)
         if so.speculate and out.sampled_token_ids:
-            out.spec_token_ids = self._propose(so, out)
+            out.spec_token_ids = self.proposer.propose(so, out.sampled_token_ids, self.requests)
         return out
 
     def _run_step(self, step: StepInputs) -> _Forward | None:
@@ -337,13 +287,13 @@ class ModelRunner:
     def _forward_step(self, step: StepInputs) -> _Forward | None:
         """What every rank runs for a step: KV block swaps, the forward pass, the logits of the rows to sample."""
         if step.swap_out or step.swap_in:
-            self._swap(step.swap_out, step.swap_in)
+            self.kv.swap(step.swap_out, step.swap_in)
         if not step.input_ids:
             return None
         if self._fail_token is not None and self._fail_token in step.input_ids:
             raise RuntimeError(f"injected fault: token {self._fail_token} in the forward pass's batch")
         input_ids, positions, meta, rows = self._step_tensors(step)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model.forward(input_ids, positions, self.kv.kv_caches, meta)
         logits = self.model.compute_logits(hidden[rows]) if step.logit_rows else None
         return _Forward(input_ids, positions, meta, logits)
 
@@ -360,34 +310,22 @@ class ModelRunner:
             for i in range(n):
                 vstates.append(st)
                 vextra.append(spec[:i])
-        smeta = self._sampling_metadata(vstates, vextra, logits.shape[1])
-        smeta.allowed = self._grammar_masks(groups, logits.shape[1])
+        vocab = logits.shape[1]
+        smeta = build_sampling_metadata(vstates, vextra, vocab, self.arch.eos_token_id, self.device)
+        smeta.allowed = grammar_masks(groups, self.requests, self.structured, vocab, self.device)
         random_spec = [g for g in groups if g[0].num_spec_tokens and self.requests[g[0].req_id].sampling_params.temperature > 0]
         res = self.sampler(logits, smeta, return_probs=bool(random_spec))
         tokens = res.token_ids.tolist()
-        new_tokens: dict[str, list[int]] = {}
-        for s, first, n in groups:
-            if not s.num_spec_tokens:
-                new_tokens[s.req_id] = [tokens[first]]
-            elif self.requests[s.req_id].sampling_params.temperature == 0:
-                spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
-                acc = []
-                for i, d in enumerate(spec):
-                    acc.append(tokens[first + i])
-                    if tokens[first + i] != d:
-                        break
-                else:
-                    acc.append(tokens[first + len(spec)])
-                new_tokens[s.req_id] = acc
+        new_tokens = accept_greedy(groups, tokens, self.requests)
         if random_spec:
-            new_tokens.update(self._verify_random(random_spec, res.probs))
+            new_tokens.update(verify_random(random_spec, res.probs, self.requests))
         lp_rows, lp_toks, lp_owner = [], [], []
         for s, first, n in groups:
             st = self.requests[s.req_id]
             new = new_tokens[s.req_id]
             st.output_token_ids.extend(new)
             if st.matcher is not None:
-                self._sync_matcher(st)
+                sync_matcher(st, self.structured)
             out.sampled_token_ids[s.req_id] = new
             if st.sampling_params.logprobs is not None:
                 for i, t in enumerate(new):
@@ -401,156 +339,6 @@ class ModelRunner:
                 want = self.requests[rid].sampling_params.logprobs
                 top = list(zip(top_i[j][:want], top_v[j][:want])) if want and top_i is not None else []
                 out.logprobs.setdefault(rid, []).append(SampledTokenLogprobs(lp_toks[j], chosen[j], ranks[j], top))
-
-    def _sync_matcher(self, st: CachedRequestState):
-        """The request's grammar matcher, made on first use and brought in step with its output tokens (new ones
-        consumed; ones the scheduler dropped, e.g. rejected drafts, rolled back)."""
-        if st.matcher is None:
-            st.matcher = self.structured.matcher(st.sampling_params.structured_outputs)
-            st.consumed = 0
-        n = len(st.output_token_ids)
-        if st.consumed > n:
-            st.matcher.rollback(st.consumed - n)
-        elif st.consumed < n:
-            for t in st.output_token_ids[st.consumed :]:
-                if not st.matcher.consume_token(t):
-                    logger.warning("request %s: token %d is outside its grammar (%s)", st.req_id, t,
-                                   st.matcher.get_error())
-                    break
-        st.consumed = n
-        return st.matcher
-
-    def _grammar_masks(self, groups, vocab: int):
-        """(rows, allowed) for the step's constrained requests, or None. A request verifying k drafts has k+1
-        rows: row i is masked by its grammar's state after drafts[:i] (the drafts are consumed for this and
-        rolled back; the tokens the verification accepts are consumed after sampling)."""
-        rows, masks = [], []
-        for s, first, n in groups:
-            st = self.requests[s.req_id]
-            if st.sampling_params.structured_outputs is None:
-                continue
-            m = self._sync_matcher(st)
-            spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
-            consumed = 0
-            for i in range(n):
-                rows.append(first + i)
-                masks.append(fill_bitmasks([m], vocab))
-                if i < len(spec) and consumed == i and m.consume_token(spec[i]):
-                    consumed += 1  # past a draft the grammar refuses, the later rows' samples are discarded
-            m.rollback(consumed)
-        if not rows:
-            return None
-        allowed = unpack_bitmasks(torch.cat(masks), vocab).to(self.device)
-        return torch.tensor(rows, device=self.device), allowed
-
-    def _verify_random(self, groups, probs: torch.Tensor) -> dict[str, list[int]]:
-        """Rejection sampling for sampled (temperature > 0) requests; drafts are deterministic (one-hot q)."""
-        k = max(s.num_spec_tokens for s, _, _ in groups)
-        vocab = probs.shape[1]
-        dev = probs.device
-        p = torch.zeros(len(groups), k + 1, vocab, device=dev)
-        drafts = torch.zeros(len(groups), k, dtype=torch.long, device=dev)
-        uniforms = torch.empty(len(groups), k, device=dev)
-        noise = torch.empty(len(groups), k + 1, vocab, device=dev)
-        for j, (s, first, n) in enumerate(groups):
-            p[j, :n] = probs[first : first + n]
-            spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
-            drafts[j, : len(spec)] = torch.tensor(spec, device=dev)
-            gen = self.requests[s.req_id].generator
-            uniforms[j].uniform_(generator=gen)
-            noise[j].exponential_(generator=gen)
-        toks = rejection_sample(p, drafts, [s.num_spec_tokens for s, _, _ in groups], uniforms, noise)
-        return {s.req_id: t for (s, _, _), t in zip(groups, toks)}
-
-    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),
-        then host -> device."""
-        if swap_out:
-            dev = torch.tensor([d for d, _ in swap_out], device=self.device)
-            host = torch.tensor([h for _, h in swap_out])
-            for (kc, vc), (hk, hv) in zip(self.kv_caches, self.host_kv_caches):
-                hk.index_copy_(0, host, kc.index_select(0, dev).to("cpu"))
-                hv.index_copy_(0, host, vc.index_select(0, dev).to("cpu"))
-        if swap_in:
-            host = torch.tensor([h for h, _ in swap_in])
-            dev = torch.tensor([d for _, d in swap_in], device=self.device)
-            for (kc, vc), (hk, hv) in zip(self.kv_caches, self.host_kv_caches):
-                kc.index_copy_(0, dev, hk.index_select(0, host).to(self.device))
-                vc.index_copy_(0, dev, hv.index_select(0, host).to(self.device))
-
-    # ------------------------------------------------------------------ proposers
-    def _propose(self, so: SchedulerOutput, out: ModelRunnerOutput) -> dict[str, list[int]]:
-        cfg = self.config.speculative
-        k = cfg.num_speculative_tokens
-        budget = {}
-        for rid in out.sampled_token_ids:
-            st = self.requests[rid]
-            n_tok = len(st.prompt_token_ids) + len(st.output_token_ids)
-            budget[rid] = min(k, self.max_model_len - n_tok - 1)  # drafts must fit the context
-        if cfg.method == "ngram":
-            res = {}
-            for rid, kk in budget.items():
-                if kk > 0:
-                    st = self.requests[rid]
-                    res[rid] = propose_ngram(st.prompt_token_ids + st.output_token_ids, cfg.prompt_lookup_min,
-                                             cfg.prompt_lookup_max, kk)
-        else:
-            res = self._propose_draft(budget, {s.req_id: s.block_ids for s in so.scheduled})
-        for rid, drafts in res.items():  # a constrained request keeps only the drafts its grammar accepts
-            m = self.requests[rid].matcher
-            if m is not None and drafts:
-                ok = m.try_consume_tokens(drafts)
-                m.rollback(ok)
-                del drafts[ok:]
-        return res
-
-    @torch.inference_mode()
-    def _propose_draft(self, budget: dict[str, int], tables: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Greedy drafts from the draft model, k decode passes batched over the requests."""
-        bs = self.block_size
-        active = [rid for rid, kk in budget.items() if kk > 0]
-        pos = {}
-        last = {}
-        for rid in active:
-            st = self.requests[rid]
-            pos[rid] = len(st.prompt_token_ids) + len(st.output_token_ids) - 1  # the newest token, not in KV yet
-            last[rid] = st.output_token_ids[-1]
-        res: dict[str, list[int]] = {rid: [] for rid in active}
-        while active:
-            dev = self.device
-            slots = [tables[r][pos[r] // bs] * bs + pos[r] % bs for r in active]
-            dec_tables = [tables[r][: pos[r] // bs + 1] for r in active]
-            meta = self._decode_metadata(slots, dec_tables, [pos[r] + 1 for r in active])
-            hidden = self.draft_model.forward(
-                torch.tensor([last[r] for r in active], device=dev), torch.tensor([pos[r] for r in active], device=dev),
-                self.draft_kv_caches, meta,
-            )
-            nxt = self.draft_model.compute_logits(hidden).argmax(dim=-1).tolist()
-            still = []
-            for r, t in zip(active, nxt):
-                res[r].append(t)
-                last[r] = t
-                pos[r] += 1
-                if len(res[r]) < budget[r]:
-                    still.append(r)
-            active = still
-        return res
-
-    def _decode_metadata(self, slots: list[int], tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
-        dev = self.device
-        bs = self.block_size
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        mask = None
-        if self.model.ops is None:  # the fused kernel stops at each row's length; SDPA needs the mask
-            mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_rows=None,
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
-            decode_mask=mask, num_decodes=len(slots), prefills=[], decode_lens=lens_t,
-        )
 
     def _step_tensors(self, step: StepInputs):
         """The step's lists as device tensors: token ids, positions, attention metadata, logit rows.
@@ -574,7 +362,7 @@ class ModelRunner:
             num_decodes=len(rows), prefills=prefills,
         )
         if rows:
-            dm = self._decode_metadata([], tables, lens)
+            dm = _decode_metadata([], tables, lens, self.block_size, dev, self.model.ops is None)
             meta.decode_block_tables, meta.decode_mask, meta.decode_lens = dm.decode_block_tables, dm.decode_mask, dm.decode_lens
             if rows != list(range(len(step.input_ids))):  # None: every row, in order
                 meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -585,67 +373,23 @@ class ModelRunner:
             torch.tensor(step.logit_rows, dtype=torch.long, device=dev),
         )
 
-    def _sampling_metadata(self, states: list[CachedRequestState], extras: list[list[int]], vocab: int) -> SamplingMetadata:
-        """One row per state; ``extras[i]`` are draft tokens that row i treats as already generated."""
-        dev = self.device
-        sps = [st.sampling_params for st in states]
-        greedy = [sp.temperature == 0.0 for sp in sps]
-        temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, sps)]
-        all_greedy = all(greedy)
-        top_k = top_p = min_p = None
-        if not all_greedy:
-            if any(sp.top_k > 0 for sp in sps):
-                top_k = torch.tensor([sp.top_k if sp.top_k > 0 else vocab for sp in sps], device=dev)
-            if any(sp.top_p < 1.0 for sp in sps):
-                top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=dev)
-            if any(sp.min_p > 0.0 for sp in sps):
-                min_p = torch.tensor([sp.min_p for sp in sps], dtype=torch.float32, device=dev)
-        generators = {i: st.generator for i, st in enumerate(states) if st.generator is not None}
 
-        rep = pres = freq = out_toks = prompt_toks = None
-        if any(sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty for sp in sps):
-            rep = torch.tensor([sp.repetition_penalty for sp in sps], dtype=torch.float32, device=dev)
-            pres = torch.tensor([sp.presence_penalty for sp in sps], dtype=torch.float32, device=dev)
-            freq = torch.tensor([sp.frequency_penalty for sp in sps], dtype=torch.float32, device=dev)
-            out_toks = _pad([st.output_token_ids + ex for st, ex in zip(states, extras)], vocab, dev)
-            prompt_toks = _pad([st.prompt_token_ids for st in states], vocab, dev)
-
-        logit_bias = None
-        lb = [(i, t, b) for i, sp in enumerate(sps) if sp.logit_bias for t, b in sp.logit_bias.items()]
-        if lb:
-            rows, toks, vals = zip(*lb)
-            logit_bias = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev),
-                          torch.tensor(vals, dtype=torch.float32, device=dev))
-
-        banned = None
-        eos = self.arch.eos_token_id
-        ban = []
-        for i, (st, sp) in enumerate(zip(states, sps)):
-            if len(st.output_token_ids) + len(extras[i]) < sp.min_tokens:
-                ids = set(sp.stop_token_ids or [])
-                if eos is not None and not sp.ignore_eos:
-                    ids.add(eos)
-                ban.extend((i, t) for t in ids)
-        if ban:
-            rows, toks = zip(*ban)
-            banned = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
-
-        wanted = [sp.logprobs for sp in sps if sp.logprobs is not None]
-        return SamplingMetadata(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            greedy=torch.tensor(greedy, device=dev),
-            all_greedy=all_greedy,
-            top_k=top_k, top_p=top_p, min_p=min_p, generators=generators,
-            repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-            output_tokens=out_toks, prompt_tokens=prompt_toks,
-            logit_bias=logit_bias, banned=banned,
-            max_num_logprobs=max(wanted) if wanted else None,
-        )
-
-
-def _pad(rows: list[list[int]], pad: int, dev: torch.device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=dev)
+def _decode_metadata(slots: list[int], tables: list[list[int]], lens: list[int], bs: int, dev: torch.device,
+                     with_mask: bool) -> AttentionMetadata:
+    """Attention metadata of a batch of decode rows: padded block tables, context lengths and (``with_mask``:
+    without the fused kernel, which stops at each row's length, SDPA needs it) the key mask."""
+    max_blocks = max(len(t) for t in tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+    mask = None
+    if with_mask:
+        mask = (torch.arange(max_blocks * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+        decode_rows=None,
+        decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+        decode_mask=mask, num_decodes=len(slots), prefills=[], decode_lens=lens_t,
+    )
 
 
 def _close_tensor_parallel(tp, workers) -> None:

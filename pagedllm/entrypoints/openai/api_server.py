@@ -7,7 +7,7 @@ import logging
 import sys
 
 from pagedllm.engine.arg_utils import add_engine_args
-from pagedllm.server.api_server import add_server_args, run_server
+from pagedllm.server.cli_args import add_server_args, run_server
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from pagedllm.quant.policy import QuantPolicy
+from pagedllm.quant.texts import read_text_file
+from pagedllm.quantize.quantize import default_policy, quantize_to_dir
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="a .gguf file or HF-style directory (default: SmolLM2-135M)")
@@ -26,10 +30,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from pagedllm.quant.policy import QuantPolicy
-    from pagedllm.quant.quantize import default_policy, quantize_to_dir
-    from pagedllm.quant.texts import read_text_file
-
     if args.bits == 8 and args.group_size is not None:
         raise ValueError("8-bit weights use one scale per output channel (torch's packed int8 kernel has no "
                          "groups); --group-size applies to 4-bit")

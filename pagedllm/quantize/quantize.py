@@ -8,10 +8,16 @@ import time
 import torch
 from tqdm import tqdm
 
-from pagedllm.quant.awq import awq_quantize
-from pagedllm.quant.calibrate import collect_stats
-from pagedllm.quant.gptq import gptq_quantize
+from pagedllm.config import resolve_model_path
+from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.loader import load_model_files
+from pagedllm.quant.checkpoint import save_checkpoint
 from pagedllm.quant.policy import LINEAR_TYPES, QuantPolicy, quantize_weight
+from pagedllm.quant.texts import python_doc_text, token_chunks
+from pagedllm.quantize.awq import awq_quantize
+from pagedllm.quantize.calibrate import collect_stats
+from pagedllm.quantize.gptq import gptq_quantize
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +34,6 @@ def default_policy(bits: int, group_size: int, symmetric: bool) -> QuantPolicy:
 def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequences: list[list[int]] | None,
                    progress: bool = True):
     """-> (arch, weights dict ready for ``save_checkpoint`` / ``LlamaForCausalLM``, report dict)."""
-    from pagedllm.config import resolve_model_path
-    from pagedllm.model.llama import LlamaForCausalLM
-    from pagedllm.model.loader import load_model_files
-
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}")
     t0 = time.perf_counter()
@@ -87,11 +89,6 @@ def quantize_to_dir(model_path: str, method: str, bits: int, policy: QuantPolicy
                     calib_tokens: int = 8192, calib_seq_len: int = 256, progress: bool = True):
     """Calibrate (on ``calib_text``, default the calibration half of Python's docs), quantize and write a
     checkpoint with the tokenizer to ``out``. -> (quantization info recorded in the checkpoint, report)."""
-    from pagedllm.config import resolve_model_path
-    from pagedllm.engine.tokenizer import load_tokenizer
-    from pagedllm.quant.checkpoint import save_checkpoint
-    from pagedllm.quant.texts import python_doc_text, token_chunks
-
     path = resolve_model_path(model_path)
     tok = load_tokenizer(path)
     text = calib_text if calib_text is not None else python_doc_text("calib")

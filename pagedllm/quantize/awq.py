@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.quant.calibrate import LinearStats
 from pagedllm.quant.formats import QuantizedWeight, dequantize, quantize_rtn
+from pagedllm.quantize.calibrate import LinearStats
 
 
 def awq_quantize(w: torch.Tensor, stats: LinearStats, bits: int, group_size: int, symmetric: bool,

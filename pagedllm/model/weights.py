@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 from pagedllm.config import QUANTIZATION_CHOICES
+from pagedllm.model.arch import ModelArchConfig
+from pagedllm.model.loader import load_model_files
 from pagedllm.quant.checkpoint import is_quantized_checkpoint, load_checkpoint
 from pagedllm.quant.policy import ON_THE_FLY, QuantPolicy
 
@@ -18,13 +20,12 @@ from pagedllm.quant.policy import ON_THE_FLY, QuantPolicy
 def load_weights(path: str, quantization: str | None, block_kernel: bool = False):
     """-> (arch, weights, policy or None, label for logs/metrics). ``block_kernel``: the fused CPU kernels will run
     packed blocks (``gguf`` then keeps the file's Q8_0 embedding packed too)."""
-    from pagedllm.model.loader import load_model_files
-
     q = None if quantization in (None, "none") else quantization
     if q is not None and q not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
     if is_quantized_checkpoint(path):
-        arch, weights, info = load_checkpoint(path)
+        arch_fields, weights, info = load_checkpoint(path)
+        arch = ModelArchConfig(**arch_fields)
         if q is not None and q != info["method"]:
             raise ValueError(f"{path} is a {info['method']} checkpoint but --quantization {q} was given")
         return arch, weights, None, f"{info['method']} (checkpoint)"

@@ -1,0 +1,79 @@
+"""A model's shape: the architecture hyper-parameters every layer reads (``ModelArchConfig``), and how they split
+over tensor-parallel ranks (``TPLayout``, ``tp_layout``). Pure data: no weights, no devices, no process groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    vocab_fingerprint: str | None = None  # sha256 of the token strings, where the file lists them
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """What rank ``rank`` of ``world_size`` holds."""
+
+    rank: int
+    world_size: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    kv_head_start: int  # first KV head (of the whole model) this rank holds
+    intermediate_size: int  # MLP channels on this rank
+    vocab_per_rank: int  # rows of the (padded) vocabulary on each rank
+    vocab_start: int  # first vocabulary id of this rank's slice
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_per_rank * self.world_size
+
+
+def tp_layout(cfg: ModelArchConfig, world_size: int, rank: int = 0) -> TPLayout:
+    """The per-rank sizes, or a ValueError naming the model's head counts and sizes when they do not divide."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"bad tensor-parallel rank {rank} of world size {world_size}")
+    n, h, kv, inter = world_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    problems = []
+    if h % n:
+        problems.append(f"{h} query heads are not a multiple of {n}")
+    if kv % n and n % kv:
+        problems.append(f"{kv} KV heads are neither a multiple nor a divisor of {n}")
+    if inter % n:
+        problems.append(f"intermediate size {inter} is not a multiple of {n}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={n} does not divide the model ({cfg.arch}: {h} query heads, {kv} KV heads, "
+            f"intermediate size {inter}, hidden size {cfg.hidden_size}): " + "; ".join(problems)
+            + ". Query heads and the intermediate size must be multiples of the tensor-parallel size; KV heads a "
+            "multiple of it, or a divisor of it (then they are replicated)."
+        )
+    if kv >= n:
+        kv_local, kv_start = kv // n, rank * (kv // n)
+    else:  # replicated: n // kv consecutive ranks share one KV head, the one their query heads use
+        kv_local, kv_start = 1, rank // (n // kv)
+    vocab_per_rank = -(-cfg.vocab_size // n)
+    return TPLayout(rank, n, h // n, kv_local, kv_start, inter // n, vocab_per_rank, rank * vocab_per_rank)

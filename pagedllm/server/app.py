@@ -1,0 +1,142 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over AsyncLLM engines: its routes, middleware, error handlers, lifespan
+and OpenAPI schema."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+
+from pagedllm import __version__
+from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.sampling_params import RANGES
+from pagedllm.server import openapi
+from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FallbackRouter, FaultInjection
+from pagedllm.server.errors import APIError, error_json, install_error_handlers
+from pagedllm.server.middleware import MAX_BODY_BYTES, ApiKeyMiddleware, BodyLimitMiddleware
+from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedllm.server.serving_chat import OpenAIServingChat
+from pagedllm.server.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("pagedllm.server")
+
+VERSION = __version__
+
+
+def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, metrics: PrometheusStatLogger | None = None,
+              fallback: AsyncLLM | None = None, fallback_name: str | None = None,
+              breaker: CircuitBreaker | None = None, request_timeout_s: float | None = None,
+              faults: FaultInjection | None = None, auto_tools: bool = False,
+              metrics_require_auth: bool = False) -> FastAPI:
+    router = FallbackRouter(engine, model_names[0], fallback, fallback_name, breaker, request_timeout_s, faults)
+    serving_completion = OpenAIServingCompletion(engine, model_names, router)
+    serving_chat = OpenAIServingChat(engine, model_names, router, auto_tools)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        logger.info("shutting down: aborting unfinished requests")
+        engine.shutdown()
+        if fallback is not None:
+            fallback.shutdown()
+
+    app = FastAPI(title="pagedllm", version=VERSION, lifespan=lifespan)
+    app.state.engine = engine
+    public = frozenset({"/health"} if metrics_require_auth else {"/health", "/metrics"})
+
+    def custom_openapi():
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi.finalize(
+                get_openapi(title=app.title, version=app.version, routes=app.routes), RANGES,
+                public if api_key else None)
+        return app.openapi_schema
+
+    app.openapi = custom_openapi
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, public_paths=public)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+
+    @app.get("/health", response_model=None, responses={200: {"model": openapi.HealthResponse},
+                                                         **openapi.errors(503)})
+    async def health():
+        if not engine.is_alive:
+            return error_json(503, "engine loop is not running")
+        detail: dict = {"status": "ok", "runtime": engine.runtime}
+        if breaker is not None:
+            detail["circuit"] = breaker.detail()
+        if fallback is not None:
+            detail["fallback"] = {"model": fallback_name, "alive": fallback.is_alive}
+        return detail
+
+    @app.get("/version", response_model=None, responses={200: {"model": openapi.VersionResponse},
+                                                          **openapi.errors(401)})
+    async def version():
+        return {"version": VERSION, "runtime": engine.runtime}
+
+    @app.get("/v1/models", response_model=None, responses={200: {"model": openapi.ModelList},
+                                                            **openapi.errors(401)})
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedllm",
+             "root": engine.model_path, "max_model_len": engine.max_model_len,
+             "vocab_size": engine.vocab_size}
+            for name in model_names]}
+
+    @app.post("/v1/completions", response_model=None,
+              responses={**openapi.GENERATE_RESPONSES, 200: {**openapi.GENERATE_RESPONSES[200],
+                                                             "model": openapi.CompletionResponse}})
+    async def completions(req: CompletionRequest, raw: Request):
+        return await serving_completion.create_completion(req, raw)
+
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={**openapi.GENERATE_RESPONSES, 200: {**openapi.GENERATE_RESPONSES[200],
+                                                             "model": openapi.ChatCompletionResponse}})
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        return await serving_chat.create_chat_completion(req, raw)
+
+    @app.post("/tokenize", response_model=None,
+              responses={200: {"model": openapi.TokenizeResponse}, **openapi.SIMPLE_RESPONSES})
+    async def tokenize(req: TokenizeRequest):
+        serving_completion.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            _, ids = engine.encode_chat([m.model_dump(include={"role", "content"}) for m in req.messages])
+        else:
+            ids = engine.encode_text(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", response_model=None,
+              responses={200: {"model": openapi.DetokenizeResponse}, **openapi.SIMPLE_RESPONSES})
+    async def detokenize(req: DetokenizeRequest):
+        serving_completion.check_model(req.model)
+        vocab = engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.get("/debug/kv", response_model=None, responses={200: {"model": openapi.KVCacheState},
+                                                           **openapi.errors(401)})
+    async def debug_kv():
+        """The KV block pool now (leak checks: after all requests end, every block is free)."""
+        return engine.kv_state()
+
+    @app.get("/metrics", response_model=None, responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **openapi.errors(401, 404)})
+    async def metrics_endpoint():
+        if metrics is None:
+            return error_json(404, "metrics are disabled")
+        if breaker is not None:
+            metrics.set_circuit_state(STATE_CODE[breaker.state])
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,143 @@
+"""The `serve` command: the server's flags, and running the server they describe (engines, metrics, fallback, a
+uvicorn server that drains on SIGTERM/SIGINT and stops when a tensor-parallel rank dies)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import threading
+
+from pagedllm.config import DEFAULT_MODEL_FILE
+from pagedllm.engine.arg_utils import config_from_args
+from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.server.app import build_app
+from pagedllm.server.degradation import CircuitBreaker, FaultInjection
+from pagedllm.server.middleware import MAX_BODY_BYTES
+from pagedllm.server.tools import TOOL_CALL_PARSERS
+
+logger = logging.getLogger("pagedllm.server")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="name clients use (default: the model's name)")
+    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                   help="require this bearer key on every route but /health (and /metrics, see below)")
+    g.add_argument("--metrics-require-auth", action="store_true", help="with --api-key, /metrics needs the key too")
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: requests in flight get this long to finish, then are ended (finish "
+                        "reason 'abort') and the process exits")
+    g.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES)
+    g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats log lines")
+    g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--fallback-model", default=None,
+                   help="a second (smaller) model served when the primary fails, times out or its circuit is open")
+    g.add_argument("--request-timeout-s", type=float, default=None,
+                   help="a request that has no first token from the primary by then goes to the fallback")
+    g.add_argument("--circuit-breaker-threshold", type=int, default=5, help="failures that open the circuit")
+    g.add_argument("--circuit-breaker-window-s", type=float, default=60.0)
+    g.add_argument("--circuit-breaker-cooldown-s", type=float, default=30.0, help="open -> half-open after this")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file used instead of the model's (e.g. one that renders tools)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides, its calls are parsed (--tool-call-parser)')
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks (Qwen2.5, "
+                        "Hermes-style templates)")
+    g.add_argument("--fault-injection", default=os.environ.get("PAGEDLLM_FAULT_INJECTION"),
+                   help='tests only: \'{"fail_marker": "...", "stall_marker": "..."}\' makes the primary fail or '
+                        "stall on prompts containing the marker")
+
+
+def default_served_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_FILE.split(".")[0]
+    return model
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn  # optional and heavy: only the server needs it
+
+    logging.getLogger("pagedllm").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)  # a flag the engine cannot honour stops here, with its message
+    faults = FaultInjection.parse(args.fault_injection)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            chat_template = f.read()
+    name = args.served_model_name or default_served_name(args.model)
+    engine = AsyncLLM(config, log_stats_interval=args.log_stats_interval)
+    if faults is not None and faults.forward_fail_token is not None:
+        engine.inject_forward_fault(faults.forward_fail_token)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
+    kv = engine.kv_cache_spec()
+    metrics = PrometheusStatLogger(name, kv.total_bytes, kv.num_tokens, kv.bytes_per_block)
+    engine.stat_loggers.append(metrics)
+    fallback = fallback_name = breaker = None
+    if args.fallback_model:
+        fb_config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, model=args.fallback_model, served_model_name=None),
+            speculative=None, tensor_parallel_size=1)
+        fallback = AsyncLLM(fb_config, log_stats_interval=args.log_stats_interval)
+        fallback_name = os.path.basename(os.path.normpath(args.fallback_model)).split(".")[0]
+        if fallback_name == name:
+            fallback_name = f"{name}-fallback"
+        breaker = CircuitBreaker(args.circuit_breaker_threshold, args.circuit_breaker_window_s,
+                                 args.circuit_breaker_cooldown_s)
+    app = build_app(engine, [name], api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                    metrics=metrics, fallback=fallback, fallback_name=fallback_name, breaker=breaker,
+                    request_timeout_s=args.request_timeout_s, faults=faults,
+                    auto_tools=args.enable_auto_tool_choice, metrics_require_auth=args.metrics_require_auth)
+    drain_s = args.drain_timeout_s
+
+    class _Server(uvicorn.Server):
+        drain_timer: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame):  # graceful stop, then a normal exit (no re-raised signal)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+            if self.drain_timer is None:  # requests still running when the drain time is up are ended
+                logger.info("stopping: requests in flight have %.0f s to finish", drain_s)
+                self.drain_timer = threading.Timer(drain_s, _end_in_flight)
+                self.drain_timer.daemon = True
+                self.drain_timer.start()
+
+    def _end_in_flight() -> None:
+        logger.warning("drain timeout (%.0f s): ending the requests still in flight", drain_s)
+        engine.shutdown()
+        if fallback is not None:
+            fallback.shutdown()
+
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                    timeout_graceful_shutdown=drain_s + 5))
+    tp_failures: list[str] = []
+
+    def _tp_failed(message: str) -> None:  # a tensor-parallel rank that dies takes the server down (the watchdog)
+        logger.critical("stopping the server: %s", message)
+        tp_failures.append(message)
+        server.should_exit = True
+
+    engine.add_tp_failure_callback(_tp_failed)  # False (nothing to watch) without tensor parallelism
+    logger.info("serving %s on http://%s:%d", name, args.host, args.port)
+    server.run()
+    if server.drain_timer is not None:
+        server.drain_timer.cancel()
+    engine.shutdown()
+    if fallback is not None:
+        fallback.shutdown()
+    if tp_failures:
+        print(f"error: tensor parallelism failed: {tp_failures[0]}", file=sys.stderr)
+        return 1
+    logger.info("server stopped")
+    return 0

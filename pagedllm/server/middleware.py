@@ -1,0 +1,54 @@
+"""ASGI middleware in front of every route: the request body limit and the API key check."""
+
+from __future__ import annotations
+
+import hmac
+
+from pagedllm.server.errors import APIError, error_json
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over the limit before anything parses them (Content-Length, or counted while streaming)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await error_json(413, f"request body is larger than {self.max_bytes} bytes")(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise APIError(413, f"request body is larger than {self.max_bytes} bytes")
+            return msg
+
+        return await self.app(scope, limited_receive, send)
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on every route except the public ones (/health, and /metrics unless
+    --metrics-require-auth); the key is compared in constant time. Plain ASGI, so that disconnect detection
+    downstream still sees the real receive channel."""
+
+    def __init__(self, app, api_key: str, public_paths: frozenset[str] = frozenset({"/health"})) -> None:
+        self.app, self.key, self.public = app, api_key.encode(), public_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.public:
+            header = dict(scope.get("headers", [])).get(b"authorization", b"")
+            token = header[7:] if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                resp = error_json(401, "Invalid or missing API key")
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)

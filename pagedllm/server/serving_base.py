@@ -1,0 +1,64 @@
+"""What the two generate endpoints share before their responses differ: the model check, refusing fields pagedllm
+does not implement, and starting a request (its prompts queued on the engine the router picks)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+
+from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.degradation import FallbackRouter
+from pagedllm.server.errors import APIError
+from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
+
+# encode(engine) -> the request's prompts tokenized for that engine: [(text or None, token ids)]
+EncodeFn = Callable[[AsyncLLM], list[tuple[str | None, list[int]]]]
+GenerateRequest = CompletionRequest | ChatCompletionRequest
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], router: FallbackRouter) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.tokenizer = engine.tokenizer
+        self.router = router
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.model_names:
+            return self.model_names[0]
+        if self.router.fallback is not None and model == self.router.fallback_name:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+
+    @staticmethod
+    def refuse_unsupported(req: GenerateRequest) -> None:
+        bad = req.unsupported_fields()
+        if bad:
+            raise APIError(400, f"unsupported field(s) {bad}: pagedllm does not implement "
+                                f"{'it' if len(bad) == 1 else 'them'}", bad[0])
+
+    async def start(self, encode: EncodeFn, params: SamplingParams, req: GenerateRequest, model: str,
+                    raw: Request) -> tuple[list[AsyncIterator], str]:
+        """Queue the request's prompts where the router sends them; returns the streams and who serves them."""
+
+        async def queue(engine: AsyncLLM):
+            prompts = encode(engine)
+            return await self._queue(engine, prompts, params, req), [text for text, _ in prompts]
+
+        return await self.router.route(model, queue, raw, req.stream)
+
+    @staticmethod
+    async def _queue(engine: AsyncLLM, prompts, params: SamplingParams, req: GenerateRequest) -> list[AsyncIterator]:
+        """Queue one request per prompt; a bad prompt aborts those already queued and raises."""
+        gens = []
+        try:
+            for text, ids in prompts:
+                gens.append(engine.generate(text, ids, params, priority=req.priority,
+                                            max_queue_delay_ms=req.max_queue_delay_ms))
+        except BaseException:
+            for g in gens:
+                await g.aclose()
+            raise
+        return gens

@@ -1,0 +1,112 @@
+"""`/v1/chat/completions`: messages through the chat template, n choices, tool calls, streamed or not."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.outputs import CompletionOutput, TokenLogprobs
+from pagedllm.server.degradation import FallbackRouter
+from pagedllm.server.errors import APIError
+from pagedllm.server.protocol import ChatCompletionRequest
+from pagedllm.server.serving_base import OpenAIServing
+from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs
+from pagedllm.server.tools import extract_tool_calls, plan_tools, template_messages, visible_content
+
+
+def chat_logprobs(lps: list[TokenLogprobs]) -> dict:
+    def entry(tok: str, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+    return {"content": [
+        {**entry(lp.decoded_token, lp.logprob), "top_logprobs": [entry(t.decoded_token, t.logprob) for t in lp.top]}
+        for lp in lps
+    ]}
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the chat template takes them (content parts: only text is supported)."""
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise APIError(400, f"message content part type {part.get('type')!r} is not supported",
+                                   "messages")
+                parts.append(part.get("text", ""))
+            content = "".join(parts)
+        msg = {"role": m.role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if (m.model_extra or {}).get(key) is not None:
+                msg[key] = m.model_extra[key]
+        messages.append(msg)
+    return template_messages(messages)
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, model_names: list[str], router: FallbackRouter,
+                 auto_tools: bool = False) -> None:
+        super().__init__(engine, model_names, router)
+        self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
+        model = self.check_model(req.model)
+        self.refuse_unsupported(req)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tools)
+        structured = req.structured()
+        if plan.structured is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {plan.mode!r} constrains the output itself: it cannot be combined "
+                                    "with response_format or guided decoding", "tool_choice")
+            structured = plan.structured
+        tools = req.tools if plan.mode != "none" else None
+        messages = _messages(req)
+        encoded = [self.engine.encode_chat(messages, tools)]  # a template error is a 400 before anything is queued
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.to_sampling_params(max_tokens, logprobs, structured)
+        gens, model = await self.start(
+            lambda eng: encoded if eng is self.engine else [eng.encode_chat(messages, tools)], params, req, model, raw)
+        reply = Reply("chatcmpl", model)
+
+        if not req.stream:
+            finals = await final_outputs(gens, raw)
+            choices = []
+            for c in finals[0].outputs:
+                content, calls = extract_tool_calls(plan, c.text)
+                message = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = calls
+                choices.append({
+                    "index": c.index, "message": message,
+                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason,
+                })
+            return reply.json("chat.completion", choices, finals)
+
+        def render(_prompt: int, index: int, c: CompletionOutput, deltas: ChoiceDeltas) -> dict | None:
+            calls = []  # content streams as it comes, except what may be (or is) a tool call
+            if plan.mode == "none":
+                shown = c.text
+            elif c.finish_reason is None:
+                shown = visible_content(plan, c.text)
+            else:
+                _, calls = extract_tool_calls(plan, c.text)
+                shown = visible_content(plan, c.text) if calls else c.text
+            d = deltas.next(index, shown, c)
+            if d is None:
+                return None
+            delta = {"content": d.text} if d.text else {}
+            if calls:
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+            return {"index": index, "delta": delta,
+                    "logprobs": chat_logprobs(d.logprobs) if d.logprobs is not None else None,
+                    "finish_reason": "tool_calls" if calls else c.finish_reason}
+
+        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                   for i in range(req.n)]
+        return reply.sse("chat.completion.chunk", gens, req.n, req.stream_options, render, opening)

@@ -1,0 +1,122 @@
+"""The paged KV cache of one rank: how many blocks fit the memory budget, the per-layer K/V block tensors (the
+target model's, and a draft model's in the same blocks), the host blocks that swapped-out KV waits in, and the
+block copies between them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pagedllm.config import CacheConfig
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled KV storage. On CPU it comes from calloc, so pages are committed only when first written:
+    the process's resident memory grows with the KV cache actually used, not with the budget."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+class KVCache:
+    """Blocks for ``model`` and ``draft_model`` (if any; each with ``cfg.num_layers``, ``cfg.head_dim`` and this
+    rank's ``num_kv_heads``). Nothing is allocated until ``allocate``."""
+
+    def __init__(self, config: CacheConfig, model, draft_model, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.model = model
+        self.draft_model = draft_model
+        models = [model] + ([draft_model] if draft_model is not None else [])
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        elem = torch.tensor([], dtype=dtype).element_size()
+        # KV bytes of one block across all layers (the draft model's layers included)
+        self.bytes_per_block = sum(2 * m.cfg.num_layers * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem
+                                   for m in models)
+        self.num_blocks = 0
+        self.kv_caches: KVLayers = []  # the target model's layers
+        self.draft_kv_caches: KVLayers = []
+        self.num_host_blocks = 0
+        self.host_kv_caches: KVLayers = []
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def budget_blocks(self) -> int:
+        """The blocks the memory budget holds (``--kv-cache-memory``, the GPU's free memory, or the CPU default)."""
+        c = self.config
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override
+        if c.kv_cache_memory is not None:
+            budget = c.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            activation_reserve = 1 << 30
+            budget = int(total * c.gpu_memory_utilization) - (total - free) - activation_reserve
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        return max(budget // self.bytes_per_block, 0)
+
+    def allocate(self, num_blocks: int, max_model_len: int) -> None:
+        """The device blocks of every model, and with ``preemption_mode='swap'`` the host blocks; a ValueError
+        when one request of ``max_model_len`` tokens would not fit."""
+        c = self.config
+        self.num_blocks = num_blocks
+        needed = math.ceil(max_model_len / self.block_size)
+        if needed > num_blocks:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
+                f"({num_blocks * self.block_size} tokens) but max_model_len={max_model_len} needs "
+                f"{needed} blocks for a single request: raise --kv-cache-memory / --gpu-memory-utilization "
+                f"or lower --max-model-len"
+            )
+        shape = self._shape(self.model)
+        self.kv_caches = self._layers(self.model)
+        if c.preemption_mode == "swap":
+            if self.draft_model is not None:
+                raise ValueError("preemption_mode='swap' together with a draft model is not supported yet")
+            self.num_host_blocks = c.num_host_blocks_override or int(c.swap_space * 2**30 // self.bytes_per_block)
+            if self.num_host_blocks < 1:
+                raise ValueError(f"swap_space {c.swap_space} GiB holds no KV block "
+                                 f"({self.bytes_per_block} bytes each)")
+            pin = self.device.type == "cuda"
+            self.host_kv_caches = [
+                tuple(torch.zeros((self.num_host_blocks, *shape[1:]), dtype=self.dtype, pin_memory=pin)
+                      for _ in range(2))
+                for _ in range(self.model.cfg.num_layers)
+            ]
+        if self.draft_model is not None:
+            self.draft_kv_caches = self._layers(self.draft_model)
+
+    def _shape(self, model) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.block_size, model.num_kv_heads, model.cfg.head_dim)
+
+    def _layers(self, model) -> KVLayers:
+        shape = self._shape(model)
+        return [(zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
+                for _ in range(model.cfg.num_layers)]
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),
+        then host -> device."""
+        if swap_out:
+            dev = torch.tensor([d for d, _ in swap_out], device=self.device)
+            host = torch.tensor([h for _, h in swap_out])
+            for (kc, vc), (hk, hv) in zip(self.kv_caches, self.host_kv_caches):
+                hk.index_copy_(0, host, kc.index_select(0, dev).to("cpu"))
+                hv.index_copy_(0, host, vc.index_select(0, dev).to("cpu"))
+        if swap_in:
+            host = torch.tensor([h for h, _ in swap_in])
+            dev = torch.tensor([d for _, d in swap_in], device=self.device)
+            for (kc, vc), (hk, hv) in zip(self.kv_caches, self.host_kv_caches):
+                kc.index_copy_(0, dev, hk.index_select(0, host).to(self.device))
+                vc.index_copy_(0, dev, hv.index_select(0, host).to(self.device))
