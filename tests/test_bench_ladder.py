@@ -193,3 +193,32 @@ def test_outputs_written(tmp_path):
     doc = json.loads((tmp_path / "sub" / "x.json").read_text())
     assert [r["gate"]["status"] for r in doc["rows"]] == ["reference", "PASS", "PASS", "PASS", "PASS"]
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draft_pair_resolution(tmp_path):
+    t, d = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    t.write_bytes(b"x")
+    d.write_bytes(b"x")
+    assert ladder.resolve_draft_pair(f"{t},{d}") == (str(t), str(d))
+    assert ladder.resolve_draft_pair(f"{t},{d}", enabled=False) is None
+    with pytest.raises(ValueError, match="TARGET,DRAFT"):
+        ladder.resolve_draft_pair(str(t))
+    with pytest.raises(ValueError, match="does not exist"):
+        ladder.resolve_draft_pair(f"{t},{tmp_path / 'missing.gguf'}")
+
+
+def test_draft_step_end_to_end_and_in_the_report(tmp_path):
+    """The draft-model variant's real run (`bench spec` in a subprocess; the embedded model as its own draft, so
+    the gate must pass and the draft must be accepted), then its table in the report; a differing output fails."""
+    d = ladder.run_draft_step("default", "default", 8, str(tmp_path), dtype="float32")
+    assert [r["config"] for r in d["rows"]] == ["no speculation", "ngram k=4", "draft model k=4"]
+    assert d["gate"]["status"] == "PASS"
+    assert d["rows"][2]["mean_acceptance_length"] > 2.0  # a model drafting for itself is mostly accepted
+    meta = {"command": "x", "output_len": 4, "concurrency": 2, "draft_step": d}
+    report = ladder.build_report(_fake_rows(), meta)
+    assert "Step 5 with a draft model" in report and "| draft model k=4 |" in report
+    bad = json.loads(json.dumps(d))
+    bad["rows"][2]["greedy_identical"] = False
+    bad["gate"] = {"status": "FAILED", "detail": "greedy output differs from no speculation: draft model k=4"}
+    assert "**FAILED**" in "".join(ladder.draft_section(bad))
+    assert "FAILED** to run" in "".join(ladder.draft_section({"error": "CalledProcessError: boom"}))

@@ -141,7 +141,9 @@ def test_every_constrained_output_is_valid(llm32, temperature):
               for i, c in enumerate(cons)]
     prompts = [PROMPT] * len(cons)
     cons.append(StructuredOutputsParams(json_object=True))  # any object: a prompt that asks for a small one
-    params.append(SamplingParams(temperature=temperature, max_tokens=60, structured_outputs=cons[-1]))
+    # seeded like the others: unseeded, a sampled object sometimes nested on past its token limit (a flaky test)
+    params.append(SamplingParams(temperature=temperature, seed=len(cons), max_tokens=120,
+                                 structured_outputs=cons[-1]))
     prompts.append('<|im_start|>user\nReply with the JSON object {"ok": true} and nothing else.<|im_end|>\n'
                    '<|im_start|>assistant\n')
     outs = llm32.generate(prompts, params, use_tqdm=False)

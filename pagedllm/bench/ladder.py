@@ -52,6 +52,7 @@ from pagedllm.bench.offline import load_prompts, run_hf_one_at_a_time
 from pagedllm.bench.serve import BenchRequest, run_load
 from pagedllm.config import SpeculativeConfig, default_model_path
 from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.model.fetch import fetched_path
 
 WORKLOADS = ("w1", "prefix", "code")
 TITLES = {"w1": "W1", "prefix": "shared prefix", "code": "code rewrite"}
@@ -276,6 +277,57 @@ def run_server_step(step: Step, workloads: dict[str, list[str]], single: list[st
     with open(log_path) as f:
         row["weights_bytes"] = weights_bytes_from_log(f.read())
     return row
+
+
+def resolve_draft_pair(value: str | None, enabled: bool = True) -> tuple[str, str] | None:
+    """Step 5's draft-model variant: ``TARGET,DRAFT`` paths, or (no value) the Qwen2.5-Coder 1.5B target and 0.5B
+    draft when both have been fetched (`pagedllm fetch`); None: no draft-model row."""
+    if not enabled:
+        return None
+    if value:
+        parts = value.split(",")
+        if len(parts) != 2 or not all(parts):
+            raise ValueError(f"--draft-pair must be TARGET,DRAFT (two model paths), got {value!r}")
+        for path in parts:
+            if path != "default" and not os.path.exists(path):
+                raise ValueError(f"--draft-pair: {path} does not exist")
+        return parts[0], parts[1]
+    target, draft = fetched_path("qwen2.5-coder-1.5b"), fetched_path("qwen2.5-coder-0.5b")
+    return (target, draft) if target and draft else None
+
+
+def run_draft_step(target: str, draft: str, output_len: int, results_dir: str, dtype: str = "auto") -> dict:
+    """Step 5 with a draft model: `bench spec` on the pair's target, one code-rewrite stream at a time, without
+    speculation, with n-gram and with the draft model; its gate is greedy identity with the run without."""
+    out = os.path.join(results_dir, "draft_step.json")
+    cmd = [sys.executable, "-m", "pagedllm.cli.main", "bench", "spec", "--model", target, "--draft-model", draft,
+           "--dtype", dtype, "--skip-concurrency", "--output-len", str(output_len), "--result-json", out]
+    _log("step 5, draft model: " + shlex.join(["pagedllm", *cmd[3:]]))
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        rows = json.load(f)["single"]
+    bad = [r["config"] for r in rows if not r["greedy_identical"]]
+    gate = ({"status": "FAILED", "detail": f"greedy output differs from no speculation: {', '.join(bad)}"} if bad
+            else {"status": "PASS", "detail": "greedy output identical to the target alone"})
+    return {"target": os.path.basename(target), "draft": os.path.basename(draft), "dtype": dtype,
+            "output_len": output_len, "rows": rows, "gate": gate, "seconds": round(time.perf_counter() - t0, 1),
+            "command": "pagedllm " + shlex.join(cmd[3:])}
+
+
+def draft_section(d: dict) -> list[str]:
+    """The report's table for step 5's draft-model variant (a different target model, so its own table)."""
+    if d.get("error"):
+        return ["", f"Step 5, draft model: **FAILED** to run ({d['error']})."]
+    base = d["rows"][0]["single_decode_tok_s"]
+    lines = ["", f"Step 5 with a draft model (no draft shares SmolLM2-135M's tokenizer, so on another target): "
+             f"`{d['target']}` with draft `{d['draft']}`, one code-rewrite request at a time, greedy, up to "
+             f"{d['output_len']} tokens (`{d['command']}`). Gate: {_gate_cell(d['gate'])}.", "",
+             "| speculation | decode tok/s | × none | mean acceptance length | greedy identical |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['config']} | {r['single_decode_tok_s']:.1f} | {r['single_decode_tok_s'] / base:.2f}x | "
+                     f"{r.get('mean_acceptance_length', 1.0):.2f} | {r['greedy_identical']} |")
+    return lines
 
 
 def _run_ladder_phase(argv: list[str]) -> dict:
@@ -539,6 +591,8 @@ def build_report(rows: list[dict], meta: dict) -> str:
     notes += meta.get("notes", [])
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
+    if meta.get("draft_step"):
+        lines += draft_section(meta["draft_step"])
     return "\n".join(lines) + "\n"
 
 
@@ -627,9 +681,11 @@ def main(args: argparse.Namespace) -> int:
         lens = [len(tok.encode(p)) for p in workloads[k]]
         meta["workloads"][k] = {"num_prompts": len(lens), "prompt_tokens_min": min(lens),
                                 "prompt_tokens_max": max(lens), "description": descriptions[k]}
-    meta["notes"].append("Draft-model speculation is not a step: no draft model shares SmolLM2-135M's tokenizer. "
-                         "The opt-in Qwen2.5-Coder pair (`pagedllm fetch`) is a different target model; `pagedllm "
-                         "bench spec --model <1.5b.gguf> --draft-model <0.5b.gguf>` measures it.")
+    pair = resolve_draft_pair(args.draft_pair, not args.no_draft) if 5 in steps else None
+    if pair is None and 5 in steps and not args.no_draft:
+        meta["notes"].append("Step 5 ran n-gram drafting only: no draft model shares SmolLM2-135M's tokenizer, and "
+                             "the Qwen2.5-Coder pair was not fetched (`pagedllm fetch qwen2.5-coder-1.5b` and "
+                             "`qwen2.5-coder-0.5b` add a draft-model table, or give --draft-pair TARGET,DRAFT).")
     by_number = {s.number: s for s in ladder_steps(args.spec_config)}
     rows: list[dict] = []
     eval_result = None
@@ -651,6 +707,12 @@ def main(args: argparse.Namespace) -> int:
         if n == 3 and not args.skip_eval:
             eval_result = run_eval(args, args.results_dir)
             meta["eval"] = eval_result
+    if pair is not None:
+        try:
+            meta["draft_step"] = run_draft_step(*pair, args.draft_output_len, args.results_dir)
+        except Exception as e:  # noqa: BLE001 - reported in the table, like a failed step
+            _log(f"step 5, draft model, failed: {type(e).__name__}: {e}")
+            meta["draft_step"] = {"error": f"{type(e).__name__}: {e}"}
     compute_gates(rows, eval_result)
     meta["total_seconds"] = round(time.perf_counter() - t_start, 1)
     report = write_outputs(rows, meta, args.results_dir, args.result_json)
@@ -677,6 +739,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="code-rewrite prompts measured one at a time per server step (0: skip)")
     p.add_argument("--spec-config", type=json.loads, default=NGRAM_CONFIG,
                    help=f"step 5's --speculative-config (default {json.dumps(NGRAM_CONFIG)})")
+    p.add_argument("--draft-pair", default=None, metavar="TARGET,DRAFT",
+                   help="step 5 also measures draft-model speculation on this target/draft pair (same tokenizer); "
+                        "default: the Qwen2.5-Coder 1.5B/0.5B pair when both were fetched with `pagedllm fetch`")
+    p.add_argument("--no-draft", action="store_true", help="no draft-model table, even when the pair is fetched")
+    p.add_argument("--draft-output-len", type=int, default=128, help="output tokens per draft-step request")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--results-dir", default="results/ladder")
     add_result_json_arg(p)

