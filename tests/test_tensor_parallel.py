@@ -161,7 +161,7 @@ def test_per_rank_weights_and_kv_are_a_third(engines):
     for b in per_rank:  # embedding / LM head included; only the norms are replicated
         assert abs(b - whole / N) / (whole / N) < 0.01, (b, whole)
     runner = tp.engine.core.runner
-    assert runner.model.num_kv_heads == 1 and runner.kv_caches[0][0].shape[2] == 1
+    assert runner.model.num_kv_heads == 1 and runner.kv.kv_caches[0][0].shape[2] == 1
     assert runner.bytes_per_block * N == ref.engine.core.runner.bytes_per_block
 
 

@@ -301,7 +301,8 @@ def run_draft_step(target: str, draft: str, output_len: int, results_dir: str, d
     speculation, with n-gram and with the draft model; its gate is greedy identity with the run without."""
     out = os.path.join(results_dir, "draft_step.json")
     cmd = [sys.executable, "-m", "pagedllm.cli.main", "bench", "spec", "--model", target, "--draft-model", draft,
-           "--dtype", dtype, "--skip-concurrency", "--output-len", str(output_len), "--result-json", out]
+           "--dtype", dtype, "--skip-concurrency", "--output-len", str(output_len), "--max-model-len", "2048",
+           "--result-json", out]  # the Qwen models' 32k context would not fit the default KV budget: 2k does
     _log("step 5, draft model: " + shlex.join(["pagedllm", *cmd[3:]]))
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -47,7 +47,6 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     n = args.num_prompts
     if args.dataset == "file":
-
         prompts = load_prompts(args.dataset_path)  # None: the shipped prompt set
         if not prompts:
             raise ValueError("the dataset file has no prompts")

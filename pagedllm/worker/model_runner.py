@@ -183,20 +183,8 @@ class ModelRunner:
         return self.kv.kv_cache_bytes
 
     @property
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.kv.kv_caches
-
-    @property
-    def draft_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.kv.draft_kv_caches
-
-    @property
     def num_host_blocks(self) -> int:
         return self.kv.num_host_blocks
-
-    @property
-    def host_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.kv.host_kv_caches
 
     # ------------------------------------------------------------------ tensor parallelism
     def _start_tensor_parallel(self, arch: ModelArchConfig, weights: dict, store) -> dict:
