@@ -30,6 +30,11 @@ class ScheduledRequest:
     num_output_tokens: int  # output tokens the request has before this step (penalties, min_tokens)
     num_spec_tokens: int = 0  # the last num_spec_tokens of token_ids are draft tokens to verify
 
+    @property
+    def spec_token_ids(self) -> list[int]:
+        """The draft tokens this step verifies (the tail of ``token_ids``)."""
+        return self.token_ids[len(self.token_ids) - self.num_spec_tokens :]
+
 
 @dataclass
 class SchedulerOutput:

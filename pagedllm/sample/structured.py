@@ -120,7 +120,7 @@ def grammar_masks(groups, requests: dict[str, CachedRequestState], structured: S
         if st.sampling_params.structured_outputs is None:
             continue
         m = sync_matcher(st, structured)
-        spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+        spec = s.spec_token_ids
         consumed = 0
         for i in range(n):
             rows.append(first + i)

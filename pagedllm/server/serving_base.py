@@ -12,6 +12,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.degradation import FallbackRouter
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.server.streaming import close_all
 
 # encode(engine) -> the request's prompts tokenized for that engine: [(text or None, token ids)]
 EncodeFn = Callable[[AsyncLLM], list[tuple[str | None, list[int]]]]
@@ -22,7 +23,6 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_names: list[str], router: FallbackRouter) -> None:
         self.engine = engine
         self.model_names = model_names
-        self.tokenizer = engine.tokenizer
         self.router = router
 
     def check_model(self, model: str | None) -> str:
@@ -39,12 +39,14 @@ class OpenAIServing:
             raise APIError(400, f"unsupported field(s) {bad}: pagedllm does not implement "
                                 f"{'it' if len(bad) == 1 else 'them'}", bad[0])
 
-    async def start(self, encode: EncodeFn, params: SamplingParams, req: GenerateRequest, model: str,
-                    raw: Request) -> tuple[list[AsyncIterator], str]:
-        """Queue the request's prompts where the router sends them; returns the streams and who serves them."""
+    async def start(self, encode: EncodeFn, encoded: list[tuple[str | None, list[int]]], params: SamplingParams,
+                    req: GenerateRequest, model: str, raw: Request) -> tuple[list[AsyncIterator], str]:
+        """Queue the request's prompts where the router sends them; returns the streams and who serves them.
+        ``encoded``: the prompts already encoded for the primary engine (an encoding error was a 400 before this);
+        ``encode`` encodes them for another engine (the fallback's tokenizer)."""
 
         async def queue(engine: AsyncLLM):
-            prompts = encode(engine)
+            prompts = encoded if engine is self.engine else encode(engine)
             return await self._queue(engine, prompts, params, req), [text for text, _ in prompts]
 
         return await self.router.route(model, queue, raw, req.stream)
@@ -58,7 +60,6 @@ class OpenAIServing:
                 gens.append(engine.generate(text, ids, params, priority=req.priority,
                                             max_queue_delay_ms=req.max_queue_delay_ms))
         except BaseException:
-            for g in gens:
-                await g.aclose()
+            await close_all(gens)
             raise
         return gens

@@ -69,8 +69,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.to_sampling_params(max_tokens, logprobs, structured)
-        gens, model = await self.start(
-            lambda eng: encoded if eng is self.engine else [eng.encode_chat(messages, tools)], params, req, model, raw)
+        gens, model = await self.start(lambda eng: [eng.encode_chat(messages, tools)], encoded, params, req, model,
+                                       raw)
         reply = Reply("chatcmpl", model)
 
         if not req.stream:

@@ -45,12 +45,11 @@ class OpenAIServingCompletion(OpenAIServing):
         self.refuse_unsupported(req)
         encoded = [self.engine.encode_prompt(x) for x in prompts]
         params = req.to_sampling_params(req.max_tokens, req.logprobs, req.structured())
-        gens, model = await self.start(
-            lambda eng: encoded if eng is self.engine else [eng.encode_prompt(x) for x in prompts], params, req, model,
-            raw)
+        gens, model = await self.start(lambda eng: [eng.encode_prompt(x) for x in prompts], encoded, params, req,
+                                       model, raw)
         reply = Reply("cmpl", model)
         n = req.n
-        echo = [text if text is not None else self.tokenizer.decode(ids) for text, ids in encoded] if req.echo else None
+        echo = [text if text is not None else self.engine.tokenizer.decode(ids) for text, ids in encoded] if req.echo else None
 
         if not req.stream:
             finals = await final_outputs(gens, raw)

@@ -20,7 +20,7 @@ def accept_greedy(groups, tokens: list[int], requests: dict[str, CachedRequestSt
         if not s.num_spec_tokens:
             new_tokens[s.req_id] = [tokens[first]]
         elif requests[s.req_id].sampling_params.temperature == 0:
-            spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+            spec = s.spec_token_ids
             acc = []
             for i, d in enumerate(spec):
                 acc.append(tokens[first + i])
@@ -43,7 +43,7 @@ def verify_random(groups, probs: torch.Tensor, requests: dict[str, CachedRequest
     noise = torch.empty(len(groups), k + 1, vocab, device=dev)
     for j, (s, first, n) in enumerate(groups):
         p[j, :n] = probs[first : first + n]
-        spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+        spec = s.spec_token_ids
         drafts[j, : len(spec)] = torch.tensor(spec, device=dev)
         gen = requests[s.req_id].generator
         uniforms[j].uniform_(generator=gen)

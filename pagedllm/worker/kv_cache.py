@@ -21,7 +21,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     the process's resident memory grows with the KV cache actually used, not with the budget."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
@@ -37,7 +37,7 @@ class KVCache:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        elem = torch.tensor([], dtype=dtype).element_size()
+        elem = dtype.itemsize
         # KV bytes of one block across all layers (the draft model's layers included)
         self.bytes_per_block = sum(2 * m.cfg.num_layers * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem
                                    for m in models)

@@ -294,7 +294,7 @@ class ModelRunner:
         for s, first, n in groups:
             st = self.requests[s.req_id]
             del st.output_token_ids[s.num_output_tokens :]  # keep in step with the scheduler's view
-            spec = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+            spec = s.spec_token_ids
             for i in range(n):
                 vstates.append(st)
                 vextra.append(spec[:i])
