@@ -44,6 +44,9 @@ def test_decode_attention_matches_sdpa(ops, dtype, hq, hkv, d):
     ref = decode_attention(q, kc, vc, tables, mask, d ** -0.5)
     out = ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5)
     _close(out, ref, dtype)
+    for rows in ([0], [5], [3, 4]):  # one or two sequences are split per KV head over the threads: same numbers
+        r = torch.tensor(rows)
+        assert torch.equal(ops.decode_attention(q[r], kc, vc, tables[r], lens[r], d ** -0.5), out[r]), rows
 
 
 def test_decode_attention_strided_query_and_bad_input(ops):
@@ -162,7 +165,8 @@ def test_fused_and_torch_paths_agree():
 def test_block_quant_linear_matches_dequantized_matmul(ops, bits, group_size, symmetric, dtype):
     """qlinear on packed blocks = the dequantized weight's matmul, up to the rounding of the activations to two
     int8 levels per block of 32 (about 15 bits): under 1e-3 relative error in float32; every batch size gives each
-    row exactly the result it gets alone; 203 outputs: the last group of 8 rows is partial."""
+    row exactly the result it gets alone (whatever tile of rows and groups it ran in); 203 outputs: the last group
+    of 8 rows is partial, and the groups split over two threads leave odd groups next to pairs of them."""
     from pagedllm.quant.formats import dequantize, quantize_rtn
     from pagedllm.quant.linear import BlockQuantLinear
 
@@ -181,8 +185,10 @@ def test_block_quant_linear_matches_dequantized_matmul(ops, bits, group_size, sy
     rel = ((y.float() - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
     assert rel < (1e-3 if dtype == torch.float32 else 0.02), rel
     torch.testing.assert_close(y[3].float(), bias.to(dtype).float(), rtol=0, atol=0)
-    for m in (1, 2, 4, 5):
-        assert torch.equal(lin(x[:m]), y[:m]), m  # batch-invariant rows
+    for m in (1, 2, 3, 4, 5, 6, 7, 10):  # every row-tile shape and remainder: batch-invariant rows
+        assert torch.equal(lin(x[:m]), y[:m]), m
+    for r in (0, 5, 10):
+        assert torch.equal(lin(x[r:r + 1]), y[r:r + 1]), r
     ids = torch.tensor([0, 7, n - 1])
     torch.testing.assert_close(lin.embedding(ids), w[ids].to(dtype), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
 

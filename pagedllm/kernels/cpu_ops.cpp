@@ -108,6 +108,18 @@ inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - 
 inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vpow2n(vf x, vf n) { return _mm512_scalef_ps(x, n); }  // x * 2^n
 inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+// lane j = the sum of v[j]'s lanes, for 16 vectors at once: 45 shuffles and adds instead of 16 reductions
+inline vf vsum16(const vf* v) {
+  vf t[8], u[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: v[2k] in even, v[2k+1] in odd positions
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: the 4 vectors v[4k..4k+3] in order
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const vf w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const vf w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
 inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGEDLLM_VEC 8
@@ -170,8 +182,10 @@ inline vf vexp(vf x) {
   return vpow2n(p, n);
 }
 
+// Into L2, not L1: a burst of L1 prefetches for a whole KV block (192 lines) waits on L1's few miss buffers and
+// measured 13-15% slower than L2 prefetches (or none) for decode attention over 30 layers' blocks.
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
 }
 #endif
 
@@ -217,20 +231,33 @@ inline void softmax_row(float* s, int64_t L) {
 // Vector path for head dims that are a multiple of the vector width (NC chunks): the G query heads of a KV head
 // and their output accumulators stay in registers (AVX-512) or L1 (AVX2 spills some) while the context streams
 // past. Each block of 16 tokens is one contiguous run of memory (16 x Hkv x D): it is read once, head after
-// head, while the next block is prefetched.
+// head, while the next block is prefetched. Only KV heads [h0, h1) are computed (their rows of scores and out).
 template <typename T, int G, int NC>
 void attend_seq(const float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
-                float* scores, float* out) {
+                int64_t h0, int64_t h1, float* scores, float* out) {
   constexpr int64_t D = NC * W;
-  const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS, Hq = Hkv * G;
+  const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS;
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
     if (bi + 1 < nblocks) prefetch(kc + table[bi + 1] * blk, std::min(BS, L - t0 - BS) * tok * int64_t(sizeof(T)));
     const T* kb = kc + table[bi] * blk;
-    for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       vf qv[G][NC];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < NC; ++c) qv[g][c] = vload(qf + (h * G + g) * D + c * W);
+#if defined(__AVX512F__)
+      if (n == 16) {  // a full block: 16 tokens' dot products summed across lanes together, one vector of scores
+        for (int g = 0; g < G; ++g) {
+          vf acc[16];
+          for (int j = 0; j < 16; ++j) {
+            acc[j] = vmul(qv[g][0], vload(kb + j * tok + h * D));
+            for (int c = 1; c < NC; ++c) acc[j] = vfma(qv[g][c], vload(kb + j * tok + h * D + c * W), acc[j]);
+          }
+          vstore(scores + (h * G + g) * L + t0, vsum16(acc));
+        }
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < n; ++j) {
         vf kv[NC];
         for (int c = 0; c < NC; ++c) kv[c] = vload(kb + j * tok + h * D + c * W);
@@ -243,13 +270,13 @@ void attend_seq(const float* qf, const T* kc, const T* vc, const int64_t* table,
     }
   }
   if (nblocks > 0) prefetch(vc + table[0] * blk, std::min(BS, L) * tok * int64_t(sizeof(T)));
-  for (int64_t r = 0; r < Hq; ++r) softmax_row(scores + r * L, L);
-  std::fill(out, out + Hq * D, 0.f);
+  for (int64_t r = h0 * G; r < h1 * G; ++r) softmax_row(scores + r * L, L);
+  std::fill(out + h0 * G * D, out + h1 * G * D, 0.f);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
     if (bi + 1 < nblocks) prefetch(vc + table[bi + 1] * blk, std::min(BS, L - t0 - BS) * tok * int64_t(sizeof(T)));
     const T* vb = vc + table[bi] * blk;
-    for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       vf o[G][NC];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < NC; ++c) o[g][c] = vload(out + (h * G + g) * D + c * W);
@@ -269,10 +296,10 @@ void attend_seq(const float* qf, const T* kc, const T* vc, const int64_t* table,
 
 template <typename T, int NC>
 bool attend_seq_g(int64_t G, const float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS,
-                  int64_t Hkv, float* scores, float* out) {
+                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out) {
   switch (G) {
 #define PAGEDLLM_G(n) \
-  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, scores, out); return true;
+  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out); return true;
     PAGEDLLM_G(1) PAGEDLLM_G(2) PAGEDLLM_G(3) PAGEDLLM_G(4) PAGEDLLM_G(5) PAGEDLLM_G(6) PAGEDLLM_G(7) PAGEDLLM_G(8)
 #undef PAGEDLLM_G
     default: return false;
@@ -283,12 +310,13 @@ bool attend_seq_g(int64_t G, const float* qf, const T* kc, const T* vc, const in
 // The vector path for head dims 64 and 128 and up to 8 query heads per KV head; false: use the portable loop.
 template <typename T>
 bool attend_fast(int64_t G, int64_t D, const float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                 int64_t BS, int64_t Hkv, float* scores, float* out) {
+                 int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out) {
 #if PAGEDLLM_VEC
-  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, scores, out);
-  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, scores, out);
+  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out);
+  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out);
 #endif
-  (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)scores, (void)out;
+  (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)h0, (void)h1,
+      (void)scores, (void)out;
   return false;
 }
 
@@ -308,21 +336,26 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t tok_stride = Hkv * D;  // elements between consecutive tokens of a block
   const int64_t num_blocks = k_cache.size(0);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  // work items: whole sequences, or with fewer sequences than twice the threads (a single decode), sequence x KV
+  // head, so that both cores work; a sequence's heads are neighbours in its blocks, so whole sequences read them
+  // in one stream
+  const int64_t split = B >= 2 * at::get_num_threads() ? 1 : Hkv, heads = Hkv / split;
+  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), row(D), scores;
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / split, h0 = item % split * heads, h1 = h0 + heads;
       const int64_t L = lens[b];
       TORCH_CHECK(L >= 1 && L <= max_blocks * BS, "context length ", L, " does not fit the block table");
       const int64_t* table = tables + b * max_blocks;
       for (int64_t i = 0; i < (L + BS - 1) / BS; ++i)
         TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block ", table[i], " outside the cache");
-      for (int64_t hq = 0; hq < Hq; ++hq) {
+      for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
         const T* src = qp + b * q_sb + hq * q_sh;
         for (int64_t i = 0; i < D; ++i) qf[hq * D + i] = to_f(src[i]) * static_cast<float>(scale);
       }
       scores.resize(Hq * L);
-      if (!attend_fast<T>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, scores.data(), acc.data())) {
-        for (int64_t h = 0; h < Hkv; ++h) {  // portable path: one KV head at a time
+      if (!attend_fast<T>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data())) {
+        for (int64_t h = h0; h < h1; ++h) {  // portable path: one KV head at a time
           float* sc = scores.data() + h * G * L;
           for (int64_t t = 0; t < L; ++t) {
             load_row(kc + (table[t / BS] * BS + t % BS) * tok_stride + h * D, row.data(), D);
@@ -342,7 +375,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         }
       }
       T* dst = op + b * Hq * D;
-      for (int64_t i = 0; i < Hq * D; ++i) dst[i] = from_f<T>(acc[i]);
+      for (int64_t i = h0 * G * D; i < h1 * G * D; ++i) dst[i] = from_f<T>(acc[i]);
     }
   });
 }
@@ -554,6 +587,7 @@ struct QuantizedRows {
   std::vector<int8_t> q2;  // (M, K) fine level
   std::vector<float> s;    // (M, K/32) s
   std::vector<float> ss;   // (M, K/32) s * sum(254 q + q2), ~ the block's sum of x
+  std::vector<int32_t> isum;  // (M, K/32) sum(254 q + q2): 8-bit codes run as unsigned (s + 128) and subtract it
 };
 
 template <typename T>
@@ -563,6 +597,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
   out.q2.resize(M * K);
   out.s.resize(M * nb);
   out.ss.resize(M * nb);
+  out.isum.resize(M * nb);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     float buf[QB];
     for (int64_t r = begin; r < end; ++r)
@@ -607,6 +642,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
           s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
           const float s = amax / (127.f * LEVEL);
           out.s[r * nb + b] = s;
+          out.isum[r * nb + b] = _mm_cvtsi128_si32(s4);
           out.ss[r * nb + b] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
           continue;
         }
@@ -625,9 +661,16 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
         }
         const float s = amax / (127.f * LEVEL);
         out.s[r * nb + b] = s;
+        out.isum[r * nb + b] = sum;
         out.ss[r * nb + b] = s * static_cast<float>(sum);
       }
   });
+}
+
+template <typename T>
+inline void store_group(T* y, int64_t N, int64_t n0, const float* v) {  // up to 8 outputs, cut at N
+  const int64_t cnt = std::min<int64_t>(8, N - n0);
+  for (int64_t j = 0; j < cnt; ++j) y[n0 + j] = from_f<T>(v[j]);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -639,59 +682,261 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {  // acc + 8 int32 su
 #endif
 }
 
+constexpr int64_t PREFETCH_BYTES = 2048;  // of weights (scales: a quarter) ahead of a single-row tile
+
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-// One group of 8 weight rows against activation rows [r0, r0 + MT): out[r] = the 8 rows' results for row r0 + r.
-template <int BITS, int MT>
-inline void qgroup_rows(const uint8_t* wg, const float* dg, const float* mg, const QuantizedRows& xa, int64_t r0,
-                        int64_t K, int64_t nb, __m256* out) {
+// A tile of GT groups of 8 weight rows (groups g0 .. g0+GT-1) against activation rows [r0, r0 + MT):
+// out[g * MT + r] = the 8 rows of group g0+g for activation row r0 + r. Every (group, row) pair has its own
+// coarse and fine accumulators, so a tile runs 2*GT*MT independent chains of dot products (one group and one row
+// alone is a chain of 8 dependent vpdpbusd per block, latency-bound at about a third of the machine's rate); a
+// weight vector is loaded once per tile and an activation broadcast once per group tile. The integer sums are
+// exact and the float steps per (block, group, row) are the same in every tile shape, so a row's result does not
+// depend on the tile (or batch) it ran in.
+template <int BITS, int GT, int MT>
+inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+                  const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m256* out) {
   constexpr int64_t gbytes = BITS * 32;  // bytes per group and block: 128 (4-bit) or 256 (8-bit)
-  __m256 acc[MT];
-  for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[GT][MT];
+  for (int g = 0; g < GT; ++g)
+    for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i u[8];
-    const uint8_t* wb = wg + b * gbytes;
-    if constexpr (BITS == 4) {
-      for (int i = 0; i < 4; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
-        u[i] = _mm256_and_si256(v, low4);
-        u[4 + i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      }
-    } else {
-      for (int i = 0; i < 8; ++i) u[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
-    }
-    const __m256 dv = _mm256_loadu_ps(dg + 8 * b), mv = _mm256_loadu_ps(mg + 8 * b);
+    __m256i hi[GT][MT], lo[GT][MT];
+    for (int g = 0; g < GT; ++g)
+      for (int r = 0; r < MT; ++r) hi[g][r] = lo[g][r] = _mm256_setzero_si256();
+    const int8_t* xq[MT];
+    const int8_t* xq2[MT];
     for (int r = 0; r < MT; ++r) {
-      const int64_t row = r0 + r;
-      const int8_t* xq = xa.q.data() + row * K + b * QB;
-      const int8_t* xq2 = xa.q2.data() + row * K + b * QB;
-      // unit i: inputs 4i..4i+3 (4-bit: units 4..7 are the high nibbles, 16..31); coarse and fine level in
-      // separate accumulators, which also keeps the chains of dependent dot products short
-      __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
-      for (int i = 0; i < 8; ++i) {
-        const __m256i x1 = _mm256_set1_epi32(load_i32(xq + 4 * i));
-        const __m256i x2 = _mm256_set1_epi32(load_i32(xq2 + 4 * i));
-        if constexpr (BITS == 4) {
-          hi = dot_acc(hi, u[i], x1);
-          lo = dot_acc(lo, u[i], x2);
-        } else {  // signed codes: |w| times x with w's sign
-          const __m256i ua = _mm256_sign_epi8(u[i], u[i]);
-          hi = dot_acc(hi, ua, _mm256_sign_epi8(x1, u[i]));
-          lo = dot_acc(lo, ua, _mm256_sign_epi8(x2, u[i]));
+      xq[r] = xa.q.data() + (r0 + r) * K + b * QB;
+      xq2[r] = xa.q2.data() + (r0 + r) * K + b * QB;
+    }
+    if constexpr (MT == 1) {  // a single row streams the weights from memory: ask for them ahead of the prefetcher
+      for (int g = 0; g < GT; ++g) {
+        const uint8_t* pw = w + (g0 + g) * gstride + b * gbytes + PREFETCH_BYTES;
+        for (int c = 0; c < gbytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(d + (g0 + g) * nb * 8 + 8 * b + PREFETCH_BYTES / 4), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + (g0 + g) * nb * 8 + 8 * b + PREFETCH_BYTES / 4), _MM_HINT_T0);
+      }
+    }
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; ++i) {  // vector i: unit i (inputs 4i..4i+3) low, unit 4+i (16+4i..) high nibbles
+        __m256i ul[GT], uh[GT];
+        for (int g = 0; g < GT; ++g) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+          ul[g] = _mm256_and_si256(v, low4);
+          uh[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        for (int r = 0; r < MT; ++r) {
+          const __m256i x1 = _mm256_set1_epi32(load_i32(xq[r] + 4 * i));
+          const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
+          for (int g = 0; g < GT; ++g) {
+            hi[g][r] = dot_acc(hi[g][r], ul[g], x1);
+            lo[g][r] = dot_acc(lo[g][r], ul[g], x2);
+          }
+          const __m256i y1 = _mm256_set1_epi32(load_i32(xq[r] + 16 + 4 * i));
+          const __m256i y2 = _mm256_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
+          for (int g = 0; g < GT; ++g) {
+            hi[g][r] = dot_acc(hi[g][r], uh[g], y1);
+            lo[g][r] = dot_acc(lo[g][r], uh[g], y2);
+          }
         }
       }
-      const __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(hi, _mm256_set1_epi32(LEVEL)), lo);
-      const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row * nb + b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
-      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row * nb + b]), acc[r]);
+    } else {
+      for (int i = 0; i < 8; ++i) {
+        __m256i u[GT], ua[GT];
+        for (int g = 0; g < GT; ++g) {
+          u[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          ua[g] = _mm256_xor_si256(u[g], _mm256_set1_epi8(-128));  // s + 128 as unsigned; 128 * isum comes off
+#else
+          ua[g] = _mm256_sign_epi8(u[g], u[g]);  // |s| times x with s's sign (vpmaddubsw needs u < 128)
+#endif
+        }
+        for (int r = 0; r < MT; ++r) {
+          const __m256i x1 = _mm256_set1_epi32(load_i32(xq[r] + 4 * i));
+          const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
+          for (int g = 0; g < GT; ++g) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            hi[g][r] = dot_acc(hi[g][r], ua[g], x1);
+            lo[g][r] = dot_acc(lo[g][r], ua[g], x2);
+#else
+            hi[g][r] = dot_acc(hi[g][r], ua[g], _mm256_sign_epi8(x1, u[g]));
+            lo[g][r] = dot_acc(lo[g][r], ua[g], _mm256_sign_epi8(x2, u[g]));
+#endif
+          }
+        }
+      }
+    }
+    for (int g = 0; g < GT; ++g) {
+      const __m256 dv = _mm256_loadu_ps(d + (g0 + g) * nb * 8 + 8 * b);
+      const __m256 mv = _mm256_loadu_ps(m + (g0 + g) * nb * 8 + 8 * b);
+      for (int r = 0; r < MT; ++r) {
+        const int64_t row = r0 + r;
+        __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(hi[g][r], _mm256_set1_epi32(LEVEL)), lo[g][r]);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if constexpr (BITS == 8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * xa.isum[row * nb + b]));
+#endif
+        const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row * nb + b]));
+        acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[g][r]);
+        acc[g][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row * nb + b]), acc[g][r]);
+      }
     }
   }
-  for (int r = 0; r < MT; ++r) out[r] = acc[r];
+  for (int g = 0; g < GT; ++g)
+    for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDLLM_QZMM 1
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {  // 32 bytes of group g low, of group g+1 high
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+inline __m512 load_pair(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+// qtile on 512-bit vectors: PT pairs of groups (g0 + 2p, g0 + 2p + 1) in one vector each, so one vpdpbusd does 64
+// products (twice the 256-bit rate on CPUs that issue one of either per cycle). The same integer sums and, per
+// 8 rows, the same float steps as qtile: the results are bitwise those of the 256-bit tiles.
+template <int BITS, int PT, int MT>
+inline void qtile512(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+                     const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out) {
+  constexpr int64_t gbytes = BITS * 32;
+  __m512 acc[PT][MT];
+  for (int p = 0; p < PT; ++p)
+    for (int r = 0; r < MT; ++r) acc[p][r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i hi[PT][MT], lo[PT][MT];
+    for (int p = 0; p < PT; ++p)
+      for (int r = 0; r < MT; ++r) hi[p][r] = lo[p][r] = _mm512_setzero_si512();
+    const int8_t* xq[MT];
+    const int8_t* xq2[MT];
+    for (int r = 0; r < MT; ++r) {
+      xq[r] = xa.q.data() + (r0 + r) * K + b * QB;
+      xq2[r] = xa.q2.data() + (r0 + r) * K + b * QB;
+    }
+    const uint8_t* wb = w + g0 * gstride + b * gbytes;
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; ++i) {
+        __m512i ul[PT], uh[PT];
+        for (int p = 0; p < PT; ++p) {
+          const __m512i v = load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i);
+          ul[p] = _mm512_and_si512(v, low4);
+          uh[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        for (int r = 0; r < MT; ++r) {
+          const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
+          const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
+          for (int p = 0; p < PT; ++p) {
+            hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], ul[p], x1);
+            lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], ul[p], x2);
+          }
+          const __m512i y1 = _mm512_set1_epi32(load_i32(xq[r] + 16 + 4 * i));
+          const __m512i y2 = _mm512_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
+          for (int p = 0; p < PT; ++p) {
+            hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], uh[p], y1);
+            lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], uh[p], y2);
+          }
+        }
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) {
+        __m512i u[PT];
+        for (int p = 0; p < PT; ++p)  // s + 128 as unsigned; 128 * isum comes off below
+          u[p] = _mm512_xor_si512(load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i),
+                                  _mm512_set1_epi8(-128));
+        for (int r = 0; r < MT; ++r) {
+          const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
+          const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
+          for (int p = 0; p < PT; ++p) {
+            hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], u[p], x1);
+            lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], u[p], x2);
+          }
+        }
+      }
+    }
+    for (int p = 0; p < PT; ++p) {
+      const float* dp = d + (g0 + 2 * p) * nb * 8 + 8 * b;
+      const float* mp = m + (g0 + 2 * p) * nb * 8 + 8 * b;
+      const __m512 dv = load_pair(dp, dp + nb * 8), mv = load_pair(mp, mp + nb * 8);
+      for (int r = 0; r < MT; ++r) {
+        const int64_t row = r0 + r;
+        __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r]);
+        if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xa.isum[row * nb + b]));
+        const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xa.s[row * nb + b]));
+        acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[p][r]);
+        acc[p][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xa.ss[row * nb + b]), acc[p][r]);
+      }
+    }
+  }
+  for (int p = 0; p < PT; ++p)
+    for (int r = 0; r < MT; ++r) out[p * MT + r] = acc[p][r];
+}
+
+// Groups [g0, g0 + 2 PT) against all M rows, stored to y (row tiles of MT, then of 2 and 1).
+template <int BITS, int PT, int MT, typename T>
+inline void qtile512_rows(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+                          const QuantizedRows& xa, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+  __m512 out[PT * MT];
+  float res[16];
+  auto store = [&](int64_t r, int nr) {
+    for (int p = 0; p < PT; ++p)
+      for (int i = 0; i < nr; ++i) {
+        _mm512_storeu_ps(res, out[p * nr + i]);
+        store_group(y + (r + i) * N, N, 8 * (g0 + 2 * p), res);
+        store_group(y + (r + i) * N, N, 8 * (g0 + 2 * p + 1), res + 8);
+      }
+  };
+  int64_t r = 0;
+  for (; r + MT <= M; r += MT) {
+    qtile512<BITS, PT, MT>(w, d, m, g0, gstride, xa, r, K, nb, out);
+    store(r, MT);
+  }
+  if constexpr (MT > 2) {
+    if (r + 2 <= M) {
+      qtile512<BITS, PT, 2>(w, d, m, g0, gstride, xa, r, K, nb, out);
+      store(r, 2);
+      r += 2;
+    }
+  }
+  for (; r < M; ++r) {
+    qtile512<BITS, PT, 1>(w, d, m, g0, gstride, xa, r, K, nb, out);
+    store(r, 1);
+  }
+}
+#endif
+
+// The tiles of one slice of groups [g0, g0 + GT) against all M rows, stored to y.
+template <int BITS, int GT, int MT, typename T>
+inline void qtile_rows(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+                       const QuantizedRows& xa, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+  __m256 out[GT * MT];
+  float res[8];
+  int64_t r = 0;
+  for (; r + MT <= M; r += MT) {
+    qtile<BITS, GT, MT>(w, d, m, g0, gstride, xa, r, K, nb, out);
+    for (int g = 0; g < GT; ++g)
+      for (int i = 0; i < MT; ++i) {
+        _mm256_storeu_ps(res, out[g * MT + i]);
+        store_group(y + (r + i) * N, N, 8 * (g0 + g), res);
+      }
+  }
+  for (; r < M; ++r) {
+    qtile<BITS, GT, 1>(w, d, m, g0, gstride, xa, r, K, nb, out);
+    for (int g = 0; g < GT; ++g) {
+      _mm256_storeu_ps(res, out[g]);
+      store_group(y + r * N, N, 8 * (g0 + g), res);
+    }
+  }
 }
 #endif
 
@@ -722,11 +967,18 @@ inline void qgroup_scalar(const uint8_t* wg, const float* dg, const float* mg, c
   }
 }
 
-template <typename T>
-inline void store_group(T* y, int64_t N, int64_t n0, const float* v) {  // up to 8 outputs, cut at N
-  const int64_t cnt = std::min<int64_t>(8, N - n0);
-  for (int64_t j = 0; j < cnt; ++j) y[n0 + j] = from_f<T>(v[j]);
-}
+// Tile shapes, sized to the vector registers (32 with AVX-512, 16 with AVX2 alone): with 512-bit VNNI, ZPT pairs
+// of groups by ZMT rows, otherwise GT groups by MT rows. One or two rows (decode) run one group at a time: that
+// streams the weights in three sequential streams (codes, scales, offsets), which measured faster from memory than
+// wider tiles' many streams. Each thread takes a contiguous range of groups, so the split is even.
+#if defined(PAGEDLLM_QZMM)
+constexpr int ZPT = 2, ZMT = 3;
+#endif
+#if defined(__AVX512VL__)
+constexpr int TILE_GT = 2, TILE_MT = 3;
+#else
+constexpr int TILE_GT = 1, TILE_MT = 3;
+#endif
 
 template <int BITS, typename T>
 void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const float* d, const float* m, int64_t N,
@@ -734,35 +986,30 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const floa
   const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32;
   QuantizedRows xa;
   quantize_rows(x, M, K, xa);
-  // groups of 8 weight rows are split over the threads; a group is read once per tile of up to 4 activation rows
+#if defined(__AVX2__) && defined(__FMA__)
+  at::parallel_for(0, NG, 8, [&](int64_t begin, int64_t end) {
+    int64_t g = begin;
+    if (M >= TILE_MT) {
+#if defined(PAGEDLLM_QZMM)
+      for (; g + 2 * ZPT <= end; g += 2 * ZPT) qtile512_rows<BITS, ZPT, ZMT>(w, d, m, g, gstride, xa, M, K, nb, N, y);
+      for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, d, m, g, gstride, xa, M, K, nb, N, y);
+#else
+      for (; g + TILE_GT <= end; g += TILE_GT)
+        qtile_rows<BITS, TILE_GT, TILE_MT>(w, d, m, g, gstride, xa, M, K, nb, N, y);
+#endif
+    }
+    for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, d, m, g, gstride, xa, M, K, nb, N, y);
+  });
+#else
   at::parallel_for(0, NG, 2, [&](int64_t begin, int64_t end) {
     float res[8];
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* wg = w + g * gstride;
-      const float* dg = d + g * nb * 8;
-      const float* mg = m + g * nb * 8;
-      int64_t r = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      __m256 out[4];
-      for (; r + 4 <= M; r += 4) {
-        qgroup_rows<BITS, 4>(wg, dg, mg, xa, r, K, nb, out);
-        for (int i = 0; i < 4; ++i) {
-          _mm256_storeu_ps(res, out[i]);
-          store_group(y + (r + i) * N, N, 8 * g, res);
-        }
-      }
-      for (; r < M; ++r) {
-        qgroup_rows<BITS, 1>(wg, dg, mg, xa, r, K, nb, out);
-        _mm256_storeu_ps(res, out[0]);
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r = 0; r < M; ++r) {
+        qgroup_scalar<BITS>(w + g * gstride, d + g * nb * 8, m + g * nb * 8, xa, r, K, nb, res);
         store_group(y + r * N, N, 8 * g, res);
       }
-#endif
-      for (; r < M; ++r) {
-        qgroup_scalar<BITS>(wg, dg, mg, xa, r, K, nb, res);
-        store_group(y + r * N, N, 8 * g, res);
-      }
-    }
   });
+#endif
 }
 
 // x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout above;
