@@ -281,10 +281,9 @@ def test_lru_cache_hit_refreshes_recency():
     a_ids, b_ids = _alloc_full(kv, a), _alloc_full(kv, b)
     kv.free(a)
     kv.free(b)
-    # The one never-used block is at the head of the queue: skip it.
-    (first,) = kv.pool.get_new_blocks(1)
-    assert first.block_id not in a_ids + b_ids
-    kv.pool.free_blocks([first])  # back to the tail, uncached
+    # The one never-used block is at the head of the queue: a one-token request takes it (and keeps it).
+    (first,) = _alloc_full(kv, make_req("X", [7]))
+    assert first not in a_ids + b_ids
     a2 = make_req("A2", pa + [1, 2])
     hits, n = kv.get_computed_blocks(a2)
     assert [h.block_id for h in hits] == a_ids and n == 16
@@ -295,8 +294,24 @@ def test_lru_cache_hit_refreshes_recency():
     a2.num_computed_tokens = 18
     kv.free(a2)
     order = [blk.block_id for blk in kv.pool.free_queue]
-    assert order == b_ids[-2::-1] + [first.block_id] + [new[0].block_id] + a_ids[::-1]
+    # A2's partial block (uncached) goes to the head, reused first; A's cached blocks are now most recent
+    assert order == [new[0].block_id] + b_ids[-2::-1] + a_ids[::-1]
     assert _hits(kv, "qb", pb + [1]) == 3  # B lost its tail block only
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_uncached_blocks_are_reused_first(caching):
+    """A freed block without cached content is handed out again before any other free block (its memory is
+    already committed and warm), so requests that come and go keep using the same few blocks."""
+    kv = KVCacheManager(num_blocks=32, block_size=4, enable_caching=caching)
+    used = set()
+    for i in range(20):  # one request at a time, each of 2 blocks (the second partial: never cached)
+        r = make_req(f"R{i}", [1000 * i + j for j in range(6)])
+        used |= set(_alloc_full(kv, r))
+        kv.free(r)
+        kv.check_integrity()
+    # without caching the same 2 blocks serve every request; with caching each full block stays cached (LRU)
+    assert len(used) == (2 if not caching else 21)
 
 
 # ---------------------------------------------------------------------------- 3. reference counts, prefix sharing

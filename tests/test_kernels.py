@@ -189,6 +189,11 @@ def test_block_quant_linear_matches_dequantized_matmul(ops, bits, group_size, sy
         assert torch.equal(lin(x[:m]), y[:m]), m
     for r in (0, 5, 10):
         assert torch.equal(lin(x[r:r + 1]), y[r:r + 1]), r
+    xl = torch.randn(100, k, dtype=dtype)  # more rows than one sweep of the groups (48): chunks of rows
+    yl = lin(xl)
+    refl = F.linear(xl.float(), w, bias)
+    assert ((yl.float() - refl).norm(dim=1) / refl.norm(dim=1)).max().item() < (1e-3 if dtype == torch.float32 else 0.02)
+    assert torch.equal(lin(xl[47:52]), yl[47:52]) and torch.equal(lin(xl[99:]), yl[99:])
     ids = torch.tensor([0, 7, n - 1])
     torch.testing.assert_close(lin.embedding(ids), w[ids].to(dtype), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
 

@@ -62,12 +62,19 @@ class FreeBlockQueue:
         self.num_free -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVCacheBlock | None, block: KVCacheBlock) -> None:
+        assert prev is not None
+        nxt = prev.next_free
+        assert nxt is not None
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
         self.num_free += 1
 
     def __iter__(self):
@@ -137,11 +144,18 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks_in_eviction_order) -> None:
+        """Blocks whose last reference goes: cached ones join the tail of the LRU queue (evicted last); blocks
+        without cached content go to its head and are handed out again first, so the cache keeps reusing memory
+        that is already committed and warm (a never-used block costs a page fault per 4 KiB on first write: on
+        CPU that was ~10% of a decode step's time) instead of cycling through the whole budget."""
         for block in blocks_in_eviction_order:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"double free of {block}"
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         if block.block_hash is not None:

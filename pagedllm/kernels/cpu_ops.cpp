@@ -882,10 +882,10 @@ inline void qtile512(const uint8_t* w, const float* d, const float* m, int64_t g
     for (int r = 0; r < MT; ++r) out[p * MT + r] = acc[p][r];
 }
 
-// Groups [g0, g0 + 2 PT) against all M rows, stored to y (row tiles of MT, then of 2 and 1).
+// Groups [g0, g0 + 2 PT) against rows [r, M), stored to y (row tiles of MT, then of 2 and 1).
 template <int BITS, int PT, int MT, typename T>
 inline void qtile512_rows(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
-                          const QuantizedRows& xa, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+                          const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
   __m512 out[PT * MT];
   float res[16];
   auto store = [&](int64_t r, int nr) {
@@ -896,7 +896,6 @@ inline void qtile512_rows(const uint8_t* w, const float* d, const float* m, int6
         store_group(y + (r + i) * N, N, 8 * (g0 + 2 * p + 1), res + 8);
       }
   };
-  int64_t r = 0;
   for (; r + MT <= M; r += MT) {
     qtile512<BITS, PT, MT>(w, d, m, g0, gstride, xa, r, K, nb, out);
     store(r, MT);
@@ -915,13 +914,12 @@ inline void qtile512_rows(const uint8_t* w, const float* d, const float* m, int6
 }
 #endif
 
-// The tiles of one slice of groups [g0, g0 + GT) against all M rows, stored to y.
+// The tiles of one slice of groups [g0, g0 + GT) against rows [r, M), stored to y.
 template <int BITS, int GT, int MT, typename T>
 inline void qtile_rows(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
-                       const QuantizedRows& xa, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+                       const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
   __m256 out[GT * MT];
   float res[8];
-  int64_t r = 0;
   for (; r + MT <= M; r += MT) {
     qtile<BITS, GT, MT>(w, d, m, g0, gstride, xa, r, K, nb, out);
     for (int g = 0; g < GT; ++g)
@@ -979,6 +977,9 @@ constexpr int TILE_GT = 2, TILE_MT = 3;
 #else
 constexpr int TILE_GT = 1, TILE_MT = 3;
 #endif
+// rows per sweep of a thread's groups (a multiple of the row tiles): 17% faster than one sweep of all rows at
+// 512-2048 rows (prefill), the same up to 64
+constexpr int64_t ROW_CHUNK = 48;
 
 template <int BITS, typename T>
 void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const float* d, const float* m, int64_t N,
@@ -987,18 +988,24 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const floa
   QuantizedRows xa;
   quantize_rows(x, M, K, xa);
 #if defined(__AVX2__) && defined(__FMA__)
+  // Each thread sweeps its groups once per chunk of ROW_CHUNK rows: a chunk's activations (2 bytes per input)
+  // stay in L2 while the thread's weights pass, instead of all M rows streaming past every tile of groups.
   at::parallel_for(0, NG, 8, [&](int64_t begin, int64_t end) {
-    int64_t g = begin;
-    if (M >= TILE_MT) {
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+      const int64_t r1 = std::min(M, r0 + ROW_CHUNK);
+      int64_t g = begin;
+      if (r1 - r0 >= TILE_MT) {
 #if defined(PAGEDLLM_QZMM)
-      for (; g + 2 * ZPT <= end; g += 2 * ZPT) qtile512_rows<BITS, ZPT, ZMT>(w, d, m, g, gstride, xa, M, K, nb, N, y);
-      for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, d, m, g, gstride, xa, M, K, nb, N, y);
+        for (; g + 2 * ZPT <= end; g += 2 * ZPT)
+          qtile512_rows<BITS, ZPT, ZMT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
+        for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
 #else
-      for (; g + TILE_GT <= end; g += TILE_GT)
-        qtile_rows<BITS, TILE_GT, TILE_MT>(w, d, m, g, gstride, xa, M, K, nb, N, y);
+        for (; g + TILE_GT <= end; g += TILE_GT)
+          qtile_rows<BITS, TILE_GT, TILE_MT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
 #endif
+      }
+      for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
     }
-    for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, d, m, g, gstride, xa, M, K, nb, N, y);
   });
 #else
   at::parallel_for(0, NG, 2, [&](int64_t begin, int64_t end) {
