@@ -642,8 +642,9 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
           s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
           const float s = amax / (127.f * LEVEL);
           out.s[r * nb + b] = s;
-          out.isum[r * nb + b] = _mm_cvtsi128_si32(s4);
-          out.ss[r * nb + b] = s * static_cast<float>(_mm_cvtsi128_si32(s4));
+          const int32_t isum = _mm_cvtsi128_si32(s4);
+          out.isum[r * nb + b] = isum;
+          out.ss[r * nb + b] = s * static_cast<float>(isum);
           continue;
         }
 #endif

@@ -49,7 +49,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                        model, raw)
         reply = Reply("cmpl", model)
         n = req.n
-        echo = [text if text is not None else self.engine.tokenizer.decode(ids) for text, ids in encoded] if req.echo else None
+        echo = ([text if text is not None else self.engine.tokenizer.decode(ids) for text, ids in encoded]
+                if req.echo else None)
 
         if not req.stream:
             finals = await final_outputs(gens, raw)
