@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # weight formats the engine can run (`--quantization`); None/"none": the checkpoint's own weights
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -71,8 +72,13 @@ class CacheConfig:
         "freed and computed again)", choices=PREEMPTION_MODES)
     swap_space: float = option(4.0, "GiB of host memory for swapped KV blocks")
     num_host_blocks_override: int | None = option(None, "exact host block count (tests)", cli=False)
+    kv_cache_dtype: str = option(
+        "auto", "dtype of the cached K/V (auto: bfloat16 on the CPU's measured packed-weight path of --dtype auto, "
+        "half the bytes decode attention reads; otherwise the model's dtype)", choices=KV_CACHE_DTYPE_CHOICES)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.swap_space < 0:

@@ -24,7 +24,7 @@ FLAGS = {
     "--kv-cache-memory", "--gpu-memory-utilization", "--enable-prefix-caching", "--enable-chunked-prefill",
     "--quantization", "--quant-dense-min-tokens", "--tensor-parallel-size", "--distributed-init-method",
     "--tp-threads-per-rank", "--distributed-timeout-s", "--seed", "--scheduling-policy", "--preemption-mode",
-    "--swap-space", "--target-ttft-ms", "--target-tpot-ms", "--max-waiting-requests", "--max-queue-delay-ms",
+    "--swap-space", "--kv-cache-dtype", "--target-ttft-ms", "--target-tpot-ms", "--max-waiting-requests", "--max-queue-delay-ms",
     "--speculative-config", "--speculative-disable-by-batch-size",
 }
 
@@ -44,6 +44,7 @@ def test_flags_are_the_engine_flags():
     assert tuple(actions["quantization"].choices) == QUANTIZATION_CHOICES
     assert tuple(actions["scheduling_policy"].choices) == ("fcfs", "priority")
     assert tuple(actions["preemption_mode"].choices) == ("recompute", "swap")
+    assert tuple(actions["kv_cache_dtype"].choices) == ("auto", "float32", "bfloat16")
     assert all(a.help for a in p._actions)
 
 
@@ -60,7 +61,7 @@ def test_flags_and_options_build_the_same_config():
     _, args = parse([
         "--model", "m.gguf", "--dtype", "float32", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
         "--scheduling-policy", "priority", "--preemption-mode", "swap", "--swap-space", "0.5",
-        "--kv-cache-memory", "1000000", "--max-queue-delay-ms", "250", "--quantization", "int8",
+        "--kv-cache-memory", "1000000", "--kv-cache-dtype", "bfloat16", "--max-queue-delay-ms", "250", "--quantization", "int8",
         "--speculative-config", json.dumps(spec), "--speculative-disable-by-batch-size", "3",
         "--tp-threads-per-rank", "2", "--distributed-timeout-s", "5", "--target-tpot-ms", "30",
     ])
@@ -68,11 +69,12 @@ def test_flags_and_options_build_the_same_config():
     from_kwargs = EngineConfig.from_options(
         model="m.gguf", dtype="float32", enable_prefix_caching=False, enable_chunked_prefill=False,
         scheduling_policy="priority", preemption_mode="swap", swap_space=0.5, kv_cache_memory=1000000,
-        max_queue_delay_ms=250.0, quantization="int8", speculative_config=spec, speculative_disable_by_batch_size=3,
+        kv_cache_dtype="bfloat16", max_queue_delay_ms=250.0, quantization="int8", speculative_config=spec, speculative_disable_by_batch_size=3,
         tp_threads_per_rank=2, distributed_timeout_s=5.0, target_tpot_ms=30.0)
     assert from_flags == from_kwargs
     c = from_flags
     assert c.scheduler.policy == "priority" and not c.cache.enable_prefix_caching
+    assert c.cache.kv_cache_dtype == "bfloat16"
     assert c.speculative.num_speculative_tokens == 3 and c.speculative.disable_by_batch_size == 3
     assert (c.parallel.threads_per_rank, c.parallel.timeout_s) == (2, 5.0)
 
@@ -92,6 +94,8 @@ def test_unknown_options_are_named():
 def test_options_keep_validation():
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineConfig.from_options(dtype="int3")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig.from_options(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="needs --speculative-config"):
         EngineConfig.from_options(speculative_disable_by_batch_size=4)
     with pytest.raises(SystemExit):

@@ -98,3 +98,30 @@ def test_sla_mode_adapts_budget_and_keeps_outputs(alone):
         assert o.outputs[0].token_ids == alone[p], p
     budget = sla.engine.core.stats().token_budget
     assert 16 <= budget < 2048, budget  # measured step times moved it off the static maximum
+
+
+def test_default_path_chunked_and_preempted_match_alone():
+    """The engine's default path (``--dtype auto``: on CPU the measured packed weights and a bfloat16 KV cache)
+    keeps the rule as well: chunked prefill, preemption (recompute over its prefix-cached blocks, or swap to host
+    blocks of the cache's dtype and back) give each request the greedy tokens it gets alone."""
+    import torch
+
+    alone_llm = LLM(enable_prefix_caching=False)
+    rt = alone_llm.engine.runtime
+    if rt["device"] == "cpu":
+        assert rt["weights"] == "gguf blocks (auto)" and rt["kv_cache_dtype"] == "bfloat16", rt
+        assert all(k.dtype == torch.bfloat16 for kv in alone_llm.engine.core.runner.kv.kv_caches for k in kv)
+    ref = {p: alone_llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+    del alone_llm
+    for mode in ("recompute", "swap"):
+        tight = LLM(num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+                    preemption_mode=mode, swap_space=0.25)
+        outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
+        core = tight.engine.core
+        st = core.stats()
+        assert st.num_preemptions > 0, "the pool was large enough: no preemption happened"
+        assert mode == "recompute" or st.num_swap_outs > 0, st
+        for p, o in zip(PROMPTS, outs):
+            assert o.outputs[0].token_ids == ref[p], (mode, p)
+        core.kv_cache_manager.check_integrity()
+        del tight

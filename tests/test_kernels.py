@@ -60,10 +60,30 @@ def test_decode_attention_strided_query_and_bad_input(ops):
            torch.float32)
     with pytest.raises(RuntimeError, match="does not fit"):
         ops.decode_attention(q, kc, vc, tables, torch.tensor([20, 33]), 0.125)
-    with pytest.raises(RuntimeError, match="dtype"):
-        ops.decode_attention(q.bfloat16(), kc, vc, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        ops.decode_attention(q.half(), kc, vc, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.decode_attention(q, kc, vc.bfloat16(), tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="outside the cache"):  # a bad block id is refused, not read
         ops.decode_attention(q, kc, vc, torch.tensor([[3, 8], [0, 5]]), lens, 0.125)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 32)])  # the vector path and the portable one
+def test_decode_attention_on_bfloat16_caches(ops, hq, hkv, d):
+    """Float32 queries over bfloat16 caches (``--kv-cache-dtype bfloat16``): exactly the float32 kernel's output
+    on the same rounded K/V, and close to the torch path on them."""
+    torch.manual_seed(hq + d)
+    bs, nb = 16, 40
+    kc, vc = torch.randn(nb, bs, hkv, d).bfloat16(), torch.randn(nb, bs, hkv, d).bfloat16()
+    lens = torch.tensor([1, 16, 33, 150])
+    tables = torch.stack([torch.randperm(nb)[:10] for _ in lens])
+    q = torch.randn(len(lens), hq, d)
+    out = ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, ops.decode_attention(q, kc.float(), vc.float(), tables, lens, d ** -0.5))
+    mask = (torch.arange(10 * bs)[None] < lens[:, None])[:, None, None, :]
+    _close(out, decode_attention(q, kc, vc, tables, mask, d ** -0.5), torch.float32)
+    assert torch.equal(ops.decode_attention(q[:1], kc, vc, tables[:1], lens[:1], d ** -0.5), out[:1])  # head split
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,6 +120,28 @@ def test_rope_write_kv(ops, dtype):
         ops.rope_write_kv(qkv, positions, rope.cos32, rope.sin32, slots + 60, kc, vc, nq, nkv)
     with pytest.raises(RuntimeError, match="rotary table"):
         ops.rope_write_kv(qkv, positions + 1, rope.cos32, rope.sin32, slots, kc, vc, nq, nkv)
+
+
+def test_rope_write_kv_into_bfloat16_caches(ops):
+    """Float32 q/k/v written to bfloat16 caches: q as in float32, k and v the float32 results rounded to nearest
+    even, as torch rounds them (``write_kv`` of the torch path)."""
+    torch.manual_seed(4)
+    nq, nkv, d, t = 9, 3, 64, 5
+    rope = RotaryEmbedding(d, 256, 10000.0, torch.device("cpu"), torch.float32)
+    qkv = torch.randn(t, (nq + 2 * nkv) * d)
+    positions, slots = torch.tensor([0, 3, 17, 100, 255]), torch.tensor([1, 2, 30, 31, 47])
+    kc32, vc32 = torch.zeros(3, 16, nkv, d), torch.zeros(3, 16, nkv, d)
+    kc, vc = kc32.bfloat16(), vc32.bfloat16()
+    q32 = qkv.clone()
+    ops.rope_write_kv(q32, positions, rope.cos32, rope.sin32, slots, kc32, vc32, nq, nkv)
+    ops.rope_write_kv(qkv, positions, rope.cos32, rope.sin32, slots, kc, vc, nq, nkv)
+    assert torch.equal(qkv, q32)
+    assert torch.equal(kc, kc32.bfloat16()) and torch.equal(vc, vc32.bfloat16())
+    ref_kc, ref_vc = torch.zeros_like(kc), torch.zeros_like(vc)
+    write_kv(ref_kc, ref_vc, kc32.view(-1, nkv, d)[slots], vc32.view(-1, nkv, d)[slots], slots)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.rope_write_kv(qkv, positions, rope.cos32, rope.sin32, slots, kc, vc32, nq, nkv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, write_json
 from pagedllm.bench.cpuinfo import cpu_info, cpu_line
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES
 from pagedllm.engine.llm import LLM
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import DenseLinear, tensor_bytes
@@ -140,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
         res[f"peak_gflops_{name}"] = matmul_gflops(2048, 2048, 2048, dt)
         print(f"matmul 2048^3 {name}: {res[f'peak_gflops_{name}']:.0f} GFLOP/s")
 
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.runner
     arch, dtype = runner.arch, runner.dtype
     res["runtime"] = runner.describe()
@@ -154,21 +155,23 @@ def main(args: argparse.Namespace) -> int:
                   f"{100 * r['weight_gbs'] / res['bandwidth_gbs']:12.1f}% {r['gmacs']:8.1f}")
     weight_bytes = decode_read_bytes(runner.model)
     res["dtype"] = str(dtype).replace("torch.", "")
+    res["prompt_len"] = args.prompt_len
     res["rows"] = []
-    print(f"\nengine: {res['runtime']['weights']}, dtype {res['dtype']}; {weight_bytes / 2**20:.0f} MiB of weights read "
-          f"per single-row step ({runner.model.weight_bytes() / 2**20:.0f} MiB held)")
+    print(f"\nengine: {res['runtime']['weights']}, dtype {res['dtype']}, KV cache {res['runtime']['kv_cache_dtype']}; "
+          f"{weight_bytes / 2**20:.0f} MiB of weights read per single-row step "
+          f"({runner.model.weight_bytes() / 2**20:.0f} MiB held); prompts of {args.prompt_len} tokens")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'model-shape ceiling':>20} {'MFU vs ceiling':>15} "
           f"{'MFU vs peak':>12}")
     peak = res[f"peak_gflops_{res['dtype']}"] if f"peak_gflops_{res['dtype']}" in res else res["peak_gflops_float32"]
     for b in args.batch_sizes:
-        step, ctx = engine_decode(llm, b)
+        step, ctx = engine_decode(llm, b, args.prompt_len)
         tok_s = b / step
         gflops = tok_s * flops_per_token(arch, int(ctx)) / 1e9
         ceiling = model_linear_gflops(arch, b, dtype)
         row = {"batch": b, "step_ms": step * 1000, "tok_s": tok_s, "gflops": gflops, "ceiling_gflops": ceiling,
                "mfu_vs_ceiling": gflops / ceiling, "mfu_vs_peak": gflops / peak}
         if b == 1:
-            kv_bytes = 2 * arch.num_layers * ctx * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+            kv_bytes = 2 * arch.num_layers * ctx * arch.num_kv_heads * arch.head_dim * runner.kv_dtype.itemsize
             row["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step / 1e9 / res["bandwidth_gbs"]
         res["rows"].append(row)
         print(f"{b:5d} {step * 1000:8.1f} {tok_s:8.1f} {gflops:8.1f} {ceiling:20.1f} {100 * row['mfu_vs_ceiling']:14.1f}% "
@@ -183,5 +186,7 @@ def main(args: argparse.Namespace) -> int:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens of each decode's prompt (its context)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     add_dtype_arg(p)
     add_result_json_arg(p)

@@ -17,6 +17,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidate-quantization", default=None, help="e.g. int8 / fp8 / gguf for load-time schemes")
     p.add_argument("--candidate-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="auto: the engine's default path on this machine (e.g. packed GGUF blocks on CPU)")
+    p.add_argument("--candidate-kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the candidate's KV cache dtype (auto: as the engine chooses it for the candidate's dtype)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative perplexity increase allowed")
     p.add_argument("--max-accuracy-drop", type=float, default=0.01, help="absolute accuracy drop allowed")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out text tokens for perplexity/KL")
@@ -29,8 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write", default=None)
 
 
-def _llm(path: str, quantization: str | None, dtype: str = "float32"):
-    return LLM(model=path, quantization=quantization, max_model_len=1024, dtype=dtype)
+def _llm(path: str, quantization: str | None, dtype: str = "float32", kv_cache_dtype: str = "auto"):
+    return LLM(model=path, quantization=quantization, max_model_len=1024, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 def main(args) -> int:
@@ -54,10 +56,12 @@ def main(args) -> int:
     base, base_lp, _ = score_model(base_llm, f"baseline {args.baseline} ({args.baseline_quantization or 'none'})",
                                    chunks, items)
     del base_llm
-    cand_llm = _llm(args.candidate, args.candidate_quantization, args.candidate_dtype)
+    cand_llm = _llm(args.candidate, args.candidate_quantization, args.candidate_dtype, args.candidate_kv_cache_dtype)
+    rt = cand_llm.engine.runtime
     label = f"candidate {args.candidate} ({args.candidate_quantization or 'none'}, dtype {args.candidate_dtype})"
     if args.candidate_dtype == "auto":
-        label += f": {cand_llm.engine.runtime['weights']}"
+        label += f": {rt['weights']}"
+    label += f", KV cache {rt['kv_cache_dtype']}"
     cand, _, _ = score_model(cand_llm, label, chunks, items, base_lp)
     fails = gate(base, cand, args.max_ppl_increase, args.max_accuracy_drop)
     print(table([base, cand]))

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -320,7 +321,8 @@ bool attend_fast(int64_t G, int64_t D, const float* qf, const T* kc, const T* vc
   return false;
 }
 
-template <typename T>
+// T: the dtype of q and out; C: the caches' (a bfloat16 cache under float32 activations halves the bytes read)
+template <typename T, typename C>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -329,8 +331,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t q_sb = q.stride(0), q_sh = q.stride(1);
   const int64_t max_blocks = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
+  const C* kc = k_cache.data_ptr<C>();
+  const C* vc = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -354,7 +356,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         for (int64_t i = 0; i < D; ++i) qf[hq * D + i] = to_f(src[i]) * static_cast<float>(scale);
       }
       scores.resize(Hq * L);
-      if (!attend_fast<T>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data())) {
+      if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data())) {
         for (int64_t h = h0; h < h1; ++h) {  // portable path: one KV head at a time
           float* sc = scores.data() + h * G * L;
           for (int64_t t = 0; t < L; ++t) {
@@ -386,8 +388,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, Hq, D) with unit stride in D");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, block_size, Hkv, D)");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == q.size(0), "block_tables must be contiguous int64 (B, max_blocks)");
@@ -395,7 +396,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                   context_lens.numel() == q.size(0), "context_lens must be contiguous int64 (B,)");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   dispatch_float_bf16(q.scalar_type(), "decode_attention", [&](auto tag) {
-    decode_attention_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+    dispatch_float_bf16(k_cache.scalar_type(), "decode_attention (cache)", [&](auto ctag) {
+      decode_attention_impl<decltype(tag), decltype(ctag)>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+    });
   });
   return out;
 }
@@ -458,7 +461,8 @@ at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor&
 }
 
 // ------------------------------------------------------------------ rotary + KV cache write
-template <typename T>
+// T: the dtype of qkv; C: the caches' (k and v are rounded to it as they are written)
+template <typename T, typename C>
 void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache, int64_t nq, int64_t nkv) {
   const int64_t T_ = qkv.size(0), row_stride = qkv.stride(0);
@@ -468,8 +472,8 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* ct = cos.data_ptr<float>();
   const float* st = sin.data_ptr<float>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
   const int64_t max_pos = cos.size(0);
   at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(D), rf(D);
@@ -478,10 +482,9 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
       const float* c = ct + pos[t] * half;
       const float* s = st + pos[t] * half;
       T* row = base + t * row_stride;
-      T* kdst = kc + slot[t] * nkv * D;
+      C* kdst = kc + slot[t] * nkv * D;
       for (int64_t hd = 0; hd < nq + nkv; ++hd) {
         T* x = row + hd * D;
-        T* dst = hd < nq ? x : kdst + (hd - nq) * D;  // q rotated in place, k rotated into the cache
         load_row(x, xf.data(), D);
         const float* x1 = xf.data();
         const float* x2 = xf.data() + half;
@@ -491,9 +494,21 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
           r[i] = x1[i] * c[i] - x2[i] * s[i];
           r[i + half] = x2[i] * c[i] + x1[i] * s[i];
         }
-        store_row(r, dst, D);
+        if (hd < nq)
+          store_row(r, x, D);  // q rotated in place
+        else
+          store_row(r, kdst + (hd - nq) * D, D);  // k rotated into the cache
       }
-      std::memcpy(vc + slot[t] * nkv * D, row + (nq + nkv) * D, nkv * D * sizeof(T));
+      C* vdst = vc + slot[t] * nkv * D;
+      const T* vsrc = row + (nq + nkv) * D;
+      if constexpr (std::is_same_v<T, C>) {
+        std::memcpy(vdst, vsrc, nkv * D * sizeof(T));
+      } else {
+        for (int64_t hv = 0; hv < nkv; ++hv) {
+          load_row(vsrc + hv * D, xf.data(), D);
+          store_row(xf.data(), vdst + hv * D, D);
+        }
+      }
     }
   });
 }
@@ -508,8 +523,7 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
               "caches must be contiguous (blocks, block_size, nkv, D)");
   const int64_t D = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (nq + 2 * nkv) * D && D % 2 == 0, "qkv width does not match the heads");
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
-              "qkv and the caches must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.size(1) == D / 2, "cos/sin must be contiguous float32 (P, D/2)");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.is_contiguous() &&
@@ -520,7 +534,9 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   for (int64_t t = 0; t < slots.numel(); ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache");
   dispatch_float_bf16(qkv.scalar_type(), "rope_write_kv", [&](auto tag) {
-    rope_write_kv_impl<decltype(tag)>(qkv, positions, cos, sin, slots, k_cache, v_cache, nq, nkv);
+    dispatch_float_bf16(k_cache.scalar_type(), "rope_write_kv (cache)", [&](auto ctag) {
+      rope_write_kv_impl<decltype(tag), decltype(ctag)>(qkv, positions, cos, sin, slots, k_cache, v_cache, nq, nkv);
+    });
   });
 }
 

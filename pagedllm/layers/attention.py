@@ -40,10 +40,10 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-    """k_cache: (num_blocks, block_size, Hkv, D); k: (T, Hkv, D)."""
+    """k_cache: (num_blocks, block_size, Hkv, D); k: (T, Hkv, D), rounded to the cache's dtype."""
     nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slots, k)
-    v_cache.view(nb * bs, h, d).index_copy_(0, slots, v)
+    k_cache.view(nb * bs, h, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def tiled_causal_attention(
@@ -103,8 +103,8 @@ def decode_attention(
     b, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     flat = block_tables.view(-1)  # index_select copies whole blocks: 2x faster than advanced indexing here
-    k = k_cache.index_select(0, flat).view(b, -1, hkv, d).transpose(1, 2)  # (B, Hkv, L, D), strided
-    v = v_cache.index_select(0, flat).view(b, -1, hkv, d).transpose(1, 2)
+    k = k_cache.index_select(0, flat).to(q.dtype).view(b, -1, hkv, d).transpose(1, 2)  # (B, Hkv, L, D), strided
+    v = v_cache.index_select(0, flat).to(q.dtype).view(b, -1, hkv, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.view(b, hq, 1, d), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.view(b, hq, d)
 

@@ -25,7 +25,8 @@ LM_HEAD_DENSE_MIN_TOKENS = 2  # with a dense copy kept (--quant-dense-min-tokens
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  quant: QuantPolicy | None = None, tp=None, dense_min_tokens: int = 0, block_ops=None,
-                 head_dense_min_tokens: int | None = None, dense_dtype: torch.dtype = torch.bfloat16) -> None:
+                 head_dense_min_tokens: int | None = None, dense_dtype: torch.dtype = torch.bfloat16,
+                 kv_dtype: torch.dtype | None = None) -> None:
         """Takes (and empties) ``weights``, named as ``model.loader`` names them.
 
         ``tp`` (a ``pagedllm.distributed.group.TPGroup``): the weights are this rank's shard
@@ -38,10 +39,13 @@ class LlamaForCausalLM:
         ``quant`` quantizes float weights at load time (round to nearest) by layer type. ``block_ops`` (the fused
         CPU kernels): integer weights in groups of 32 run through their ``qlinear`` kernel (``BlockQuantLinear``).
         ``dense_min_tokens`` > 0: packed layers also keep a ``dense_dtype`` copy, used for steps of at least that
-        many tokens (the LM head: ``head_dense_min_tokens``, by default the smaller of the two)."""
+        many tokens (the LM head: ``head_dense_min_tokens``, by default the smaller of the two). ``kv_dtype``:
+        the dtype of the K/V caches it is run with (default ``dtype``; a bfloat16 cache under float32 activations
+        rounds k and v as they are written, and every attention reads them back from the cache)."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.scale = cfg.head_dim ** -0.5
         self.tp = tp
         # this rank's share (all of it without tensor parallelism)

@@ -26,7 +26,7 @@ from pagedllm.spec.ngram import propose_ngram
 
 
 def load_draft_model(path: str, target: ModelArchConfig, max_model_len: int, device: torch.device,
-                     dtype: torch.dtype) -> LlamaForCausalLM:
+                     dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
     """The draft model, checked against the target: the same vocabulary, a context of at least ``max_model_len``."""
     darch, dweights = load_model_files(resolve_model_path(path))
     a = target
@@ -40,7 +40,7 @@ def load_draft_model(path: str, target: ModelArchConfig, max_model_len: int, dev
     if darch.max_position < max_model_len:
         raise ValueError(f"the draft model's context ({darch.max_position}) is shorter than max_model_len "
                          f"({max_model_len})")
-    return LlamaForCausalLM(darch, dweights, device, dtype)
+    return LlamaForCausalLM(darch, dweights, device, dtype, kv_dtype=kv_dtype)
 
 
 class Proposer:

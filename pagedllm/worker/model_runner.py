@@ -58,6 +58,15 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     return _DTYPES[requested]
 
 
+def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: bool) -> torch.dtype:
+    """``--kv-cache-dtype``; auto: bfloat16 under the measured packed-weight plan of ``--dtype auto`` on CPU
+    (decode attention reads half the bytes; passes ``pagedllm eval`` against float32, docs/benchmarks.md),
+    otherwise the model's dtype (``--dtype float32`` stays the exact-HF reference)."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    return torch.bfloat16 if measured_plan else model_dtype
+
+
 class _Forward(NamedTuple):
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -97,8 +106,9 @@ class ModelRunner:
         else:
             block_ops = ops if config.quantization == "gguf" else None
             dense = dict(dense_min_tokens=config.quant_dense_min_tokens)
+        self.kv_dtype = choose_kv_dtype(config.cache.kv_cache_dtype, self.dtype, plan is not None)
         self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
-                                      **dense)
+                                      kv_dtype=self.kv_dtype, **dense)
         del weights
         max_len = config.model.max_model_len or arch.max_position
         if max_len > arch.max_position:
@@ -111,8 +121,8 @@ class ModelRunner:
         spec = config.speculative
         if spec is not None and spec.method == "draft_model" and rank == 0:
             # with tensor parallelism: whole, on rank 0 only
-            self.draft_model = load_draft_model(spec.model, arch, max_len, self.device, self.dtype)
-        self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.dtype)
+            self.draft_model = load_draft_model(spec.model, arch, max_len, self.device, self.dtype, self.kv_dtype)
+        self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
         num_blocks = self.kv.budget_blocks()
         if self.tp is not None:
             num_blocks = self._tp_agree(num_blocks)
@@ -131,9 +141,10 @@ class ModelRunner:
         self.structured: StructuredOutputs | None = None  # set by the engine (it owns the tokenizer)
         self.requests: dict[str, CachedRequestState] = {}
         logger.info(
-            "model %s (%s, %d layers) on %s/%s, weights %s (%.1f MiB), %s; KV cache %d blocks x %d tokens (%.1f MiB)",
-            path, arch.arch, arch.num_layers, self.device, self.dtype, self.quantization, self.model.weight_bytes() / 2**20,
-            self.kernel_path, self.num_blocks, self.block_size, self.kv_cache_bytes / 2**20,
+            "model %s (%s, %d layers) on %s/%s, weights %s (%.1f MiB), %s; KV cache %d blocks x %d tokens in %s "
+            "(%.1f MiB)", path, arch.arch, arch.num_layers, self.device, self.dtype, self.quantization,
+            self.model.weight_bytes() / 2**20, self.kernel_path, self.num_blocks, self.block_size,
+            str(self.kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20,
         )
         if self.tp is not None and rank == 0:
             logger.info("tensor parallelism: %d ranks, weights per rank %s MiB (%.1f MiB in all), KV cache per rank "
@@ -163,6 +174,7 @@ class ModelRunner:
     def describe(self) -> dict:
         """What runs: device, dtype, weight format, kernel path and the auto-chosen plan (logs, /health)."""
         d = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
              "weights": self.quantization, "kernels": self.kernel_path}
         if self.weight_plan is not None:
             d["weight_plan"] = plan_summary(self.weight_plan)
@@ -200,14 +212,14 @@ class ModelRunner:
         a, c = self.arch, self.config.cache
         settings = [a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim,
                     a.intermediate_size, self.block_size, list(_DTYPES.values()).index(self.dtype),
-                    zlib.crc32(str(self.quantization).encode()), int(c.preemption_mode == "swap"),
+                    list(_DTYPES.values()).index(self.kv_dtype), zlib.crc32(str(self.quantization).encode()), int(c.preemption_mode == "swap"),
                     int(c.swap_space * 2**30), c.num_host_blocks_override or 0]
         rows = self.tp.gather_ints(settings + [num_blocks, self.model.weight_bytes()])
         for r, row in enumerate(rows):
             if row[: len(settings)] != rows[0][: len(settings)]:
                 raise ValueError(
                     f"tensor-parallel rank {r} loaded another model or settings than rank 0 ([vocab, hidden, layers, "
-                    f"heads, kv heads, head dim, intermediate, block size, dtype, quantization, swap, swap bytes, "
+                    f"heads, kv heads, head dim, intermediate, block size, dtype, KV dtype, quantization, swap, swap bytes, "
                     f"host blocks] {row[: len(settings)]} vs {rows[0][: len(settings)]}): start every rank with "
                     f"the same model and engine flags")
         self.rank_weight_bytes = [row[-1] for row in rows]
