@@ -153,6 +153,35 @@ def test_silu_and_mul(ops, dtype):
     _close(ops.silu_and_mul(gu), (F.silu(g) * u).to(dtype), dtype)
 
 
+def test_argmax_rows_is_torch_max_indices(ops):
+    """Greedy sampling's kernel: each row's first maximum exactly as ``torch.max(dim=-1).indices`` gives it, ties,
+    infinities, NaNs (the first NaN wins), vector tails and strided rows included."""
+    from pagedllm.sample.sampler import Sampler
+
+    torch.manual_seed(5)
+    for shape in [(32, 49152), (1, 49152), (5, 7), (3, 17), (4, 1)]:
+        x = torch.randn(shape)
+        assert torch.equal(ops.argmax_rows(x), x.max(-1).indices), shape
+    x = torch.randn(7, 100)
+    x[0, 10] = x[0, 70] = 50.0  # a tie: the first
+    x[1] = float("-inf")
+    x[2, 5] = x[2, 60] = float("inf")
+    x[3, 3], x[3, 40], x[3, 90] = 100.0, float("nan"), float("nan")
+    x[4, 99] = float("nan")  # in the scalar tail
+    x[5, 97] = 1000.0
+    x[6, 20], x[6, 21] = -0.0, 0.0
+    x[6] = torch.where(torch.arange(100) < 20, -1.0, x[6].clamp(max=-0.5))
+    x[6, 20], x[6, 21] = -0.0, 0.0
+    assert torch.equal(ops.argmax_rows(x), x.max(-1).indices), (ops.argmax_rows(x), x.max(-1).indices)
+    strided = torch.randn(8, 300)[:, :257]
+    assert torch.equal(ops.argmax_rows(strided), strided.max(-1).indices)
+    assert torch.equal(Sampler(ops).argmax(x), Sampler().argmax(x))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(x.double())
+    with pytest.raises(RuntimeError, match="n > 0"):
+        ops.argmax_rows(torch.zeros(2, 0))
+
+
 def test_prepacked_bf16_linear_matches_f_linear():
     torch.manual_seed(4)
     w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)

@@ -4,7 +4,8 @@
 //   (no gathered copy of the context), grouped-query aware, float32 accumulation;
 // - rms_norm / add_rms_norm: RMSNorm, optionally after adding the residual branch in place;
 // - rope_write_kv: rotary embedding of q (in place) and k, with k and v written straight into their cache slots;
-// - silu_and_mul: SiLU(gate) * up of the fused gate/up projection.
+// - silu_and_mul: SiLU(gate) * up of the fused gate/up projection;
+// - qlinear: x W^T with W in GGUF-style blocks of 32 (below); argmax_rows: greedy sampling's first maximum.
 // Float32 and bfloat16 tensors; arithmetic in float32, one rounding at the end. Rows are split over torch's
 // intra-op threads (at::parallel_for), so the kernels share the OpenMP team of the matmuls around them.
 
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -122,6 +124,8 @@ inline vf vsum16(const vf* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+inline int veq_mask(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // bit j: lane j equal
+inline int vnan_mask(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }     // bit j: lane j is NaN
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGEDLLM_VEC 8
 using vf = __m256;
@@ -158,6 +162,8 @@ inline float vhmax(vf x) {
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline int veq_mask(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+inline int vnan_mask(vf x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 #else
 #define PAGEDLLM_VEC 0
 #endif
@@ -1064,6 +1070,59 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   return y;
 }
 
+// ------------------------------------------------------------------ greedy sampling: first maximum per row
+// torch.max(dim=-1).indices, which is single-threaded and ~1 ms for 32 rows of a 49k vocabulary here: the index
+// of each row's first maximum, a NaN counting as the maximum (the first NaN's index). Two passes over a row (its
+// maximum and whether it holds a NaN; then the first lane equal to it), rows split over the threads.
+int64_t argmax_row(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if PAGEDLLM_VEC
+  if (n >= W) {
+    vf vm = vload(x);
+    int nans = 0;
+    for (; i + W <= n; i += W) {
+      const vf v = vload(x + i);
+      nans |= vnan_mask(v);
+      vm = vmax(vm, v);
+    }
+    nan = nans != 0;
+    m = vhmax(vm);
+  }
+#endif
+  for (int64_t j = i; j < n; ++j) {
+    nan = nan || std::isnan(x[j]);
+    m = std::max(m, x[j]);
+  }
+  i = 0;
+#if PAGEDLLM_VEC
+  const vf vm = vset1(m);
+  for (; i + W <= n; i += W) {
+    const vf v = vload(x + i);
+    const int hit = nan ? vnan_mask(v) : veq_mask(v, vm);
+    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#endif
+  for (; i < n; ++i)
+    if (nan ? std::isnan(x[i]) : x[i] == m) return i;
+  return 0;  // n == 0 is refused by the caller
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "x must be float32 (rows, n > 0) with unit column stride");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * stride, n);
+  });
+  return out;
+}
+
 std::string isa() {
   std::string s = vector_isa();
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1086,5 +1145,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block)");
+  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)");
   m.def("isa", &isa, "the instruction set this build's vector paths use");
 }

@@ -85,6 +85,17 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.
 
 
 class Sampler:
+    def __init__(self, ops=None) -> None:
+        """``ops``: the fused CPU kernels (their ``argmax_rows``), or None for torch's reductions."""
+        self.ops = ops
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximum, as ``x.max(dim=-1).indices`` (which is 2.7x faster than ``argmax`` on CPU,
+        and the kernel ~15x faster again: single-threaded, torch took ~1 ms for 32 x 49k float32 logits)."""
+        if self.ops is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+            return self.ops.argmax_rows(x)
+        return x.max(dim=-1).indices
+
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata, return_probs: bool = False) -> SamplerOutput:
         """logits: (B, V) float32 raw model outputs."""
         raw = logits
@@ -98,7 +109,7 @@ class Sampler:
             logits = logits.index_put((rows, toks), vals, accumulate=True)
         if m.output_tokens is not None:
             logits = apply_penalties(logits, m)
-        greedy_tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; 2.7x faster on CPU
+        greedy_tokens = self.argmax(logits)
         probs = None
         if m.all_greedy:
             tokens = greedy_tokens
@@ -108,7 +119,7 @@ class Sampler:
             noise = torch.empty_like(probs).exponential_()
             for row, gen in m.generators.items():
                 noise[row].exponential_(generator=gen)
-            sampled = (probs / noise).max(dim=-1).indices
+            sampled = self.argmax(probs / noise)
             tokens = torch.where(m.greedy, greedy_tokens, sampled)
         raw_lp = torch.log_softmax(raw, dim=-1) if m.max_num_logprobs is not None else None
         return SamplerOutput(tokens, raw_lp, probs if return_probs else None)

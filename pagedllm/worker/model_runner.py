@@ -137,7 +137,7 @@ class ModelRunner:
                                               self.block_size, self.device, meta)
             else:
                 self.proposer = NgramProposer(spec, max_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(ops)
         self.structured: StructuredOutputs | None = None  # set by the engine (it owns the tokenizer)
         self.requests: dict[str, CachedRequestState] = {}
         logger.info(
