@@ -109,7 +109,8 @@ def phase_offline(prompts: list[str], output_len: int, dtype: str, quantization:
     kv = engine.kv_cache_spec()
     bytes_per_token = kv.bytes_per_block // kv.block_size
     return _row(
-        f"pagedllm offline LLM.generate ({engine.runtime['dtype']}{_qlabel(quantization)})", n_out, dt,
+        f"pagedllm offline LLM.generate ({engine.runtime['dtype']}, KV {engine.runtime['kv_cache_dtype']}"
+        f"{_qlabel(quantization)})", n_out, dt,
         [o.metrics.last_token_time - t0_mono for o in outs], [o.metrics.first_token_time - t0_mono for o in outs],
         _peak_rss(),
         kv_bytes_used_peak=peak_blocks * kv.bytes_per_block,
