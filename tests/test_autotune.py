@@ -88,6 +88,7 @@ def test_default_engine_runs_the_plan_close_to_float32():
     assert rt["device"] == "cpu" and "fused CPU kernels" in rt["kernels"]
     plan = rt["weight_plan"]
     assert plan["block_kernel"] and rt["weights"] == "gguf blocks (auto)" and rt["kv_cache_dtype"] == "bfloat16"
+    assert auto.engine.core.runner.sampler.ops is not None  # greedy tokens through the argmax kernel
     lins = auto.engine.core.runner.model.linears()
     assert {lin.kind for lin in lins.values()} == {"q4-block", "q8-block"}
     got = auto.generate(PROMPTS, sp, use_tqdm=False)

@@ -24,7 +24,8 @@ FLAGS = {
     "--kv-cache-memory", "--gpu-memory-utilization", "--enable-prefix-caching", "--enable-chunked-prefill",
     "--quantization", "--quant-dense-min-tokens", "--tensor-parallel-size", "--distributed-init-method",
     "--tp-threads-per-rank", "--distributed-timeout-s", "--seed", "--scheduling-policy", "--preemption-mode",
-    "--swap-space", "--kv-cache-dtype", "--target-ttft-ms", "--target-tpot-ms", "--max-waiting-requests", "--max-queue-delay-ms",
+    "--swap-space", "--kv-cache-dtype", "--target-ttft-ms", "--target-tpot-ms", "--max-waiting-requests",
+    "--max-queue-delay-ms",
     "--speculative-config", "--speculative-disable-by-batch-size",
 }
 
@@ -61,7 +62,8 @@ def test_flags_and_options_build_the_same_config():
     _, args = parse([
         "--model", "m.gguf", "--dtype", "float32", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
         "--scheduling-policy", "priority", "--preemption-mode", "swap", "--swap-space", "0.5",
-        "--kv-cache-memory", "1000000", "--kv-cache-dtype", "bfloat16", "--max-queue-delay-ms", "250", "--quantization", "int8",
+        "--kv-cache-memory", "1000000", "--kv-cache-dtype", "bfloat16", "--max-queue-delay-ms", "250",
+        "--quantization", "int8",
         "--speculative-config", json.dumps(spec), "--speculative-disable-by-batch-size", "3",
         "--tp-threads-per-rank", "2", "--distributed-timeout-s", "5", "--target-tpot-ms", "30",
     ])
@@ -69,7 +71,8 @@ def test_flags_and_options_build_the_same_config():
     from_kwargs = EngineConfig.from_options(
         model="m.gguf", dtype="float32", enable_prefix_caching=False, enable_chunked_prefill=False,
         scheduling_policy="priority", preemption_mode="swap", swap_space=0.5, kv_cache_memory=1000000,
-        kv_cache_dtype="bfloat16", max_queue_delay_ms=250.0, quantization="int8", speculative_config=spec, speculative_disable_by_batch_size=3,
+        kv_cache_dtype="bfloat16", max_queue_delay_ms=250.0, quantization="int8", speculative_config=spec,
+        speculative_disable_by_batch_size=3,
         tp_threads_per_rank=2, distributed_timeout_s=5.0, target_tpot_ms=30.0)
     assert from_flags == from_kwargs
     c = from_flags

@@ -124,7 +124,8 @@ def test_rope_write_kv(ops, dtype):
 
 def test_rope_write_kv_into_bfloat16_caches(ops):
     """Float32 q/k/v written to bfloat16 caches: q as in float32, k and v the float32 results rounded to nearest
-    even, as torch rounds them (``write_kv`` of the torch path)."""
+    even, here equal to torch's rounding (``write_kv`` of the torch path; the AVX512-BF16 instruction flushes
+    denormals to zero, which torch keeps)."""
     torch.manual_seed(4)
     nq, nkv, d, t = 9, 3, 64, 5
     rope = RotaryEmbedding(d, 256, 10000.0, torch.device("cpu"), torch.float32)
@@ -142,6 +143,14 @@ def test_rope_write_kv_into_bfloat16_caches(ops):
     assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
     with pytest.raises(RuntimeError, match="share a dtype"):
         ops.rope_write_kv(qkv, positions, rope.cos32, rope.sin32, slots, kc, vc32, nq, nkv)
+    # bfloat16 activations over float32 caches: k and v as the bfloat16 run writes them (k rounded to bfloat16
+    # after the rotation, as the torch path computes it), widened
+    qb, qb2 = qkv.bfloat16(), qkv.bfloat16()
+    kb, vb = torch.zeros(3, 16, nkv, d, dtype=torch.bfloat16), torch.zeros(3, 16, nkv, d, dtype=torch.bfloat16)
+    kf, vf = torch.zeros(3, 16, nkv, d), torch.zeros(3, 16, nkv, d)
+    ops.rope_write_kv(qb, positions, rope.cos32, rope.sin32, slots, kb, vb, nq, nkv)
+    ops.rope_write_kv(qb2, positions, rope.cos32, rope.sin32, slots, kf, vf, nq, nkv)
+    assert torch.equal(qb, qb2) and torch.equal(kf, kb.float()) and torch.equal(vf, vb.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

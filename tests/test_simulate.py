@@ -259,6 +259,20 @@ def test_cpu_calibration_fits_the_roofline_decode_steps():
     for batch, measured, fitted in cal.fit_rows:
         assert fitted == pytest.approx(measured, rel=0.05), batch
     assert [b for b, _, _ in cal.fit_rows] == [1, 8, 32]
+    assert cal.kv_dtype == "fp32"  # a file from before runtime.kv_cache_dtype: the float32 cache of then
+
+
+def test_cpu_calibration_follows_the_roofline_runs_kv_dtype_and_context():
+    """A roofline run on a bfloat16 KV cache (the default CPU path now) with longer prompts: the deployment holds
+    that cache (twice the tokens per byte) and the fit charges decode steps at that run's context."""
+    d = load_roofline(ROOFLINE)
+    fp32 = cpu_profile_from_roofline(d)
+    bf16 = cpu_profile_from_roofline({**d, "runtime": {**d.get("runtime", {}), "kv_cache_dtype": "bfloat16"}})
+    assert bf16.kv_dtype == "bf16" and bf16.profile.default_kv_dtype == "bf16"
+    assert bf16.deployment().kv_bytes_per_token_device * 2 == fp32.deployment().kv_bytes_per_token_device
+    longer = cpu_profile_from_roofline({**d, "prompt_len": 200})
+    # the same measured steps over longer contexts: more of each step is attention, less is left to overheads
+    assert longer.fixed_overhead_s + 32 * longer.row_overhead_s < fp32.fixed_overhead_s + 32 * fp32.row_overhead_s
 
 
 def test_calibrated_cpu_predicts_measured_bench_serve_within_20_percent():

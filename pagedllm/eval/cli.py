@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES
 from pagedllm.engine.llm import LLM
 from pagedllm.eval.quality import (
     BUSINESS_SET, answer_items, eval_chunks, gate, is_correct, load_items, score_model, table, to_json)
@@ -17,7 +18,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidate-quantization", default=None, help="e.g. int8 / fp8 / gguf for load-time schemes")
     p.add_argument("--candidate-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="auto: the engine's default path on this machine (e.g. packed GGUF blocks on CPU)")
-    p.add_argument("--candidate-kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--candidate-kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="the candidate's KV cache dtype (auto: as the engine chooses it for the candidate's dtype)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative perplexity increase allowed")
     p.add_argument("--max-accuracy-drop", type=float, default=0.01, help="absolute accuracy drop allowed")

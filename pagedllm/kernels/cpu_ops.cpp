@@ -483,6 +483,7 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
   const int64_t max_pos = cos.size(0);
   at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(D), rf(D);
+    std::vector<T> rt(D);
     for (int64_t t = begin; t < end; ++t) {
       TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table");
       const float* c = ct + pos[t] * half;
@@ -500,10 +501,15 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
           r[i] = x1[i] * c[i] - x2[i] * s[i];
           r[i + half] = x2[i] * c[i] + x1[i] * s[i];
         }
-        if (hd < nq)
+        if (hd < nq) {
           store_row(r, x, D);  // q rotated in place
-        else
-          store_row(r, kdst + (hd - nq) * D, D);  // k rotated into the cache
+        } else {  // k rotated into the cache, rounded to the activations' dtype first (as the torch path rounds it)
+          if constexpr (!std::is_same_v<T, C>) {
+            store_row(r, rt.data(), D);
+            load_row(rt.data(), r, D);
+          }
+          store_row(r, kdst + (hd - nq) * D, D);
+        }
       }
       C* vdst = vc + slot[t] * nkv * D;
       const T* vsrc = row + (nq + nkv) * D;

@@ -19,7 +19,7 @@ def sequence_hidden(model, token_ids: list[int]) -> torch.Tensor:
     n = len(token_ids)
     nb = math.ceil(n / BLOCK)
     shape = (nb, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=model.kv_dtype, device=dev), torch.zeros(shape, dtype=model.kv_dtype, device=dev))
+    caches = [tuple(torch.zeros(shape, dtype=model.kv_dtype, device=dev) for _ in range(2))
               for _ in range(cfg.num_layers)]
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), decode_rows=None, decode_block_tables=None,
                              decode_mask=None, num_decodes=0,

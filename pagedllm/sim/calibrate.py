@@ -26,9 +26,11 @@ from pagedllm.sim.cost import CostModel, Deployment
 from pagedllm.sim.hardware import GIB, HardwareProfile
 from pagedllm.sim.model_profile import PRESETS, SCHEMES, ModelProfile, QuantScheme
 
-# pagedllm/bench/roofline.py's engine_decode: 64-token prompts, 24 timed steps after 2 warm-up steps: the mean
-# context of a timed step is 64 + 2 + 24 / 2 tokens
-ROOFLINE_DECODE_CONTEXT = 78
+# pagedllm/bench/roofline.py's engine_decode: prompts of `prompt_len` tokens (64 in files that predate the field),
+# 24 timed steps after 2 warm-up steps: the mean context of a timed step is prompt_len + 2 + 24 / 2 tokens
+ROOFLINE_DECODE_STEPS_OFFSET = 2 + 24 // 2
+# the roofline run's KV cache dtype (runtime.kv_cache_dtype; float32 in files that predate the field)
+ROOFLINE_KV_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 CPU_KV_CACHE_BYTES = 1 * GIB  # the CPU engine's default --kv-cache-memory
 DEFAULT_TOKEN_SHARE = 0.5
 
@@ -43,10 +45,12 @@ class Calibration:
     token_share: float
     fit_rows: tuple[tuple[int, float, float], ...]  # (batch, measured s, predicted s with the fitted overheads)
     notes: tuple[str, ...] = field(default=())
+    kv_dtype: str = "fp32"  # the KV cache of the measured engine (bf16 on the default CPU path since 2026-12-02)
 
     def deployment(self, kv_cache_bytes: int = CPU_KV_CACHE_BYTES) -> Deployment:
-        """The engine's default CPU setup: this model and format, tp=1, float32 KV in a fixed pool."""
-        return Deployment(self.profile, self.model, self.scheme, tp=1, kv_dtype="fp32", kv_cache_bytes=kv_cache_bytes)
+        """The measured engine's CPU setup: this model and format, tp=1, its KV dtype in a fixed pool."""
+        return Deployment(self.profile, self.model, self.scheme, tp=1, kv_dtype=self.kv_dtype,
+                          kv_cache_bytes=kv_cache_bytes)
 
     def describe(self) -> str:
         p = self.profile
@@ -123,6 +127,8 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
     else:
         peak, bw_eff, curve = bf16, 0.6, ()
         notes.append("no integer-kernel timings in the file: the bf16 peak at 0.65 stands in for the GEMM path")
+    kv = ROOFLINE_KV_DTYPES.get((d.get("runtime") or {}).get("kv_cache_dtype"), "fp32")
+    context = d.get("prompt_len", 64) + ROOFLINE_DECODE_STEPS_OFFSET
     cpu = d.get("cpu") or {}
     desc = f"{cpu.get('model', 'CPU')} ({', '.join(cpu.get('flags', []))}), {d.get('threads', '?')} threads"
     base = HardwareProfile(
@@ -130,13 +136,13 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
         memory_bw=bw, memory_bytes=memory_bytes, interconnect_bw=10e9, interconnect_latency_s=20e-6,
         compute_efficiency=curve[-1][1] if curve else 0.65, bandwidth_efficiency=bw_eff,
         attention_efficiency=attention_efficiency, gemm_efficiency_curve=curve, step_overhead_s=0.0,
-        seq_overhead_s=0.0, token_overhead_s=0.0, activation_bytes=4, attention_dtype="fp32", default_kv_dtype="fp32",
+        seq_overhead_s=0.0, token_overhead_s=0.0, activation_bytes=4, attention_dtype="fp32", default_kv_dtype=kv,
         activation_reserve_bytes=0, price_per_hour=price_per_hour, calibrated=True, source="bench roofline",
     )
     rows = sorted((r["batch"], r["step_ms"] / 1e3) for r in d.get("rows", []))
-    dep = Deployment(base, model, scheme, kv_dtype="fp32", kv_cache_bytes=CPU_KV_CACHE_BYTES)
+    dep = Deployment(base, model, scheme, kv_dtype=kv, kv_cache_bytes=CPU_KV_CACHE_BYTES)
     bare = CostModel(dep, include_overheads=False)
-    predicted = {b: bare.decode_step(b, ROOFLINE_DECODE_CONTEXT - 1).time_s for b, _ in rows}
+    predicted = {b: bare.decode_step(b, context - 1).time_s for b, _ in rows}
     if rows:
         # relative errors count: step times span 10x from batch 1 to 32
         fixed, per_row = _least_squares([b for b, _ in rows], [t - predicted[b] for b, t in rows],
@@ -150,7 +156,7 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
     profile = base.with_overrides(step_overhead_s=fixed, seq_overhead_s=per_row * (1 - token_share),
                                   token_overhead_s=per_row * token_share)
     fit = tuple((b, t, predicted[b] + fixed + per_row * b) for b, t in rows)
-    return Calibration(profile, model, scheme, fixed, per_row, token_share, fit, tuple(notes))
+    return Calibration(profile, model, scheme, fixed, per_row, token_share, fit, tuple(notes), kv)
 
 
 def load_roofline(path: str) -> dict:

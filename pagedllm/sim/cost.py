@@ -26,7 +26,7 @@ class Deployment:
     model: ModelProfile
     scheme: QuantScheme
     tp: int = 1
-    kv_dtype: str = ""  # "": the hardware's default (bf16 on GPU, fp32 on this CPU's default path)
+    kv_dtype: str = ""  # "": the hardware's default (bf16 on GPU; a calibrated CPU's: what its roofline run used)
     gpu_memory_utilization: float = 0.9
     kv_cache_bytes: int | None = None  # fixed KV pool per device (the CPU engine's --kv-cache-memory)
     activation_reserve_bytes: int | None = None  # None: the hardware profile's

@@ -212,15 +212,15 @@ class ModelRunner:
         a, c = self.arch, self.config.cache
         settings = [a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim,
                     a.intermediate_size, self.block_size, list(_DTYPES.values()).index(self.dtype),
-                    list(_DTYPES.values()).index(self.kv_dtype), zlib.crc32(str(self.quantization).encode()), int(c.preemption_mode == "swap"),
-                    int(c.swap_space * 2**30), c.num_host_blocks_override or 0]
+                    list(_DTYPES.values()).index(self.kv_dtype), zlib.crc32(str(self.quantization).encode()),
+                    int(c.preemption_mode == "swap"), int(c.swap_space * 2**30), c.num_host_blocks_override or 0]
         rows = self.tp.gather_ints(settings + [num_blocks, self.model.weight_bytes()])
         for r, row in enumerate(rows):
             if row[: len(settings)] != rows[0][: len(settings)]:
                 raise ValueError(
                     f"tensor-parallel rank {r} loaded another model or settings than rank 0 ([vocab, hidden, layers, "
-                    f"heads, kv heads, head dim, intermediate, block size, dtype, KV dtype, quantization, swap, swap bytes, "
-                    f"host blocks] {row[: len(settings)]} vs {rows[0][: len(settings)]}): start every rank with "
+                    f"heads, kv heads, head dim, intermediate, block size, dtype, KV dtype, quantization, swap, "
+                    f"swap bytes, host blocks] {row[: len(settings)]} vs {rows[0][: len(settings)]}): start every rank with "
                     f"the same model and engine flags")
         self.rank_weight_bytes = [row[-1] for row in rows]
         return min(row[-2] for row in rows)
