@@ -504,7 +504,7 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
         if (hd < nq) {
           store_row(r, x, D);  // q rotated in place
         } else {  // k rotated into the cache, rounded to the activations' dtype first (as the torch path rounds it)
-          if constexpr (!std::is_same_v<T, C>) {
+          if constexpr (sizeof(T) < sizeof(C)) {  // bfloat16 activations, float32 cache (float32 -> float32: a no-op)
             store_row(r, rt.data(), D);
             load_row(rt.data(), r, D);
           }
