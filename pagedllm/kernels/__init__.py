@@ -2,7 +2,7 @@
 
 The source has three vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), and portable scalar
 loops that compile anywhere (ARM included). The engine builds it for ``-march=native`` once per machine kind and
-source version (cached under torch's extensions directory; about a minute with 2 cores; the cache key hashes the
+source version (cached under torch's extensions directory; about 25 s of one core; the cache key hashes the
 source, the flags, the CPU's model and feature flags, and the torch version). ``PAGEDLLM_CPU_MARCH`` builds for
 another ``-march`` instead (an x86-64 level, to run e.g. the AVX2 path on an AVX-512 machine). It needs a C++ compiler. Without
 one, or with ``PAGEDLLM_CPU_KERNELS=0``, ``cpu_ops()`` returns None, a warning is logged, and the model runs the
