@@ -31,17 +31,18 @@ def test_core_and_simulator_import_no_torch_or_upper_layers():
 # Which pagedllm packages each layer may import (docs/architecture.md draws the same table). A module is named by
 # its first component under pagedllm/ ("config", "core", "worker", ...); tier-0 modules import stdlib only.
 TIER0 = {"config", "sampling_params", "request", "outputs", "errors"}
-LOW = TIER0 | {"kernels", "layers", "quant", "model", "distributed", "sample", "spec"}
+LOW = TIER0 | {"gguf_file", "kernels", "layers", "quant", "model", "distributed", "sample", "spec"}
 MAY_IMPORT = {
     **{m: TIER0 for m in TIER0},
     "core": TIER0,
-    "sim": TIER0 | {"core"},
+    "sim": TIER0 | {"core", "gguf_file"},
+    "gguf_file": TIER0,  # the GGUF header reader (numpy, gguf), shared by the model loader and the simulator
     "kernels": TIER0,
     "quant": TIER0 | {"kernels"},
     "distributed": TIER0 | {"kernels", "model"},
     "layers": TIER0 | {"kernels", "quant", "distributed"},
     "sample": TIER0 | {"kernels"},
-    "model": TIER0 | {"kernels", "layers", "quant", "distributed"},
+    "model": TIER0 | {"gguf_file", "kernels", "layers", "quant", "distributed"},
     "spec": TIER0 | {"kernels", "layers", "quant", "model", "sample", "distributed"},
     "worker": LOW,
     "quantize": LOW | {"worker", "engine"},

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from pagedllm.gguf_file import GGUFFile
 from pagedllm.sim.hardware import COMPUTE_DTYPES
 
 
@@ -229,16 +230,12 @@ def _gguf_format(type_name: str, block: int, type_size: int) -> WeightFormat:
 
 
 def from_gguf(path: str) -> ModelProfile:
-    """Shapes from a GGUF header (``gguf``'s reader; numpy only) and the file's tensor formats: the format
+    """Shapes from a GGUF header (``pagedllm.gguf_file``; numpy only) and the file's tensor formats: the format
     holding most bytes of the decoder layers' linears, and those of the embedding and the output head."""
-    import gguf
     from gguf.constants import GGML_QUANT_SIZES
 
-    reader = gguf.GGUFReader(path)
-
-    def field(key, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+    reader = GGUFFile(path)
+    field = reader.get
 
     arch = field("general.architecture")
     if arch is None:

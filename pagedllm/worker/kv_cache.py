@@ -16,13 +16,17 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zero-filled KV storage. On CPU it comes from calloc, so pages are committed only when first written:
-    the process's resident memory grows with the KV cache actually used, not with the budget."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, count: int = 1) -> list[torch.Tensor]:
+    """``count`` zero-filled KV tensors of ``shape``. On CPU they are views of one calloc'd buffer, so pages are
+    committed only when first written: the process's resident memory grows with the KV cache actually used, not
+    with the budget. One buffer, not one per tensor: glibc serves a freed-then-requested block below its mmap
+    threshold (up to 32 MiB, raised by every free of a larger block) from the heap and must clear it, which made
+    each engine start in a process that had run one before spend ~1.5 s zeroing a 1 GiB cache."""
     if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    flat = torch.from_numpy(np.zeros(nbytes * count, dtype=np.uint8))
+    return [flat[i * nbytes:(i + 1) * nbytes].view(dtype).view(shape) for i in range(count)]
 
 
 class KVCache:
@@ -101,9 +105,9 @@ class KVCache:
         return (self.num_blocks, self.block_size, model.num_kv_heads, model.cfg.head_dim)
 
     def _layers(self, model) -> KVLayers:
-        shape = self._shape(model)
-        return [(zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device))
-                for _ in range(model.cfg.num_layers)]
+        n = model.cfg.num_layers
+        t = zeros(self._shape(model), self.dtype, self.device, 2 * n)
+        return [(t[2 * i], t[2 * i + 1]) for i in range(n)]
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),
