@@ -25,17 +25,11 @@ def llm():
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """The HuggingFace transformers reference, loading the same GGUF file."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The HuggingFace transformers reference: transformers' own loading of the same GGUF file (its conversion
+    cached as a checkpoint folder after the first time, see ``pagedllm.bench.hf_reference``)."""
+    from pagedllm.bench.hf_reference import load_hf_reference
 
-    from pagedllm.config import default_model_path
-
-    d, f = os.path.split(default_model_path())
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    model.eval()
-    return tok, model
+    return load_hf_reference("float32")
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 
 from pagedllm.bench.common import add_dtype_arg, add_workload_args
+from pagedllm.bench.hf_reference import load_hf_reference
 from pagedllm.bench.cpuinfo import cpu_info, cpu_line
 from pagedllm.bench.offline import load_prompts
 from pagedllm.bench.serve import BenchRequest, run_load
@@ -50,14 +51,12 @@ def _row(system, n_out, duration, latencies, ttfts, peak_rss, **extra) -> dict:
 def phase_hf(prompts: list[str], output_len: int, batch_size: int, dtype: str) -> dict:
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor, LogitsProcessorList
 
-    d, f = os.path.split(default_model_path())
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tok, model = load_hf_reference(dtype)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
 
     class FirstToken(LogitsProcessor):
         def __init__(self):

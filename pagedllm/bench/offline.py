@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from importlib import resources
 
 from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, add_workload_args, write_json
-from pagedllm.config import default_model_path
+from pagedllm.bench.hf_reference import load_hf_reference
 from pagedllm.engine.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 
@@ -40,11 +39,8 @@ def run_pagedllm(prompts: list[str], output_len: int, **engine_kwargs) -> dict:
 def run_hf_one_at_a_time(prompts: list[str], output_len: int, dtype: str = "float32") -> dict:
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    d, f = os.path.split(default_model_path())
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
+    tok, model = load_hf_reference(dtype)
     n_out = 0
     ids_all = []
     t0 = time.perf_counter()

@@ -1,0 +1,70 @@
+"""The HuggingFace transformers reference for a GGUF file, as the benchmarks' HF baselines and the HF-identity tests
+load it.
+
+transformers reads a GGUF file by parsing its metadata and vocabulary in Python and de-quantizing every tensor, about
+15-20 s for the 135M default model here. Its result is saved once (``save_pretrained``: config, float32 safetensors,
+tokenizer) under ``config.cache_dir()/hf_reference/<key>``, keyed by the file's path, size and modification time and
+the transformers version; later loads read that folder (~1 s). The weights are transformers' own conversion of the
+file, not pagedllm's loader, so the reference stays independent of the engine it checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import shutil
+
+from pagedllm.config import cache_dir, default_model_path
+
+logger = logging.getLogger(__name__)
+
+
+def _key(path: str) -> str:
+    import transformers
+
+    st = os.stat(path)
+    return hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:24]
+
+
+def _save(model, tok, saved: str) -> None:
+    """The de-quantized model as a plain checkpoint folder. transformers' ``save_pretrained`` refuses a model loaded
+    from GGUF (it is marked quantized), so the config goes without that mark and the weights through safetensors
+    (``save_model`` stores the tied embedding once; loading ties it again)."""
+    from safetensors.torch import save_model
+
+    tmp = f"{saved}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(tmp)
+    os.replace(tmp, saved)
+
+
+def load_hf_reference(dtype: str = "float32", path: str | None = None):
+    """(tokenizer, model in eval mode) of transformers for the GGUF file ``path`` (default: the embedded model)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = os.path.abspath(path or default_model_path())
+    saved = os.path.join(cache_dir(), "hf_reference", _key(path))
+    if os.path.exists(os.path.join(saved, "config.json")):
+        try:
+            tok = AutoTokenizer.from_pretrained(saved)
+            model = AutoModelForCausalLM.from_pretrained(saved, dtype=getattr(torch, dtype))
+            return tok, model.eval()
+        except Exception as e:  # noqa: BLE001 - a damaged cache entry: convert again
+            logger.warning("HF reference cache %s unreadable (%s); converting the GGUF file again", saved, e)
+            shutil.rmtree(saved, ignore_errors=True)
+    d, f = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    try:
+        _save(model, tok, saved)
+    except OSError as e:
+        logger.warning("could not cache the HF reference in %s: %s", saved, e)
+    return tok, model.to(getattr(torch, dtype))
