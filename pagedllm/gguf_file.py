@@ -5,7 +5,8 @@ views of one read-only memory map.
 (49,152 tokens and 48,900 merges) makes that ~2.7 s of every engine start, and a test run starts ~80 engines and
 servers. This reader decodes the same header in about 0.1 s. The ``gguf`` package still supplies the type tables
 (``GGMLQuantizationType``, ``GGML_QUANT_SIZES``) and the de-quantization. The fields' values and the tensors' types,
-shapes, offsets and data equal ``GGUFReader``'s (``tests/test_gguf_file.py``).
+shapes, offsets and data equal ``GGUFReader``'s (``tests/test_gguf_file.py``), except that an array of arrays comes
+back nested (GGUFReader flattens it) and a duplicated field is an error.
 
 Format (little-endian, versions 2 and 3): magic ``GGUF``, version u32, tensor count u64, field count u64; each field
 a string key, a u32 value type and the value (strings: u64 length + UTF-8; arrays: u32 element type, u64 count,
@@ -75,6 +76,8 @@ class GGUFFile:
             self.fields: dict = {}
             for _ in range(n_fields):
                 key = self._string()
+                if key in self.fields:
+                    raise ValueError(f"duplicated field {key!r}")
                 self.fields[key] = self._value(self._unpack("<I"))
             infos = []
             for _ in range(n_tensors):
@@ -84,7 +87,7 @@ class GGUFFile:
         except struct.error:
             raise ValueError(f"the header ends early (at byte {self._pos} of {len(self._buf)})") from None
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"invalid general.alignment {alignment!r}")
         self.data_offset = -(-self._pos // alignment) * alignment
         whole = np.frombuffer(self._map, dtype=np.uint8)

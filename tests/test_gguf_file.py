@@ -105,3 +105,29 @@ def test_wrong_magic_version_and_empty_file(every_kind_file, tmp_path):
         GGUFFile(str(tmp_path / "magic.gguf"))
     with pytest.raises(ValueError, match="big-endian"):
         GGUFFile(str(tmp_path / "big-endian.gguf"))
+
+
+def test_hand_made_header_nested_arrays_and_duplicates(tmp_path):
+    """A header written by hand: nested arrays come back nested; a repeated key or a non-integer alignment is an
+    error naming what is wrong."""
+    import struct
+
+    def s(text):
+        b = text.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    def header(fields):
+        return b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)) + b"".join(fields)
+
+    nested = s("t.nested") + struct.pack("<IIQ", 9, 9, 2) + struct.pack("<IQ", 4, 2) + struct.pack("<II", 1, 2) \
+        + struct.pack("<IQ", 8, 1) + s("x")
+    p = tmp_path / "nested.gguf"
+    p.write_bytes(header([nested]))
+    assert GGUFFile(str(p)).fields["t.nested"] == [[1, 2], ["x"]]
+    one = s("a") + struct.pack("<II", 4, 1)
+    p.write_bytes(header([one, one]))
+    with pytest.raises(ValueError, match="duplicated field 'a'"):
+        GGUFFile(str(p))
+    p.write_bytes(header([s("general.alignment") + struct.pack("<I?", 7, True)]))
+    with pytest.raises(ValueError, match="alignment"):
+        GGUFFile(str(p))

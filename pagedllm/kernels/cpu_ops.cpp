@@ -1030,8 +1030,8 @@ constexpr int TILE_GT = 2, TILE_MT = 3;
 #else
 constexpr int TILE_GT = 1, TILE_MT = 3;
 #endif
-// rows per sweep of a thread's groups (a multiple of the row tiles): 17% faster than one sweep of all rows at
-// 512-2048 rows (prefill), the same up to 64
+// rows per sweep of the groups (a multiple of the row tiles): 17% faster than one sweep of all rows at 512-2048 rows
+// (prefill), the same up to 64
 constexpr int64_t ROW_CHUNK = 48;
 
 template <int BITS, typename T>
@@ -1041,32 +1041,39 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const floa
   QuantizedRows xa;
   quantize_rows(x, M, K, xa);
 #if defined(__AVX2__) && defined(__FMA__)
-  // Each range of groups is swept once per chunk of ROW_CHUNK rows: a chunk's activations (2 bytes per input)
-  // stay in L2 while the range's weights pass, instead of all M rows streaming past every tile of groups.
-  auto groups = [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
-      const int64_t r1 = std::min(M, r0 + ROW_CHUNK);
-      int64_t g = begin;
-      if (r1 - r0 >= TILE_MT) {
+  // Rows go in chunks of ROW_CHUNK: a chunk's activations (2 bytes per input) stay in L2 while weights pass,
+  // instead of all M rows streaming past every tile of groups.
+  auto groups = [&](int64_t r0, int64_t r1, int64_t begin, int64_t end) {
+    int64_t g = begin;
+    if (r1 - r0 >= TILE_MT) {
 #if defined(PAGEDLLM_QZMM)
-        for (; g + 2 * ZPT <= end; g += 2 * ZPT)
-          qtile512_rows<BITS, ZPT, ZMT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
-        for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
+      for (; g + 2 * ZPT <= end; g += 2 * ZPT)
+        qtile512_rows<BITS, ZPT, ZMT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
+      for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
 #else
-        for (; g + TILE_GT <= end; g += TILE_GT)
-          qtile_rows<BITS, TILE_GT, TILE_MT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
+      for (; g + TILE_GT <= end; g += TILE_GT)
+        qtile_rows<BITS, TILE_GT, TILE_MT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
 #endif
-      }
-      for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
     }
+    for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
   };
-  // Fewer rows than a tile stream the weights from memory: each thread takes one contiguous half (claimed runs broke
-  // the streams and the prefetch-ahead: batch 1 was 1.5x slower). Row tiles are compute-bound: threads claim runs
-  // of 4 groups (one 512-bit tile), which balances the last runs (a forward's linears at 32 rows: 29.0 -> 26.4 ms).
-  if (M < TILE_MT)
-    at::parallel_for(0, NG, 8, groups);
-  else
-    parallel_claims(NG, 4, groups);
+  if (M < TILE_MT) {
+    // fewer rows than a tile stream the weights from memory: each thread takes one contiguous half (claimed runs
+    // broke the streams and the prefetch-ahead: batch 1 was 1.5x slower)
+    at::parallel_for(0, NG, 8, [&](int64_t begin, int64_t end) { groups(0, M, begin, end); });
+  } else {
+    // row tiles are compute-bound: threads claim (row chunk, run of 4 groups) items, row chunk by row chunk, so both
+    // threads share a chunk's activations while the weights pass and the last runs balance (a forward's linears at
+    // 32 rows: 29.0 -> 26.4 ms)
+    constexpr int64_t RUN = 4;
+    const int64_t runs = (NG + RUN - 1) / RUN, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+    parallel_claims(chunks * runs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r0 = i / runs * ROW_CHUNK, g0 = i % runs * RUN;
+        groups(r0, std::min(M, r0 + ROW_CHUNK), g0, std::min(NG, g0 + RUN));
+      }
+    });
+  }
 #else
   at::parallel_for(0, NG, 2, [&](int64_t begin, int64_t end) {
     float res[8];

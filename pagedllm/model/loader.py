@@ -59,7 +59,7 @@ def _native_q8(data: np.ndarray):
 def _dequantize(data: np.ndarray, ttype) -> np.ndarray:
     """Float32 values of a GGUF tensor. Q4_0, Q4_1 and Q8_0 blocks are decoded with torch, by the same float32
     operations as gguf's numpy de-quantization (``d*q + m``, ``d*(q - 8)``, ``s*d``), so to the same numbers (a test
-    compares every tensor of the default file) and ~5x faster on two cores; other types go through gguf."""
+    compares every tensor of the default file) and ~3x faster on two cores; other types go through gguf."""
     import gguf
 
     kind = ttype.name
