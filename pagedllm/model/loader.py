@@ -24,36 +24,37 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_field(reader, key: str, default=None):
-    return reader.fields.get(key, default)
+# GGUF block types the loader decodes itself (blocks of 32): bytes before a block's codes (f16 d; Q4_1: and f16 m)
+_BLOCK_HEAD = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}
+
+
+def _gguf_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(d, m, codes) of a tensor's Q4_0 / Q4_1 / Q8_0 blocks, a row per output row: float32 d (rows, blocks), float32
+    m (Q4_1, else None), codes (rows, 32 * blocks): 4-bit values as uint8 (in a block, the low nibbles are elements
+    0-15 and the high nibbles 16-31), 8-bit ones as int8. Values: Q4_1 d*q + m, Q4_0 d*(q - 8), Q8_0 d*s."""
+    head = _BLOCK_HEAD[kind]
+    rows = int(np.prod(data.shape[:-1]))
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, head + (32 if kind == "Q8_0" else 16))
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
+    qs = blocks[..., head:]
+    codes = qs.view(np.int8) if kind == "Q8_0" else np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    return d, m, codes.reshape(rows, -1)
 
 
 def _native_q4(data: np.ndarray, kind: str):
-    """GGUF Q4_0 / Q4_1 blocks of 32 -> a ``QuantizedWeight`` with the same numbers (no float round trip).
-
-    Q4_1 block: f16 d, f16 m, 16 bytes of nibbles (low nibbles are elements 0-15, high nibbles 16-31); value
-    d*q + m = (q - 8)*d + (m + 8d). Q4_0 block: f16 d, 16 bytes; value d*(q - 8)."""
-    head = 4 if kind == "Q4_1" else 2
-    n = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(n, -1, head + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., head:]
-    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, -1)
-    zeros = None
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zeros = torch.from_numpy(m + 8 * d)
-    return QuantizedWeight(torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), zeros, 4, 32)
+    """GGUF Q4_0 / Q4_1 blocks -> a ``QuantizedWeight`` with the same numbers (no float round trip): Q4_1's
+    d*q + m = (q - 8)*d + (m + 8d); Q4_0's d*(q - 8)."""
+    d, m, codes = _gguf_blocks(data, kind)
+    zeros = None if m is None else torch.from_numpy(m + 8 * d)
+    return QuantizedWeight(torch.from_numpy(codes), torch.from_numpy(d), zeros, 4, 32)
 
 
 def _native_q8(data: np.ndarray):
-    """GGUF Q8_0 blocks of 32 (f16 d, 32 signed bytes; value d*s) -> a symmetric 8-bit ``QuantizedWeight`` with
-    the same numbers (codes s + 128)."""
-    n = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(n, -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, -1)
-    return QuantizedWeight(torch.from_numpy(codes), torch.from_numpy(d), None, 8, 32)
+    """GGUF Q8_0 blocks -> a symmetric 8-bit ``QuantizedWeight`` with the same numbers (codes s + 128)."""
+    d, _, codes = _gguf_blocks(data, "Q8_0")
+    return QuantizedWeight(torch.from_numpy((codes.astype(np.int16) + 128).astype(np.uint8)), torch.from_numpy(d),
+                           None, 8, 32)
 
 
 def _dequantize(data: np.ndarray, ttype) -> np.ndarray:
@@ -63,22 +64,18 @@ def _dequantize(data: np.ndarray, ttype) -> np.ndarray:
     import gguf
 
     kind = ttype.name
-    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+    if kind not in _BLOCK_HEAD:
         return gguf.quants.dequantize(data, ttype).astype(np.float32, copy=False)
-    lead = data.shape[:-1]
-    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
-    blocks = torch.from_numpy(np.array(data)).reshape(-1, head + (32 if kind == "Q8_0" else 16))
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    d, m, codes = _gguf_blocks(data, kind)
+    dt = torch.from_numpy(d).unsqueeze(-1)
+    q = torch.from_numpy(codes).reshape(*d.shape, 32).float()
     if kind == "Q8_0":
-        out = blocks[:, 2:].contiguous().view(torch.int8).float() * d
+        out = q * dt
+    elif kind == "Q4_1":
+        out = dt * q + torch.from_numpy(m).unsqueeze(-1)
     else:
-        qs = blocks[:, head:]
-        q = torch.cat([qs & 0xF, qs >> 4], dim=1).float()
-        if kind == "Q4_1":
-            out = d * q + blocks[:, 2:4].contiguous().view(torch.float16).float()
-        else:
-            out = d * (q - 8)
-    return out.reshape(*lead, -1).numpy()
+        out = dt * (q - 8)
+    return out.reshape(*data.shape[:-1], -1).numpy()
 
 
 def open_gguf(path: str):
@@ -100,20 +97,19 @@ def open_gguf(path: str):
 def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """``native_q4``: keep Q4_0/Q4_1 tensors (other than the embedding) as packed 4-bit weights instead of
     dequantizing them; ``native_q8``: keep Q8_0 tensors (the embedding too) as packed 8-bit weights."""
-
     reader = open_gguf(path)
-    arch = _gguf_field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHS}")
 
     def kv(name, default=None):
-        return _gguf_field(reader, f"{arch}.{name}", default)
+        return reader.get(f"{arch}.{name}", default)
 
     hidden = int(kv("embedding_length"))
     n_head = int(kv("attention.head_count"))
     n_kv = int(kv("attention.head_count_kv", n_head))
     names = {t.name for t in reader.tensors}
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    tokens = reader.get("tokenizer.ggml.tokens")
     vocab = int(kv("vocab_size", len(tokens) if tokens is not None else 0))
     cfg = ModelArchConfig(
         arch=arch,
@@ -129,8 +125,8 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False) -> tu
         max_position=int(kv("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=reader.get("tokenizer.ggml.eos_token_id"),
         vocab_fingerprint=hashlib.sha256("\n".join(tokens).encode()).hexdigest() if tokens else None,
     )
 
