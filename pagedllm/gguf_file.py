@@ -25,8 +25,7 @@ import numpy as np
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
-# gguf's GGUFValueType numbering -> struct format of a scalar of that type (8: string, 9: array)
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# gguf's GGUFValueType numbering -> numpy dtype of a number of that type (8: string, 9: array)
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
           12: "<f8"}
 _STRING, _ARRAY = 8, 9
@@ -136,14 +135,17 @@ class GGUFFile:
         if vtype == _ARRAY:
             etype, count = self._unpack("<I"), self._unpack("<Q")
             if etype in _NUMPY:  # a numeric array in one read
-                dt = np.dtype(_NUMPY[etype])
-                end = self._pos + count * dt.itemsize
-                if end > len(self._buf):
-                    raise struct.error("array past the end")
-                vals = np.frombuffer(self._buf, dtype=dt, count=count, offset=self._pos).tolist()
-                self._pos = end
-                return vals
+                return self._numbers(etype, count)
             return [self._value(etype) for _ in range(count)]
-        if vtype not in _SCALAR:
+        if vtype not in _NUMPY:
             raise ValueError(f"unknown GGUF value type {vtype} at byte {self._pos}")
-        return self._unpack(_SCALAR[vtype])
+        return self._numbers(vtype, 1)[0]
+
+    def _numbers(self, vtype: int, count: int) -> list:
+        dt = np.dtype(_NUMPY[vtype])
+        end = self._pos + count * dt.itemsize
+        if end > len(self._buf):
+            raise struct.error("value past the end")
+        vals = np.frombuffer(self._buf, dtype=dt, count=count, offset=self._pos).tolist()
+        self._pos = end
+        return vals
