@@ -144,6 +144,24 @@ inline vf vsum16(const vf* v) {
   const vf w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
+// bfloat16 pairs: 2W cached values as their even and odd elements, each with one shift or mask of the loaded bits
+// (a bfloat16 is the high half of its float32), instead of widening W values at a time
+inline void vload_split(const at::BFloat16* p, vf& even, vf& odd) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+// x[0, 2W) held as (lo, hi) <-> its even and odd elements
+inline void vsplit(vf lo, vf hi, vf& even, vf& odd) {
+  even = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi);
+  odd = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), hi);
+}
+inline void vmerge(vf even, vf odd, vf& lo, vf& hi) {
+  lo = _mm512_permutex2var_ps(even, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), odd);
+  hi = _mm512_permutex2var_ps(even, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31),
+                              odd);
+}
+inline vf vsumW(const vf* v) { return vsum16(v); }
 inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 inline int veq_mask(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // bit j: lane j equal
 inline int vnan_mask(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }     // bit j: lane j is NaN
@@ -176,6 +194,29 @@ inline float vsum(vf x) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+// lane j = the sum of v[j]'s lanes, for 8 vectors at once
+inline vf vsumW(const vf* v) {
+  const vf t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // v0..v3: low, high lanes
+  const vf t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+// as with AVX-512: 16 bfloat16 values as their even and odd elements; (lo, hi) <-> even, odd
+inline void vload_split(const at::BFloat16* p, vf& even, vf& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline void vsplit(vf lo, vf hi, vf& even, vf& odd) {  // shuffles pick per 128-bit lane; the 64-bit permute orders
+  even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                _MM_SHUFFLE(3, 1, 2, 0)));
+  odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1))),
+                                               _MM_SHUFFLE(3, 1, 2, 0)));
+}
+inline void vmerge(vf even, vf odd, vf& lo, vf& hi) {
+  const vf a = _mm256_unpacklo_ps(even, odd), b = _mm256_unpackhi_ps(even, odd);
+  lo = _mm256_permute2f128_ps(a, b, 0x20);
+  hi = _mm256_permute2f128_ps(a, b, 0x31);
 }
 inline float vhmax(vf x) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -256,15 +297,43 @@ inline void softmax_row(float* s, int64_t L) {
 }
 
 #if PAGEDLLM_VEC
+// A cached row of NC vectors. From a bfloat16 cache each pair of vectors holds its 2W values' even and odd elements
+// (vload_split: one shift or mask per vector, no widening); q and the output accumulators use the same order
+// (split and merged once per sequence), so each dot product pairs the same elements as in the natural order.
+template <int NC>
+inline void load_cached(const float* p, vf* v) {
+  for (int c = 0; c < NC; ++c) v[c] = vload(p + c * W);
+}
+template <int NC>
+inline void load_cached(const at::BFloat16* p, vf* v) {
+  static_assert(NC % 2 == 0, "bfloat16 rows load in pairs of vectors");
+  for (int c = 0; c < NC; c += 2) vload_split(p + c * W, v[c], v[c + 1]);
+}
+template <int NC>
+inline void reorder_rows(float* x, int64_t rows, bool split) {  // rows of NC vectors: natural <-> even/odd pairs
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < NC; c += 2) {
+      float* p = x + (r * NC + c) * W;
+      vf a, b;
+      if (split) vsplit(vload(p), vload(p + W), a, b);
+      else vmerge(vload(p), vload(p + W), a, b);
+      vstore(p, a);
+      vstore(p + W, b);
+    }
+}
+
 // Vector path for head dims that are a multiple of the vector width (NC chunks): the G query heads of a KV head
 // and their output accumulators stay in registers (AVX-512) or L1 (AVX2 spills some) while the context streams
 // past. Each block of 16 tokens is one contiguous run of memory (16 x Hkv x D): it is read once, head after
 // head, while the next block is prefetched. Only KV heads [h0, h1) are computed (their rows of scores and out).
+// qf's rows of those heads are reordered in place for a bfloat16 cache.
 template <typename T, int G, int NC>
-void attend_seq(const float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
+void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
                 int64_t h0, int64_t h1, float* scores, float* out) {
   constexpr int64_t D = NC * W;
+  constexpr bool split = std::is_same_v<T, at::BFloat16>;
   const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS;
+  if constexpr (split) reorder_rows<NC>(qf + h0 * G * D, (h1 - h0) * G, true);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
     if (bi + 1 < nblocks) prefetch(kc + table[bi + 1] * blk, std::min(BS, L - t0 - BS) * tok * int64_t(sizeof(T)));
@@ -273,22 +342,22 @@ void attend_seq(const float* qf, const T* kc, const T* vc, const int64_t* table,
       vf qv[G][NC];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < NC; ++c) qv[g][c] = vload(qf + (h * G + g) * D + c * W);
-#if defined(__AVX512F__)
-      if (n == 16) {  // a full block: 16 tokens' dot products summed across lanes together, one vector of scores
-        for (int g = 0; g < G; ++g) {
-          vf acc[16];
-          for (int j = 0; j < 16; ++j) {
-            acc[j] = vmul(qv[g][0], vload(kb + j * tok + h * D));
-            for (int c = 1; c < NC; ++c) acc[j] = vfma(qv[g][c], vload(kb + j * tok + h * D + c * W), acc[j]);
+      int64_t j = 0;
+      for (; j + W <= n; j += W) {  // W tokens' dot products summed across lanes together: W scores per vector
+        vf acc[G][W];  // a token's row is read once for the G heads: G independent chains of NC steps
+        for (int i = 0; i < W; ++i) {
+          vf kv[NC];
+          load_cached<NC>(kb + (j + i) * tok + h * D, kv);
+          for (int g = 0; g < G; ++g) {
+            acc[g][i] = vmul(qv[g][0], kv[0]);
+            for (int c = 1; c < NC; ++c) acc[g][i] = vfma(qv[g][c], kv[c], acc[g][i]);
           }
-          vstore(scores + (h * G + g) * L + t0, vsum16(acc));
         }
-        continue;
+        for (int g = 0; g < G; ++g) vstore(scores + (h * G + g) * L + t0 + j, vsumW(acc[g]));
       }
-#endif
-      for (int64_t j = 0; j < n; ++j) {
+      for (; j < n; ++j) {
         vf kv[NC];
-        for (int c = 0; c < NC; ++c) kv[c] = vload(kb + j * tok + h * D + c * W);
+        load_cached<NC>(kb + j * tok + h * D, kv);
         for (int g = 0; g < G; ++g) {
           vf acc = vmul(qv[g][0], kv[0]);
           for (int c = 1; c < NC; ++c) acc = vfma(qv[g][c], kv[c], acc);
@@ -310,7 +379,7 @@ void attend_seq(const float* qf, const T* kc, const T* vc, const int64_t* table,
         for (int c = 0; c < NC; ++c) o[g][c] = vload(out + (h * G + g) * D + c * W);
       for (int64_t j = 0; j < n; ++j) {
         vf vv[NC];
-        for (int c = 0; c < NC; ++c) vv[c] = vload(vb + j * tok + h * D + c * W);
+        load_cached<NC>(vb + j * tok + h * D, vv);
         for (int g = 0; g < G; ++g) {
           const vf p = vset1(scores[(h * G + g) * L + t0 + j]);
           for (int c = 0; c < NC; ++c) o[g][c] = vfma(p, vv[c], o[g][c]);
@@ -320,10 +389,11 @@ void attend_seq(const float* qf, const T* kc, const T* vc, const int64_t* table,
         for (int c = 0; c < NC; ++c) vstore(out + (h * G + g) * D + c * W, o[g][c]);
     }
   }
+  if constexpr (split) reorder_rows<NC>(out + h0 * G * D, (h1 - h0) * G, false);
 }
 
 template <typename T, int NC>
-bool attend_seq_g(int64_t G, const float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS,
+bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS,
                   int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out) {
   switch (G) {
 #define PAGEDLLM_G(n) \
@@ -337,7 +407,7 @@ bool attend_seq_g(int64_t G, const float* qf, const T* kc, const T* vc, const in
 
 // The vector path for head dims 64 and 128 and up to 8 query heads per KV head; false: use the portable loop.
 template <typename T>
-bool attend_fast(int64_t G, int64_t D, const float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
+bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
                  int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out) {
 #if PAGEDLLM_VEC
   if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out);
