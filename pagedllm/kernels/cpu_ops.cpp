@@ -1252,13 +1252,17 @@ std::string isa() {
 
 }  // namespace
 
+// The kernels run without the GIL (as torch's own operators do): the server's event loop thread serves HTTP and
+// streams tokens while a step computes, instead of waiting for the kernel to return. Every tensor argument is held
+// by the caller for the call.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)");
-  m.def("rms_norm", &rms_norm, "RMSNorm");
-  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)");
-  m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
-  m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block)");
-  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)");
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
+  m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", nogil);
+  m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block)", nogil);
+  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
   m.def("isa", &isa, "the instruction set this build's vector paths use");
 }
