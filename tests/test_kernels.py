@@ -312,6 +312,42 @@ def test_qlinear_rejects_bad_shapes(ops):
         ops.qlinear(x, *ok, 3, 12)
 
 
+def test_kernels_release_the_gil(ops):
+    """Another Python thread (the server's event loop) runs while a kernel computes: a thread that stamps the time
+    in a loop leaves stamps inside one long qlinear call. Holding the GIL, it could leave none there (the margins
+    cover the interpreter's 5 ms switch interval around the call)."""
+    import threading
+    import time
+
+    n_out, k = 4096, 1536
+    w = torch.randint(0, 256, ((n_out + 7) // 8, k // 32 * 128), dtype=torch.uint8)
+    d, m = torch.rand((n_out + 7) // 8, k // 32 * 8), torch.rand((n_out + 7) // 8, k // 32 * 8)
+    x = torch.randn(2048, k)
+    stamps, stop = [], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        while not stamps:  # the thread is running
+            pass
+        t0 = time.perf_counter()
+        ops.qlinear(x, w, d, m, 4, n_out)
+        t1 = time.perf_counter()
+        with pytest.raises(RuntimeError):  # an error inside a kernel still reaches Python (GIL taken back)
+            ops.qlinear(torch.randn(2, 40), w, d, m, 4, n_out)
+    finally:
+        stop.set()
+        th.join()
+    margin = 0.02
+    assert t1 - t0 > 4 * margin, f"the call took only {t1 - t0:.3f} s: too short to tell"
+    inside = sum(t0 + margin < t < t1 - margin for t in stamps)
+    assert inside > 100, f"{inside} stamps inside the {t1 - t0:.3f} s kernel call"
+
+
 # ------------------------------------------------------------------ every x86-64 level, from a clean build
 # Each level is compiled in a fresh process with its own extensions directory (no cache can hide a failed
 # build); where this CPU can execute it, this file's kernel tests then run against that build. The levels build
