@@ -322,12 +322,20 @@ def test_kernels_release_the_gil(ops):
     n_out, k = 4096, 1536
     w = torch.randint(0, 256, ((n_out + 7) // 8, k // 32 * 128), dtype=torch.uint8)
     d, m = torch.rand((n_out + 7) // 8, k // 32 * 8), torch.rand((n_out + 7) // 8, k // 32 * 8)
-    x = torch.randn(2048, k)
+    rows = 64  # as many rows as make one call last >= 0.15 s on this build (scalar builds are ~50x slower)
+    while True:
+        x = torch.randn(rows, k)
+        t = time.perf_counter()
+        ops.qlinear(x, w, d, m, 4, n_out)
+        if time.perf_counter() - t >= 0.15 or rows >= 1 << 16:
+            break
+        rows *= 2
     stamps, stop = [], threading.Event()
 
-    def spin():
+    def spin():  # the sleep lets go of the GIL too: a build that holds it through the call still blocks the loop
         while not stop.is_set():
             stamps.append(time.perf_counter())
+            time.sleep(0.0002)
 
     th = threading.Thread(target=spin)
     th.start()
@@ -345,7 +353,7 @@ def test_kernels_release_the_gil(ops):
     margin = 0.02
     assert t1 - t0 > 4 * margin, f"the call took only {t1 - t0:.3f} s: too short to tell"
     inside = sum(t0 + margin < t < t1 - margin for t in stamps)
-    assert inside > 100, f"{inside} stamps inside the {t1 - t0:.3f} s kernel call"
+    assert inside > 20, f"{inside} stamps inside the {t1 - t0:.3f} s kernel call"
 
 
 # ------------------------------------------------------------------ every x86-64 level, from a clean build
