@@ -114,10 +114,6 @@ void parallel_claims(int64_t n, int64_t chunk, const F& f) {
 #define PAGEDLLM_VEC 16
 using vf = __m512;
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vload(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
 inline vf vset1(float x) { return _mm512_set1_ps(x); }
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -133,7 +129,7 @@ inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_IN
 inline vf vpow2n(vf x, vf n) { return _mm512_scalef_ps(x, n); }  // x * 2^n
 inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 // lane j = the sum of v[j]'s lanes, for 16 vectors at once: 45 shuffles and adds instead of 16 reductions
-inline vf vsum16(const vf* v) {
+inline vf vsumW(const vf* v) {
   vf t[8], u[4];
   for (int k = 0; k < 8; ++k)  // per 128-bit lane: v[2k] in even, v[2k+1] in odd positions
     t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
@@ -161,7 +157,6 @@ inline void vmerge(vf even, vf odd, vf& lo, vf& hi) {
   hi = _mm512_permutex2var_ps(even, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31),
                               odd);
 }
-inline vf vsumW(const vf* v) { return vsum16(v); }
 inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 inline int veq_mask(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // bit j: lane j equal
 inline int vnan_mask(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }     // bit j: lane j is NaN
@@ -169,10 +164,6 @@ inline int vnan_mask(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }   
 #define PAGEDLLM_VEC 8
 using vf = __m256;
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vload(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
 inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
 inline vf vset1(float x) { return _mm256_set1_ps(x); }
 inline vf vzero() { return _mm256_setzero_ps(); }
