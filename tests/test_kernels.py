@@ -197,8 +197,10 @@ def test_prepacked_bf16_linear_matches_f_linear():
     torch.manual_seed(4)
     w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     lin = DenseLinear(w.clone(), b).prepack(keep_weight=False)
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert lin.packed is not None and lin.weight is None
+    else:  # no bf16 in this CPU's oneDNN (e.g. Zen 3): prepack is a no-op and torch's GEMM runs the weight as it is
+        assert lin.packed is None and lin.weight is not None
     for m in (1, 5, 40):
         x = torch.randn(m, 64, dtype=torch.bfloat16)
         _close(lin(x), F.linear(x, w, b), torch.bfloat16)
@@ -402,8 +404,9 @@ def level_runs(tmp_path_factory):
         if can_run(march):
             cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
                    "-k", "not engine and not fused_and_torch and not each_x86_level"]
-        else:  # this CPU lacks the level's instructions: the build must still compile
-            cmd = [sys.executable, "-c", f"from pagedllm.kernels import build; print(build({march!r}).isa())"]
+        else:  # this CPU lacks the level's instructions: the build must still compile (loading it would not run)
+            cmd = [sys.executable, "-c", "import sys; from pagedllm.kernels import compile_only; "
+                   f"print(compile_only({march!r}, sys.argv[1]))", str(tmp_path_factory.mktemp(f"obj-{march}"))]
         procs[march] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         cwd=os.path.dirname(__file__))
     runs = {}
@@ -423,5 +426,8 @@ def test_kernels_build_and_pass_at_each_x86_level(march, level_runs):
     assert rc == 0, out[-4000:] + err[-3000:]
     if can_run(march):
         assert " passed" in out and " failed" not in out, out[-2000:]
-    else:
-        assert out.split()[-1].startswith(EXPECTED_ISA[march])
+    else:  # compiled to an object file (which vector path it holds is checked where a CPU can run it)
+        from pathlib import Path
+
+        obj = Path(out.split()[-1])
+        assert obj.stat().st_size > 100_000 and obj.read_bytes()[:4] == b"\x7fELF", (march, obj)

@@ -99,6 +99,25 @@ def build(march: str = "native", verbose: bool = False):
     )
 
 
+def compile_only(march: str, out_dir: str | Path) -> Path:
+    """Compiles the kernels for ``-march=march`` to an object file without loading it, with the flags of ``build``:
+    for a level this CPU cannot execute (loading that build runs its instructions in the module's start-up code:
+    SIGILL). Raises RuntimeError with the compiler's output on a failed build."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    obj = Path(out_dir) / f"cpu_ops_{march.replace('-', '_')}.o"
+    cmd = [os.environ.get("CXX", "c++"), *BASE_CFLAGS, f"-march={march}", "-std=c++20", "-fPIC",
+           "-DTORCH_EXTENSION_NAME=pagedllm_cpu_ops", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]), "-c", str(SOURCE), "-o", str(obj)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the kernels for -march={march} failed:\n{proc.stderr[-4000:]}")
+    return obj
+
+
 @functools.cache
 def cpu_ops():
     """The compiled module (decode_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul, qlinear, isa),

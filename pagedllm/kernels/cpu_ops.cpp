@@ -695,9 +695,19 @@ constexpr int QB = 32;
 // second integer dot product per block, which the memory-bound small batches barely notice.
 constexpr int LEVEL = 254;
 
+// Without VNNI (AVX2, or AVX-512 without it) the two levels travel as one int16 per activation, v = 254 q + q2
+// (|v| <= 32385), against weights widened to int16: one vpmaddwd does 16 products of the whole value, where the
+// two levels cost two vpmaddubsw + two vpmaddwd per 32. The integer sums are exactly the two levels' (254 hi + lo),
+// so the results are bitwise the same. v is stored per unit of 4 inputs a..a+3 as (a, a+2, a+1, a+3): the int16
+// pairs that the weight bytes give with a shift and a mask (below).
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define PAGEDLLM_QWIDE 1
+#endif
+
 struct QuantizedRows {
-  std::vector<int8_t> q;   // (M, K) coarse level
-  std::vector<int8_t> q2;  // (M, K) fine level
+  std::vector<int8_t> q;   // (M, K) coarse level (not with PAGEDLLM_QWIDE)
+  std::vector<int8_t> q2;  // (M, K) fine level (not with PAGEDLLM_QWIDE)
+  std::vector<int16_t> v;  // (M, K) 254 q + q2 in pair order (only with PAGEDLLM_QWIDE)
   std::vector<float> s;    // (M, K/32) s
   std::vector<float> ss;   // (M, K/32) s * sum(254 q + q2), ~ the block's sum of x
   std::vector<int32_t> isum;  // (M, K/32) sum(254 q + q2): 8-bit codes run as unsigned (s + 128) and subtract it
@@ -706,8 +716,12 @@ struct QuantizedRows {
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
   const int64_t nb = K / QB;
+#if defined(PAGEDLLM_QWIDE)
+  out.v.resize(M * K);
+#else
   out.q.resize(M * K);
   out.q2.resize(M * K);
+#endif
   out.s.resize(M * nb);
   out.ss.resize(M * nb);
   out.isum.resize(M * nb);
@@ -716,8 +730,6 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         load_row(x + r * K + b * QB, buf, QB);
-        int8_t* q = out.q.data() + r * K + b * QB;
-        int8_t* q2 = out.q2.data() + r * K + b * QB;
 #if defined(__AVX2__) && defined(__FMA__)
         {  // |x| max; q = round(x * 127 / max) (nearest even); q2 = round((x - q * max / 127) * 127 * 254 / max)
           const __m256 sign = _mm256_set1_ps(-0.f);
@@ -734,22 +746,36 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
           const float inv = amax > 0.f ? 127.f / amax : 0.f;
           const __m256 vinv = _mm256_set1_ps(inv), vinv2 = _mm256_set1_ps(inv * LEVEL);
           const __m256 vsx = _mm256_set1_ps(amax / 127.f);
-          __m256i q1i[4], q2i[4];
+          __m256i q1i[4], q2i[4], vi[4];
           __m256i sum = _mm256_setzero_si256();
           for (int j = 0; j < 4; ++j) {
             const __m256 q1f = _mm256_round_ps(_mm256_mul_ps(v[j], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             const __m256 rest = _mm256_fnmadd_ps(q1f, vsx, v[j]);
             q1i[j] = _mm256_cvtps_epi32(q1f);
-            q2i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, vinv2));
-            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(q1i[j], _mm256_set1_epi32(LEVEL)), q2i[j]));
+            // the fine level saturates at +-127 (a rounding of x * 127 / max to exactly .5 above can ask for 128)
+            q2i[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(rest, vinv2)),
+                                                       _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+            vi[j] = _mm256_add_epi32(_mm256_mullo_epi32(q1i[j], _mm256_set1_epi32(LEVEL)), q2i[j]);
+            sum = _mm256_add_epi32(sum, vi[j]);
           }
+#if defined(PAGEDLLM_QWIDE)
+          // int16 in input order (the 64-bit permute undoes packs' per-lane interleave), then (a, a+2, a+1, a+3)
+          const __m256i pair = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                                0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+          int16_t* vq = out.v.data() + r * K + b * QB;
+          for (int j = 0; j < 2; ++j) {
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(vi[2 * j], vi[2 * j + 1]), 0xD8);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(vq + 16 * j), _mm256_shuffle_epi8(p, pair));
+          }
+#else
+          int8_t* q = out.q.data() + r * K + b * QB;
+          int8_t* q2 = out.q2.data() + r * K + b * QB;
           const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
           const __m256i p1 = _mm256_packs_epi16(_mm256_packs_epi32(q1i[0], q1i[1]), _mm256_packs_epi32(q1i[2], q1i[3]));
           const __m256i p2 = _mm256_packs_epi16(_mm256_packs_epi32(q2i[0], q2i[1]), _mm256_packs_epi32(q2i[2], q2i[3]));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p1, order));
-          // the fine level saturates at +-127 (a rounding of x * 127 / max to exactly .5 above can ask for 128)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2), _mm256_max_epi8(_mm256_permutevar8x32_epi32(p2, order),
-                                                                              _mm256_set1_epi8(-127)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2), _mm256_permutevar8x32_epi32(p2, order));
+#endif
           __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
           s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
           s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
@@ -758,9 +784,10 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
           const int32_t isum = _mm_cvtsi128_si32(s4);
           out.isum[r * nb + b] = isum;
           out.ss[r * nb + b] = s * static_cast<float>(isum);
-          continue;
         }
-#endif
+#else
+        int8_t* q = out.q.data() + r * K + b * QB;
+        int8_t* q2 = out.q2.data() + r * K + b * QB;
         float amax = 0.f;
         for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(buf[i]));
         const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -777,6 +804,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
         out.s[r * nb + b] = s;
         out.isum[r * nb + b] = sum;
         out.ss[r * nb + b] = s * static_cast<float>(sum);
+#endif
       }
   });
 }
@@ -804,6 +832,98 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
+#if defined(PAGEDLLM_QWIDE)
+// An empty asm that takes x in a register and may change it: the compiler keeps each tile's running sums where the
+// loop adds to them. Without it, gcc reassociates the integer adds into every product of a block first, then their
+// sum, and spills most products to the stack (1.3x slower).
+inline void keep_in_register(__m256i& x) {
+#if defined(__GNUC__)
+  asm("" : "+x"(x));
+#endif
+}
+
+// qtile (below) on int16 activations (PAGEDLLM_QWIDE): the same tiles, one accumulator per (group, row). A weight
+// vector's 32-bit lane holds 4 bytes of one row; its int16 halves masked (and shifted by 4, 8, 12 bits for 4-bit
+// codes, or sign-extended for 8-bit ones) are the pairs (a, a+2) and (a+1, a+3) of a unit (the high nibbles: of
+// unit 4+i), which meet v's pair order.
+template <int BITS, int GT, int MT>
+inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+                  const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m256* out) {
+  constexpr int64_t gbytes = BITS * 32;
+  __m256 acc[GT][MT];
+  for (int g = 0; g < GT; ++g)
+    for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s[GT][MT];
+    for (int g = 0; g < GT; ++g)
+      for (int r = 0; r < MT; ++r) s[g][r] = _mm256_setzero_si256();
+    const int8_t* xv[MT];  // 32-bit words: the int16 pairs
+    for (int r = 0; r < MT; ++r) xv[r] = reinterpret_cast<const int8_t*>(xa.v.data() + (r0 + r) * K + b * QB);
+    auto word = [&](int r, int k) { return _mm256_set1_epi32(load_i32(xv[r] + 4 * k)); };
+    if constexpr (MT == 1) {
+      for (int g = 0; g < GT; ++g) {
+        const uint8_t* pw = w + (g0 + g) * gstride + b * gbytes + PREFETCH_BYTES;
+        for (int c = 0; c < gbytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(d + (g0 + g) * nb * 8 + 8 * b + PREFETCH_BYTES / 4), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + (g0 + g) * nb * 8 + 8 * b + PREFETCH_BYTES / 4), _MM_HINT_T0);
+      }
+    }
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; ++i) {  // vector i: unit i in the low nibbles, unit 4+i in the high ones
+        for (int h = 0; h < 2; ++h) {  // the low nibbles (unit i), then the high ones (unit 4+i)
+          __m256i e0[GT], e1[GT];
+          for (int g = 0; g < GT; ++g) {
+            __m256i v = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+            if (h) v = _mm256_srli_epi16(v, 4);
+            e0[g] = _mm256_and_si256(v, low4);                        // (a, a+2)
+            e1[g] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);  // (a+1, a+3)
+          }
+          for (int r = 0; r < MT; ++r) {
+            const __m256i x0 = word(r, 8 * h + 2 * i), x1 = word(r, 8 * h + 2 * i + 1);
+            for (int g = 0; g < GT; ++g) {
+              s[g][r] = _mm256_add_epi32(s[g][r], _mm256_add_epi32(_mm256_madd_epi16(e0[g], x0),
+                                                                   _mm256_madd_epi16(e1[g], x1)));
+              keep_in_register(s[g][r]);
+            }
+          }
+        }
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) {
+        __m256i f0[GT], f1[GT];
+        for (int g = 0; g < GT; ++g) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+          f0[g] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // (4i, 4i+2)
+          f1[g] = _mm256_srai_epi16(v, 8);                        // (4i+1, 4i+3)
+        }
+        for (int r = 0; r < MT; ++r) {
+          const __m256i x0 = word(r, 2 * i), x1 = word(r, 2 * i + 1);
+          for (int g = 0; g < GT; ++g) {
+            s[g][r] = _mm256_add_epi32(s[g][r], _mm256_add_epi32(_mm256_madd_epi16(f0[g], x0),
+                                                                 _mm256_madd_epi16(f1[g], x1)));
+            keep_in_register(s[g][r]);
+          }
+        }
+      }
+    }
+    for (int g = 0; g < GT; ++g) {
+      const __m256 dv = _mm256_loadu_ps(d + (g0 + g) * nb * 8 + 8 * b);
+      const __m256 mv = _mm256_loadu_ps(m + (g0 + g) * nb * 8 + 8 * b);
+      for (int r = 0; r < MT; ++r) {
+        const int64_t row = r0 + r;
+        const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row * nb + b]));
+        acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[g][r]), scale, acc[g][r]);
+        acc[g][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row * nb + b]), acc[g][r]);
+      }
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
+}
+#else
 // A tile of GT groups of 8 weight rows (groups g0 .. g0+GT-1) against activation rows [r0, r0 + MT):
 // out[g * MT + r] = the 8 rows of group g0+g for activation row r0 + r. Every (group, row) pair has its own
 // coarse and fine accumulators, so a tile runs 2*GT*MT independent chains of dot products (one group and one row
@@ -905,6 +1025,7 @@ inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, 
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
 }
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDLLM_QZMM 1
