@@ -16,6 +16,8 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -103,9 +105,6 @@ def compile_only(march: str, out_dir: str | Path) -> Path:
     """Compiles the kernels for ``-march=march`` to an object file without loading it, with the flags of ``build``:
     for a level this CPU cannot execute (loading that build runs its instructions in the module's start-up code:
     SIGILL). Raises RuntimeError with the compiler's output on a failed build."""
-    import subprocess
-    import sysconfig
-
     from torch.utils.cpp_extension import include_paths
 
     obj = Path(out_dir) / f"cpu_ops_{march.replace('-', '_')}.o"
