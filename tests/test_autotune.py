@@ -2,6 +2,7 @@
 model, and the default engine runs it with output close to the float32 reference."""
 
 import pytest
+import torch
 
 from pagedllm.worker.autotune import WeightPlan, choose_plan, plan_from_timings
 
@@ -91,6 +92,9 @@ def test_default_engine_runs_the_plan_close_to_float32():
     assert auto.engine.core.runner.sampler.ops is not None  # greedy tokens through the argmax kernel
     lins = auto.engine.core.runner.model.linears()
     assert {lin.kind for lin in lins.values()} == {"q4-block", "q8-block"}
+    # the file's float16 block scales and offsets as they are; Q8_0's all-zero offsets not stored
+    assert all(lin.scales.dtype == torch.float16 and (lin.offsets.numel() > 0) == (lin.kind == "q4-block")
+               for lin in lins.values())
     got = auto.generate(PROMPTS, sp, use_tqdm=False)
     del auto
     assert _agreement(got, ref, 0.05, 0.1) >= len(PROMPTS) * 16 * 3 // 4  # most tokens agree before any tie

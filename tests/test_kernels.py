@@ -297,6 +297,63 @@ def test_block_quant_linear_keeps_awq_input_scaling(ops):
     assert ((lin(x) - ref).norm() / ref.norm()).item() < 1e-3
 
 
+def test_qlinear_float16_scales_and_absent_offsets(ops):
+    """Scales and offsets as float16 (BlockQuantLinear keeps them so when each value is exactly a float16, as a
+    GGUF file's are) and absent offsets (8-bit codes' all zero: Q8_0, symmetric weights) give bitwise the float32 layout's
+    results, at every row-tile shape (1, 2: the streamed single rows; 3+: the tiles; 50: two row chunks) and over
+    pairs of groups and an odd one (5 groups)."""
+    torch.manual_seed(11)
+    k, ng = 96, 5
+    n = 8 * ng - 3  # the last group is partial
+    for bits in (4, 8):
+        w = torch.randint(0, 256, (ng, k // 32 * bits * 32), dtype=torch.uint8)
+        d = (torch.rand(ng, k // 32 * 8) * 0.1).half().float()
+        m = (torch.randn(ng, k // 32 * 8) * 0.1).half().float()
+        for rows in (1, 2, 3, 4, 7, 50):
+            x = torch.randn(rows, k)
+            y = ops.qlinear(x, w, d, m, bits, n)
+            assert torch.equal(ops.qlinear(x, w, d.half(), m.half(), bits, n), y), (bits, rows)
+            if bits == 8:  # 4-bit codes always have offsets (Q4_0's -8d; symmetric 4-bit likewise)
+                y0 = ops.qlinear(x, w, d, torch.zeros_like(m), bits, n)
+                assert not torch.equal(y0, y)
+                for scales in (d, d.half()):
+                    assert torch.equal(ops.qlinear(x, w, scales, scales.new_empty(0), bits, n), y0), rows
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        ops.qlinear(x, w, d.half(), m, 8, n)
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        ops.qlinear(x, w, d.double(), m.double(), 8, n)
+    with pytest.raises(RuntimeError, match="offsets may be empty"):
+        ops.qlinear(x, w, d, m[:, :8], 8, n)
+    w4 = torch.randint(0, 256, (ng, k // 32 * 128), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="4-bit codes need their offsets"):
+        ops.qlinear(x, w4, d, d.new_empty(0), 4, n)
+
+
+def test_block_quant_linear_stores_float16_scales_only_when_exact(ops):
+    """A GGUF-style weight (float16 scale and offset per block) keeps them as float16, 4 bytes per block instead of
+    8, and computes exactly what the float32 layout computes; scales that float16 would round stay float32;
+    symmetric weights store no offsets."""
+    from pagedllm.quant.formats import dequantize, float16_blocks, quantize_rtn
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    torch.manual_seed(12)
+    qw = quantize_rtn(torch.randn(40, 128), 4, 32, False)
+    lin32 = BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, ops)
+    assert lin32.scales.dtype == lin32.offsets.dtype == torch.float32 and lin32.offsets.numel() == 40 * 4
+    gguf = float16_blocks(qw)  # Q4_1: w = d q + m, both float16 in the file
+    lin16 = BlockQuantLinear(gguf, None, torch.device("cpu"), torch.float32, ops)
+    assert lin16.scales.dtype == lin16.offsets.dtype == torch.float16
+    assert sum(t.numel() * t.element_size() for t in lin16.tensors()) == 40 * 128 // 2 + 40 * 4 * 4
+    torch.testing.assert_close(lin16.dequantized(), dequantize(gguf), rtol=0, atol=1e-6)
+    lin16f = BlockQuantLinear(gguf, None, torch.device("cpu"), torch.float32, ops)
+    lin16f.scales, lin16f.offsets = lin16.scales.float(), lin16.offsets.float()  # the same values in float32
+    x = torch.randn(5, 128)
+    assert torch.equal(lin16(x), lin16f(x)) and torch.equal(lin16(x[:1]), lin16f(x[:1]))
+    sym = BlockQuantLinear(quantize_rtn(torch.randn(16, 64), 8, 32, True), None, torch.device("cpu"),
+                           torch.float32, ops)
+    assert sym.offsets.numel() == 0 and sym.scales.dtype == torch.float32
+
+
 def test_qlinear_rejects_bad_shapes(ops):
     x = torch.randn(2, 40)  # 40 is not a multiple of 32
     with pytest.raises(RuntimeError, match="multiple of 32"):

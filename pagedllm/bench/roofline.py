@@ -14,7 +14,7 @@ from pagedllm.config import KV_CACHE_DTYPE_CHOICES
 from pagedllm.engine.llm import LLM
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import DenseLinear, tensor_bytes
-from pagedllm.quant.formats import quantize_rtn
+from pagedllm.quant.formats import float16_blocks, quantize_rtn
 from pagedllm.quant.linear import BlockQuantLinear
 from pagedllm.sampling_params import SamplingParams
 
@@ -72,8 +72,8 @@ def block_kernel_rows(arch, batches=(1, 8, 32)) -> list[dict]:
         return []
     rows = []
     for k, n, count in model_shapes(arch):
-        lin = BlockQuantLinear(quantize_rtn(torch.randn(n, k), 4, 32, False), None, torch.device("cpu"),
-                               torch.float32, ops)
+        qw = float16_blocks(quantize_rtn(torch.randn(n, k), 4, 32, False))  # GGUF Q4_1's float16 d and m
+        lin = BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, ops)
         nbytes = tensor_bytes(lin._tensors())
         for b in batches:
             x = torch.randn(b, k)

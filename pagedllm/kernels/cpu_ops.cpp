@@ -685,7 +685,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // that row's dot product with no horizontal sums, and the 8 rows' scales are one vector load.
 //   4-bit: per group and block 128 bytes: byte (i, row, t) = code[4i+t] | code[16+4i+t] << 4 (units i, 4+i);
 //   8-bit: per group and block 256 bytes: byte (i, row, t) = code[4i+t], i in [0, 8);
-//   d, m: (N/8, K/32, 8) float32.
+//   d, m: (N/8, K/32, 8), float32 or float16 (QScales below); 8-bit codes may have no m (all zero).
 // A row's arithmetic does not depend on how many rows the batch has (the same operations in the same order).
 constexpr int QB = 32;
 
@@ -809,6 +809,20 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
   });
 }
 
+// A layer's block scales d and offsets m: per group of 8 rows and block, the 8 rows' values, float32 or float16
+// (S: a GGUF file's own precision, which the layer keeps when every value converts exactly: 20 instead of 24 bytes
+// per 4-bit block of a row). No offsets (OFF false: GGUF Q8_0, symmetric 8-bit weights) skips their loads and
+// multiply-adds. A float16 value widens to exactly the float32 it stands for, so the arithmetic is that of the
+// float32 layout; the format is a template argument, so the tiles hold no run-time test of it.
+template <typename S, bool OFF>
+struct QScales {
+  static constexpr bool offsets = OFF;
+  const S* d;
+  const S* m;  // unused without OFF
+  int64_t nb;  // blocks per row
+  int64_t at(int64_t g, int64_t b) const { return (g * nb + b) * 8; }  // index of group g's 8 values of block b
+};
+
 template <typename T>
 inline void store_group(T* y, int64_t N, int64_t n0, const float* v) {  // up to 8 outputs, cut at N
   const int64_t cnt = std::min<int64_t>(8, N - n0);
@@ -832,6 +846,47 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
+// 8 scales or offsets as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(p[j]);
+  return _mm256_loadu_ps(v);
+#endif
+}
+
+// A single row streams the weights from memory: ask for group g's codes (wb: its block b) PREFETCH_BYTES ahead of
+// the prefetcher, and for its scales and offsets as many values ahead as a quarter of that.
+template <typename SC>
+inline void prefetch_group(const uint8_t* wb, int64_t gbytes, const SC& sc, int64_t g, int64_t b) {
+  for (int64_t c = 0; c < gbytes; c += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH_BYTES + c), _MM_HINT_T0);
+  const int64_t i = sc.at(g, b) + PREFETCH_BYTES / 4;
+  _mm_prefetch(reinterpret_cast<const char*>(sc.d + i), _MM_HINT_T0);
+  if constexpr (SC::offsets) _mm_prefetch(reinterpret_cast<const char*>(sc.m + i), _MM_HINT_T0);
+}
+
+// The end of block b in a tile of GT groups (from g0) by MT rows (from r0): the integer sums isum(g, r) of each
+// (group, row) pair times d * s, plus m * ss, into the pair's float sums. The same float steps in every tile shape.
+template <int GT, int MT, typename SC, typename Sum>
+inline void add_blocks(__m256 (&acc)[GT][MT], const SC& sc, int64_t g0, const QuantizedRows& xa, int64_t r0,
+                       int64_t b, Sum isum) {
+  for (int g = 0; g < GT; ++g) {
+    const int64_t i = sc.at(g0 + g, b);
+    const __m256 dv = load8(sc.d + i);
+    const __m256 mv = SC::offsets ? load8(sc.m + i) : _mm256_setzero_ps();
+    for (int r = 0; r < MT; ++r) {
+      const int64_t row = (r0 + r) * sc.nb + b;
+      acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(g, r)), _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row])),
+                                  acc[g][r]);
+      if constexpr (SC::offsets) acc[g][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row]), acc[g][r]);
+    }
+  }
+}
+
 #if defined(PAGEDLLM_QWIDE)
 // An empty asm that takes x in a register and may change it: the compiler keeps each tile's running sums where the
 // loop adds to them. Without it, gcc reassociates the integer adds into every product of a block first, then their
@@ -846,8 +901,8 @@ inline void keep_in_register(__m256i& x) {
 // vector's 32-bit lane holds 4 bytes of one row; its int16 halves masked (and shifted by 4, 8, 12 bits for 4-bit
 // codes, or sign-extended for 8-bit ones) are the pairs (a, a+2) and (a+1, a+3) of a unit (the high nibbles: of
 // unit 4+i), which meet v's pair order.
-template <int BITS, int GT, int MT>
-inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+template <int BITS, int GT, int MT, typename SC>
+inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                   const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m256* out) {
   constexpr int64_t gbytes = BITS * 32;
   __m256 acc[GT][MT];
@@ -861,13 +916,8 @@ inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, 
     const int8_t* xv[MT];  // 32-bit words: the int16 pairs
     for (int r = 0; r < MT; ++r) xv[r] = reinterpret_cast<const int8_t*>(xa.v.data() + (r0 + r) * K + b * QB);
     auto word = [&](int r, int k) { return _mm256_set1_epi32(load_i32(xv[r] + 4 * k)); };
-    if constexpr (MT == 1) {
-      for (int g = 0; g < GT; ++g) {
-        const uint8_t* pw = w + (g0 + g) * gstride + b * gbytes + PREFETCH_BYTES;
-        for (int c = 0; c < gbytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw + c), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(d + (g0 + g) * nb * 8 + 8 * b + PREFETCH_BYTES / 4), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(m + (g0 + g) * nb * 8 + 8 * b + PREFETCH_BYTES / 4), _MM_HINT_T0);
-      }
+    if constexpr (MT == 1) {  // a single row streams the weights from memory: ask for them ahead of the prefetcher
+      for (int g = 0; g < GT; ++g) prefetch_group(w + (g0 + g) * gstride + b * gbytes, gbytes, sc, g0 + g, b);
     }
     if constexpr (BITS == 4) {
       for (int i = 0; i < 4; ++i) {  // vector i: unit i in the low nibbles, unit 4+i in the high ones
@@ -909,16 +959,7 @@ inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, 
         }
       }
     }
-    for (int g = 0; g < GT; ++g) {
-      const __m256 dv = _mm256_loadu_ps(d + (g0 + g) * nb * 8 + 8 * b);
-      const __m256 mv = _mm256_loadu_ps(m + (g0 + g) * nb * 8 + 8 * b);
-      for (int r = 0; r < MT; ++r) {
-        const int64_t row = r0 + r;
-        const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row * nb + b]));
-        acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[g][r]), scale, acc[g][r]);
-        acc[g][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row * nb + b]), acc[g][r]);
-      }
-    }
+    add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, [&](int g, int r) { return s[g][r]; });
   }
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
@@ -931,8 +972,8 @@ inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, 
 // weight vector is loaded once per tile and an activation broadcast once per group tile. The integer sums are
 // exact and the float steps per (block, group, row) are the same in every tile shape, so a row's result does not
 // depend on the tile (or batch) it ran in.
-template <int BITS, int GT, int MT>
-inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+template <int BITS, int GT, int MT, typename SC>
+inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                   const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m256* out) {
   constexpr int64_t gbytes = BITS * 32;  // bytes per group and block: 128 (4-bit) or 256 (8-bit)
   __m256 acc[GT][MT];
@@ -950,12 +991,7 @@ inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, 
       xq2[r] = xa.q2.data() + (r0 + r) * K + b * QB;
     }
     if constexpr (MT == 1) {  // a single row streams the weights from memory: ask for them ahead of the prefetcher
-      for (int g = 0; g < GT; ++g) {
-        const uint8_t* pw = w + (g0 + g) * gstride + b * gbytes + PREFETCH_BYTES;
-        for (int c = 0; c < gbytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(pw + c), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(d + (g0 + g) * nb * 8 + 8 * b + PREFETCH_BYTES / 4), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(m + (g0 + g) * nb * 8 + 8 * b + PREFETCH_BYTES / 4), _MM_HINT_T0);
-      }
+      for (int g = 0; g < GT; ++g) prefetch_group(w + (g0 + g) * gstride + b * gbytes, gbytes, sc, g0 + g, b);
     }
     if constexpr (BITS == 4) {
       for (int i = 0; i < 4; ++i) {  // vector i: unit i (inputs 4i..4i+3) low, unit 4+i (16+4i..) high nibbles
@@ -1007,20 +1043,13 @@ inline void qtile(const uint8_t* w, const float* d, const float* m, int64_t g0, 
         }
       }
     }
-    for (int g = 0; g < GT; ++g) {
-      const __m256 dv = _mm256_loadu_ps(d + (g0 + g) * nb * 8 + 8 * b);
-      const __m256 mv = _mm256_loadu_ps(m + (g0 + g) * nb * 8 + 8 * b);
-      for (int r = 0; r < MT; ++r) {
-        const int64_t row = r0 + r;
-        __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(hi[g][r], _mm256_set1_epi32(LEVEL)), lo[g][r]);
+    add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, [&](int g, int r) {
+      __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(hi[g][r], _mm256_set1_epi32(LEVEL)), lo[g][r]);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        if constexpr (BITS == 8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * xa.isum[row * nb + b]));
+      if constexpr (BITS == 8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * xa.isum[(r0 + r) * nb + b]));
 #endif
-        const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row * nb + b]));
-        acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[g][r]);
-        acc[g][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row * nb + b]), acc[g][r]);
-      }
-    }
+      return s;
+    });
   }
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
@@ -1033,16 +1062,22 @@ inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {  // 32 bytes of g
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
+// 8 scales or offsets of group g (a) low and of group g+1 (b) high, as float32.
 inline __m512 load_pair(const float* a, const float* b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
                                              _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+inline __m512 load_pair(const at::Half* a, const at::Half* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
 // qtile on 512-bit vectors: PT pairs of groups (g0 + 2p, g0 + 2p + 1) in one vector each, so one vpdpbusd does 64
 // products (twice the 256-bit rate on CPUs that issue one of either per cycle). The same integer sums and, per
 // 8 rows, the same float steps as qtile: the results are bitwise those of the 256-bit tiles.
-template <int BITS, int PT, int MT>
-inline void qtile512(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+template <int BITS, int PT, int MT, typename SC>
+inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                      const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out) {
   constexpr int64_t gbytes = BITS * 32;
   __m512 acc[PT][MT];
@@ -1099,17 +1134,16 @@ inline void qtile512(const uint8_t* w, const float* d, const float* m, int64_t g
         }
       }
     }
-    for (int p = 0; p < PT; ++p) {
-      const float* dp = d + (g0 + 2 * p) * nb * 8 + 8 * b;
-      const float* mp = m + (g0 + 2 * p) * nb * 8 + 8 * b;
-      const __m512 dv = load_pair(dp, dp + nb * 8), mv = load_pair(mp, mp + nb * 8);
+    for (int p = 0; p < PT; ++p) {  // add_blocks' steps on two groups at once
+      const int64_t i = sc.at(g0 + 2 * p, b), j = sc.at(g0 + 2 * p + 1, b);
+      const __m512 dv = load_pair(sc.d + i, sc.d + j);
+      const __m512 mv = SC::offsets ? load_pair(sc.m + i, sc.m + j) : _mm512_setzero_ps();
       for (int r = 0; r < MT; ++r) {
-        const int64_t row = r0 + r;
+        const int64_t row = (r0 + r) * nb + b;
         __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r]);
-        if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xa.isum[row * nb + b]));
-        const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xa.s[row * nb + b]));
-        acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[p][r]);
-        acc[p][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xa.ss[row * nb + b]), acc[p][r]);
+        if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xa.isum[row]));
+        acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xa.s[row])), acc[p][r]);
+        if constexpr (SC::offsets) acc[p][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xa.ss[row]), acc[p][r]);
       }
     }
   }
@@ -1118,8 +1152,8 @@ inline void qtile512(const uint8_t* w, const float* d, const float* m, int64_t g
 }
 
 // Groups [g0, g0 + 2 PT) against rows [r, M), stored to y (row tiles of MT, then of 2 and 1).
-template <int BITS, int PT, int MT, typename T>
-inline void qtile512_rows(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+template <int BITS, int PT, int MT, typename SC, typename T>
+inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                           const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
   __m512 out[PT * MT];
   float res[16];
@@ -1132,31 +1166,31 @@ inline void qtile512_rows(const uint8_t* w, const float* d, const float* m, int6
       }
   };
   for (; r + MT <= M; r += MT) {
-    qtile512<BITS, PT, MT>(w, d, m, g0, gstride, xa, r, K, nb, out);
+    qtile512<BITS, PT, MT>(w, sc, g0, gstride, xa, r, K, nb, out);
     store(r, MT);
   }
   if constexpr (MT > 2) {
     if (r + 2 <= M) {
-      qtile512<BITS, PT, 2>(w, d, m, g0, gstride, xa, r, K, nb, out);
+      qtile512<BITS, PT, 2>(w, sc, g0, gstride, xa, r, K, nb, out);
       store(r, 2);
       r += 2;
     }
   }
   for (; r < M; ++r) {
-    qtile512<BITS, PT, 1>(w, d, m, g0, gstride, xa, r, K, nb, out);
+    qtile512<BITS, PT, 1>(w, sc, g0, gstride, xa, r, K, nb, out);
     store(r, 1);
   }
 }
 #endif
 
 // The tiles of one slice of groups [g0, g0 + GT) against rows [r, M), stored to y.
-template <int BITS, int GT, int MT, typename T>
-inline void qtile_rows(const uint8_t* w, const float* d, const float* m, int64_t g0, int64_t gstride,
+template <int BITS, int GT, int MT, typename SC, typename T>
+inline void qtile_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                        const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
   __m256 out[GT * MT];
   float res[8];
   for (; r + MT <= M; r += MT) {
-    qtile<BITS, GT, MT>(w, d, m, g0, gstride, xa, r, K, nb, out);
+    qtile<BITS, GT, MT>(w, sc, g0, gstride, xa, r, K, nb, out);
     for (int g = 0; g < GT; ++g)
       for (int i = 0; i < MT; ++i) {
         _mm256_storeu_ps(res, out[g * MT + i]);
@@ -1164,7 +1198,7 @@ inline void qtile_rows(const uint8_t* w, const float* d, const float* m, int64_t
       }
   }
   for (; r < M; ++r) {
-    qtile<BITS, GT, 1>(w, d, m, g0, gstride, xa, r, K, nb, out);
+    qtile<BITS, GT, 1>(w, sc, g0, gstride, xa, r, K, nb, out);
     for (int g = 0; g < GT; ++g) {
       _mm256_storeu_ps(res, out[g]);
       store_group(y + r * N, N, 8 * (g0 + g), res);
@@ -1174,8 +1208,8 @@ inline void qtile_rows(const uint8_t* w, const float* d, const float* m, int64_t
 #endif
 
 // The portable loop over the same layout: the 8 rows' results for activation row `row`.
-template <int BITS>
-inline void qgroup_scalar(const uint8_t* wg, const float* dg, const float* mg, const QuantizedRows& xa, int64_t row,
+template <int BITS, typename SC>
+inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row,
                           int64_t K, int64_t nb, float* out) {
   constexpr int64_t gbytes = BITS * 32;
   for (int j = 0; j < 8; ++j) out[j] = 0.f;
@@ -1196,7 +1230,10 @@ inline void qgroup_scalar(const uint8_t* wg, const float* dg, const float* mg, c
           }
         }
     const float sx = xa.s[row * nb + b], ss = xa.ss[row * nb + b];
-    for (int j = 0; j < 8; ++j) out[j] += dg[8 * b + j] * sx * static_cast<float>(s[j]) + mg[8 * b + j] * ss;
+    const int64_t i = sc.at(g, b);
+    for (int j = 0; j < 8; ++j)
+      out[j] += static_cast<float>(sc.d[i + j]) * sx * static_cast<float>(s[j]) +
+                (SC::offsets ? static_cast<float>(sc.m[i + j]) : 0.f) * ss;
   }
 }
 
@@ -1216,9 +1253,8 @@ constexpr int TILE_GT = 1, TILE_MT = 3;
 // (prefill), the same up to 64
 constexpr int64_t ROW_CHUNK = 48;
 
-template <int BITS, typename T>
-void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const float* d, const float* m, int64_t N,
-                  T* y) {
+template <int BITS, typename T, typename SC>
+void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y) {
   const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32;
   QuantizedRows xa;
   quantize_rows(x, M, K, xa);
@@ -1230,14 +1266,14 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const floa
     if (r1 - r0 >= TILE_MT) {
 #if defined(PAGEDLLM_QZMM)
       for (; g + 2 * ZPT <= end; g += 2 * ZPT)
-        qtile512_rows<BITS, ZPT, ZMT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
-      for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
+        qtile512_rows<BITS, ZPT, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
+      for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
 #else
       for (; g + TILE_GT <= end; g += TILE_GT)
-        qtile_rows<BITS, TILE_GT, TILE_MT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
+        qtile_rows<BITS, TILE_GT, TILE_MT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
 #endif
     }
-    for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, d, m, g, gstride, xa, r0, r1, K, nb, N, y);
+    for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
   };
   if (M < TILE_MT) {
     // fewer rows than a tile stream the weights from memory: each thread takes one contiguous half (claimed runs
@@ -1261,7 +1297,7 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const floa
     float res[8];
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r = 0; r < M; ++r) {
-        qgroup_scalar<BITS>(w + g * gstride, d + g * nb * 8, m + g * nb * 8, xa, r, K, nb, res);
+        qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
         store_group(y + r * N, N, 8 * g, res);
       }
   });
@@ -1269,7 +1305,8 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const floa
 }
 
 // x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout above;
-// d, m: (ceil(N/8), K/32 * 8) float32. Returns (M, N) in x's dtype.
+// d, m: (ceil(N/8), K/32 * 8), both float32 or both float16; m empty: every offset 0 (8-bit codes only).
+// Returns (M, N) in x's dtype.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                    int64_t N) {
   check_cpu(x, "x");
@@ -1280,18 +1317,30 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   TORCH_CHECK(N >= 1, "qlinear: out_features must be >= 1");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == NG &&
                   w.size(1) == K / QB * bits * 32, "qlinear: weight must be contiguous uint8 (ceil(N/8), K*bits)");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.is_contiguous() &&
-                  m.is_contiguous() && d.numel() == NG * (K / QB) * 8 && m.numel() == NG * (K / QB) * 8,
-              "qlinear: scales and offsets must be contiguous float32 (ceil(N/8), K/32 * 8)");
+  const bool half = d.scalar_type() == at::kHalf, offsets = m.numel() > 0;
+  TORCH_CHECK((half || d.scalar_type() == at::kFloat) && m.scalar_type() == d.scalar_type() && d.is_contiguous() &&
+                  m.is_contiguous() && d.numel() == NG * (K / QB) * 8 && (!offsets || m.numel() == d.numel()),
+              "qlinear: scales and offsets must be contiguous (ceil(N/8), K/32 * 8), both float32 or both float16 "
+              "(offsets may be empty)");
+  TORCH_CHECK(bits == 8 || offsets, "qlinear: 4-bit codes need their offsets");
   auto y = at::empty({M, N}, x.options());
+  const int64_t nb = K / QB;
   dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
     using T = decltype(tag);
-    if (bits == 4)
-      qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), N,
-                         y.data_ptr<T>());
+    auto run = [&](auto sc) {
+      if constexpr (decltype(sc)::offsets) {
+        if (bits == 4) return qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+      }
+      qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+    };
+    if (half && offsets)
+      run(QScales<at::Half, true>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb});
+    else if (half)
+      run(QScales<at::Half, false>{d.data_ptr<at::Half>(), nullptr, nb});
+    else if (offsets)
+      run(QScales<float, true>{d.data_ptr<float>(), m.data_ptr<float>(), nb});
     else
-      qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), N,
-                         y.data_ptr<T>());
+      run(QScales<float, false>{d.data_ptr<float>(), nullptr, nb});
   });
   return y;
 }

@@ -75,6 +75,16 @@ def group_params(w: torch.Tensor, bits: int, group_size: int, symmetric: bool):
     return scales, lo + scales * 2 ** (bits - 1)
 
 
+def float16_blocks(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` (4-bit, asymmetric) in GGUF Q4_1's precision: each group's scale d and offset m (w = d q + m for
+    codes q) rounded to float16, the codes kept."""
+    if qw.bits != 4 or qw.zeros is None:
+        raise ValueError("float16_blocks takes 4-bit asymmetric weights")
+    d = qw.scales.half().float()
+    m = (qw.zeros - 8 * qw.scales).half().float()
+    return QuantizedWeight(qw.codes, d, m + 8 * d, 4, qw.group_size, qw.input_scale)
+
+
 def encode(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int) -> torch.Tensor:
     """Codes of ``w`` for given group scales/zeros (groups inferred from the scales' shape)."""
     n, k = w.shape

@@ -119,8 +119,10 @@ class Int4Linear(_Packed):
 
 class BlockQuantLinear(_Packed):
     """Blocks of 32 input channels: ``w = d * u + m`` per block (``u`` 4-bit codes in [0, 16) or signed 8-bit
-    codes), computed by the fused CPU kernel ``qlinear`` from the packed codes (0.5 or 1 byte per weight plus 8
-    bytes of scale and offset per block), output rows interleaved in groups of 8 (layout: ``kernels/cpu_ops.cpp``).
+    codes), computed by the fused CPU kernel ``qlinear`` from the packed codes (0.5 or 1 byte per weight), output
+    rows interleaved in groups of 8 (layout: ``kernels/cpu_ops.cpp``). Scale and offset per block are float16 when
+    every one of the layer's values is exactly a float16 (a GGUF file's own, 4 bytes per block instead of 8), else
+    float32; 8-bit weights' offsets that are all zero (Q8_0, symmetric weights) are not stored at all.
     """
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
@@ -153,7 +155,11 @@ class BlockQuantLinear(_Packed):
         def groups(v: torch.Tensor) -> torch.Tensor:  # (N, K/32) -> (N/8, K/32 * 8)
             return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, nb).transpose(1, 2).reshape(ng, nb * 8).contiguous()
 
-        self.scales, self.offsets = groups(d), groups(m)
+        d, m = groups(d), groups(m)
+        if torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m):  # no value changes
+            d, m = d.half(), m.half()
+        self.scales = d
+        self.offsets = m if m.any() or self.bits == 4 else m.new_empty(0)  # empty: all 0, skipped by the kernel
         self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(dtype)
         self.bias = None if bias is None else bias.to(device, dtype)
         self.out_dtype = dtype
@@ -178,8 +184,8 @@ class BlockQuantLinear(_Packed):
             q = torch.stack([c & 0xF, c >> 4], dim=2).float()  # (T, nb, h, i, t): element 16h + 4i + t
         else:
             q = self.codes[grp].view(torch.int8).reshape(t, nb, 8, 8, 4)[at, :, :, row].float()
-        sc = self.scales[grp].reshape(t, nb, 8)[at, :, row]  # (T, nb)
-        off = self.offsets[grp].reshape(t, nb, 8)[at, :, row]
+        sc = self.scales[grp].float().reshape(t, nb, 8)[at, :, row]  # (T, nb)
+        off = self.offsets[grp].float().reshape(t, nb, 8)[at, :, row] if self.offsets.numel() else torch.zeros(())
         w = q.reshape(t, nb, QBLOCK) * sc.unsqueeze(-1) + off.unsqueeze(-1)
         return w.reshape(t, k)
 
