@@ -26,8 +26,9 @@ def main() -> None:
     new = K.cpu_ops()
     d = pathlib.Path(tempfile.mkdtemp(prefix="abe_old_"))
     shutil.copy(sys.argv[1], d / "cpu_ops.cpp")
-    K.SOURCE = d / "cpu_ops.cpp"  # build() names the module by the source's hash
+    source, K.SOURCE = K.SOURCE, d / "cpu_ops.cpp"  # build() names the module by the source's hash
     old = K.build("native")
+    K.SOURCE = source
     print("CPU:", K.cpu_info()[0], "isa:", new.isa())
     lins = [lin for lin in llm.engine.core.runner.model.linears().values() if hasattr(lin, "offsets")]
     own = {id(lin): (lin.scales, lin.offsets) for lin in lins}

@@ -323,7 +323,7 @@ def test_qlinear_float16_scales_and_absent_offsets(ops):
     with pytest.raises(RuntimeError, match="both float32 or both float16"):
         ops.qlinear(x, w, d.double(), m.double(), 8, n)
     with pytest.raises(RuntimeError, match="offsets may be empty"):
-        ops.qlinear(x, w, d, m[:, :8], 8, n)
+        ops.qlinear(x, w, d, m[:1], 8, n)  # contiguous, one group's offsets only
     w4 = torch.randint(0, 256, (ng, k // 32 * 128), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="4-bit codes need their offsets"):
         ops.qlinear(x, w4, d, d.new_empty(0), 4, n)
@@ -349,9 +349,15 @@ def test_block_quant_linear_stores_float16_scales_only_when_exact(ops):
     lin16f.scales, lin16f.offsets = lin16.scales.float(), lin16.offsets.float()  # the same values in float32
     x = torch.randn(5, 128)
     assert torch.equal(lin16(x), lin16f(x)) and torch.equal(lin16(x[:1]), lin16f(x[:1]))
-    sym = BlockQuantLinear(quantize_rtn(torch.randn(16, 64), 8, 32, True), None, torch.device("cpu"),
-                           torch.float32, ops)
+    qs = quantize_rtn(torch.randn(16, 64), 8, 32, True)
+    sym = BlockQuantLinear(qs, None, torch.device("cpu"), torch.float32, ops)
     assert sym.offsets.numel() == 0 and sym.scales.dtype == torch.float32
+    qs.scales = qs.scales.half().float()  # as GGUF Q8_0: float16 scales, no offsets (a tied embedding / LM head)
+    sym16 = BlockQuantLinear(qs, None, torch.device("cpu"), torch.float32, ops)
+    assert sym16.offsets.numel() == 0 and sym16.scales.dtype == torch.float16
+    ids = torch.tensor([[0, 9], [15, 3]])
+    for lin, q in ((sym16, qs), (lin16, gguf)):  # embedding rows decode from the compact layout
+        torch.testing.assert_close(lin.embedding(ids), dequantize(q)[ids], rtol=0, atol=1e-6)
 
 
 def test_qlinear_rejects_bad_shapes(ops):

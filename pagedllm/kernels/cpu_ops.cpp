@@ -1239,8 +1239,8 @@ inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const Quan
 
 // Tile shapes, sized to the vector registers (32 with AVX-512, 16 with AVX2 alone): with 512-bit VNNI, ZPT pairs
 // of groups by ZMT rows, otherwise GT groups by MT rows. One or two rows (decode) run one group at a time: that
-// streams the weights in three sequential streams (codes, scales, offsets), which measured faster from memory than
-// wider tiles' many streams.
+// streams the weights in three sequential streams (codes, scales, offsets; two without offsets), which measured
+// faster from memory than wider tiles' many streams.
 #if defined(PAGEDLLM_QZMM)
 constexpr int ZPT = 2, ZMT = 3;
 #endif
