@@ -299,9 +299,9 @@ def test_block_quant_linear_keeps_awq_input_scaling(ops):
 
 def test_qlinear_float16_scales_and_absent_offsets(ops):
     """Scales and offsets as float16 (BlockQuantLinear keeps them so when each value is exactly a float16, as a
-    GGUF file's are) and absent offsets (8-bit codes' all zero: Q8_0, symmetric weights) give bitwise the float32 layout's
-    results, at every row-tile shape (1, 2: the streamed single rows; 3+: the tiles; 50: two row chunks) and over
-    pairs of groups and an odd one (5 groups)."""
+    GGUF file's are) and absent offsets (8-bit codes' all zero: Q8_0, symmetric weights) give bitwise the float32
+    layout's results, at every row-tile shape (1, 2: the streamed single rows; 3+: the tiles; 50: two row chunks)
+    and over pairs of groups and an odd one (5 groups)."""
     torch.manual_seed(11)
     k, ng = 96, 5
     n = 8 * ng - 3  # the last group is partial
