@@ -114,6 +114,45 @@ def test_chunked_prefill_off_needs_a_budget_for_the_whole_context():
         make_core(enable_chunked_prefill=False, max_num_batched_tokens=32)
 
 
+def test_default_step_budget():
+    """No --max-num-batched-tokens: 2048 tokens per step, or at least the context length without chunked prefill
+    (a whole prompt must fit one step); a given value stays."""
+    def budget(max_model_len=8192, **options):
+        return SchedulerConfig(**options).with_budget_for(max_model_len).max_num_batched_tokens
+
+    assert SchedulerConfig().max_num_batched_tokens is None
+    assert budget() == 2048 and budget(target_ttft_ms=500) == 2048
+    assert budget(enable_chunked_prefill=False) == 8192 and budget(300, enable_chunked_prefill=False) == 2048
+    assert budget(max_num_batched_tokens=96) == budget(max_num_batched_tokens=96, enable_chunked_prefill=False) == 96
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        SchedulerConfig(max_num_batched_tokens=0)
+
+
+class LongRunner(FakeRunner):
+    max_model_len = 4096
+    num_blocks = 1200
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_tokens = []
+
+    def execute(self, so) -> ModelRunnerOutput:
+        self.step_tokens.append(so.num_batched_tokens)
+        return super().execute(so)
+
+
+@pytest.mark.parametrize("chunked, budget, steps", [(True, 2048, [2048, 952]), (False, 4096, [3000])])
+def test_engine_core_sets_the_default_budget(chunked, budget, steps):
+    """The core's scheduler runs the default budget: a 3,000-token prompt in chunks of 2,048, or whole when
+    chunked prefill is off (the budget is then the context length, where 2,048 used to refuse to start)."""
+    runner = LongRunner()
+    core = make_core(runner, enable_chunked_prefill=chunked)
+    assert core.config.scheduler.max_num_batched_tokens == core.stats().token_budget == budget
+    core.add_request(req("long", [1] * 3000, max_tokens=1))
+    run(core)
+    assert runner.step_tokens == steps
+
+
 def test_engine_core_imports_no_worker_or_torch():
     code = ("import sys, pagedllm.engine.core\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pagedllm.worker')))")

@@ -494,3 +494,28 @@ def test_kernels_build_and_pass_at_each_x86_level(march, level_runs):
 
         obj = Path(out.split()[-1])
         assert obj.stat().st_size > 100_000 and obj.read_bytes()[:4] == b"\x7fELF", (march, obj)
+
+
+# ------------------------------------------------------------------ ARM, cross-compiled
+# No ARM machine runs this suite, but users serve on Graviton and Apple M-series CPUs. zig's clang (the dev extra
+# `ziglang`, which brings C/C++ headers and a libc for each target) compiles the kernels for both, so a change that
+# breaks the portable path fails here, not on a user's machine. Without OpenMP: zig has no omp.h.
+ARM_TARGETS = {  # target -> (object file magic, CPU type field: offset, bytes, value)
+    "aarch64-linux-gnu": (b"\x7fELF", (18, 2, 183)),  # ELF e_machine EM_AARCH64
+    "aarch64-macos": (bytes.fromhex("cffaedfe"), (4, 4, 0x0100000C)),  # Mach-O 64 cputype CPU_TYPE_ARM64
+}
+
+
+@pytest.mark.parametrize("target", ARM_TARGETS)
+def test_kernels_compile_for_arm(target, tmp_path):
+    """The kernels compile for ARM (Linux and macOS) to an object of that architecture holding the portable path
+    (its ``isa()`` names "scalar"); nothing here can run it."""
+    import sys
+
+    from pagedllm.kernels import compile_only
+
+    obj = compile_only(None, tmp_path, cxx=[sys.executable, "-m", "ziglang", "c++", "-target", target], openmp=False)
+    data = obj.read_bytes()
+    magic, (offset, size, cpu) = ARM_TARGETS[target]
+    assert data[:4] == magic and int.from_bytes(data[offset:offset + size], "little") == cpu, (target, data[:20])
+    assert len(data) > 100_000 and b"scalar" in data and b"avx2" not in data

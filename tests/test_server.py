@@ -269,7 +269,9 @@ def test_metrics_agree_with_requests(base, client):
 def test_models_version_tokenize(base):
     models = httpx.get(base + "/v1/models", headers=auth()).json()
     assert models["data"][0]["id"] == MODEL
-    assert httpx.get(base + "/version", headers=auth()).json()["version"]
+    version = httpx.get(base + "/version", headers=auth()).json()
+    assert version["version"]
+    assert version["runtime"]["max_num_batched_tokens"] == 2048  # the default step budget
     tok = httpx.post(base + "/tokenize", headers=auth(), json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0
     assert httpx.post(base + "/detokenize", headers=auth(),

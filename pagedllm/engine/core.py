@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -19,14 +20,18 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """The scheduler and the model runner it drives. ``runner`` is built by the caller (``LLMEngine`` makes a
     ``ModelRunner``; a test may hand in a fake one): it gives ``max_model_len``, ``arch.vocab_size``,
-    ``num_blocks``, ``num_host_blocks``, ``execute(SchedulerOutput) -> ModelRunnerOutput`` and ``shutdown()``."""
+    ``num_blocks``, ``num_host_blocks``, ``execute(SchedulerOutput) -> ModelRunnerOutput`` and ``shutdown()``.
+    ``config`` is the engine's, with the step token budget set when it was left to the default."""
 
     def __init__(self, config: EngineConfig, runner) -> None:
-        self.config = config
         self.runner = runner
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.arch.vocab_size
-        sc = config.scheduler
+        given = config.scheduler.max_num_batched_tokens
+        sc = config.scheduler.with_budget_for(self.max_model_len)
+        self.config = config = dataclasses.replace(config, scheduler=sc)
+        logger.info("scheduler: %d tokens per step (%s), at most %d sequences%s", sc.max_num_batched_tokens,
+                    "given" if given is not None else "default", sc.max_num_seqs, ", SLA mode" if sc.sla_mode else "")
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "

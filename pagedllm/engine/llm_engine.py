@@ -44,7 +44,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self._ids = itertools.count()
         self.last_iteration_stats = IterationStats()
-        self.runtime = runner.describe()  # device, dtype, weight format, kernel path, weight plan
+        # device, dtype, weight format, kernel path, weight plan, step token budget
+        budget = self.core.config.scheduler.max_num_batched_tokens
+        self.runtime = {**runner.describe(), "max_num_batched_tokens": budget}
         self._structured: StructuredOutputs | None = None
 
     @property

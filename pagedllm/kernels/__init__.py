@@ -101,19 +101,24 @@ def build(march: str = "native", verbose: bool = False):
     )
 
 
-def compile_only(march: str, out_dir: str | Path) -> Path:
+def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None = None, openmp: bool = True) -> Path:
     """Compiles the kernels for ``-march=march`` to an object file without loading it, with the flags of ``build``:
     for a level this CPU cannot execute (loading that build runs its instructions in the module's start-up code:
-    SIGILL). Raises RuntimeError with the compiler's output on a failed build."""
+    SIGILL). ``cxx``: another compiler command (default ``$CXX`` or ``c++``), e.g. a cross compiler for another
+    architecture, whose target then comes with it (``march`` None); ``openmp`` False drops ``-fopenmp`` for a
+    compiler without OpenMP (the kernels' ``omp simd`` pragmas are hints; their threads come from ATen). Raises
+    RuntimeError with the compiler's output on a failed build."""
     from torch.utils.cpp_extension import include_paths
 
-    obj = Path(out_dir) / f"cpu_ops_{march.replace('-', '_')}.o"
-    cmd = [os.environ.get("CXX", "c++"), *BASE_CFLAGS, f"-march={march}", "-std=c++20", "-fPIC",
+    name = (march or "cross").replace("-", "_")
+    obj = Path(out_dir) / f"cpu_ops_{name}.o"
+    cflags = [f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + ([f"-march={march}"] if march else [])
+    cmd = [*(cxx or [os.environ.get("CXX", "c++")]), *cflags, "-std=c++20", "-fPIC",
            "-DTORCH_EXTENSION_NAME=pagedllm_cpu_ops", "-DTORCH_API_INCLUDE_EXTENSION_H",
            *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]), "-c", str(SOURCE), "-o", str(obj)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"building the kernels for -march={march} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"building the kernels ({' '.join(cmd[:6])} ...) failed:\n{proc.stderr[-4000:]}")
     return obj
 
 
