@@ -506,15 +506,31 @@ ARM_TARGETS = {  # target -> (object file magic, CPU type field: offset, bytes, 
 }
 
 
-@pytest.mark.parametrize("target", ARM_TARGETS)
-def test_kernels_compile_for_arm(target, tmp_path):
-    """The kernels compile for ARM (Linux and macOS) to an object of that architecture holding the portable path
-    (its ``isa()`` names "scalar"); nothing here can run it."""
+@pytest.fixture(scope="module")
+def arm_objects(tmp_path_factory):
+    """target -> the object file compiled for it, or the exception; both compiles side by side (each is one
+    process)."""
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
     from pagedllm.kernels import compile_only
 
-    obj = compile_only(None, tmp_path, cxx=[sys.executable, "-m", "ziglang", "c++", "-target", target], openmp=False)
+    def build(target):
+        cxx = [sys.executable, "-m", "ziglang", "c++", "-target", target]
+        return compile_only(None, tmp_path_factory.mktemp(f"arm-{target}"), cxx=cxx, openmp=False)
+
+    with ThreadPoolExecutor(len(ARM_TARGETS)) as pool:
+        futures = {t: pool.submit(build, t) for t in ARM_TARGETS}
+    return {t: f.exception() or f.result() for t, f in futures.items()}
+
+
+@pytest.mark.parametrize("target", ARM_TARGETS)
+def test_kernels_compile_for_arm(target, arm_objects):
+    """The kernels compile for ARM (Linux and macOS) to an object of that architecture holding the portable path
+    (its ``isa()`` names "scalar"); nothing here can run it."""
+    obj = arm_objects[target]
+    if isinstance(obj, Exception):
+        raise obj
     data = obj.read_bytes()
     magic, (offset, size, cpu) = ARM_TARGETS[target]
     assert data[:4] == magic and int.from_bytes(data[offset:offset + size], "little") == cpu, (target, data[:20])
