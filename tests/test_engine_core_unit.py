@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.core import EngineCore
 from pagedllm.errors import EngineFatalError
 from pagedllm.outputs import ModelRunnerOutput
@@ -126,6 +128,10 @@ def test_default_step_budget():
     assert budget(max_num_batched_tokens=96) == budget(max_num_batched_tokens=96, enable_chunked_prefill=False) == 96
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
         SchedulerConfig(max_num_batched_tokens=0)
+    # a scheduler built on its own (no engine core) sets it the same way
+    sched = Scheduler(SchedulerConfig(enable_chunked_prefill=False), CacheConfig(block_size=4), KVCacheManager(8, 4),
+                      4096)
+    assert sched.token_budget == 4096
 
 
 class LongRunner(FakeRunner):

@@ -51,6 +51,7 @@ class Scheduler:
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(f"the KV cache manager's block size ({kv_cache_manager.block_size}) is not the cache "
                              f"config's ({cache_config.block_size})")
+        scheduler_config = scheduler_config.with_budget_for(max_model_len)  # the default budget when unset
         self.config = scheduler_config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len

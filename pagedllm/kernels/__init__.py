@@ -118,7 +118,8 @@ def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None =
            *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]), "-c", str(SOURCE), "-o", str(obj)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"building the kernels ({' '.join(cmd[:6])} ...) failed:\n{proc.stderr[-4000:]}")
+        target = f"-march={march}" if march else " ".join(cxx or [])
+        raise RuntimeError(f"building the kernels for {target} failed:\n{proc.stderr[-4000:]}")
     return obj
 
 
