@@ -342,3 +342,10 @@ def test_calibrated_cpu_predicts_the_measured_ladder_within_20_percent(tmp_path)
             if abs(err) > 0.20:
                 bad.append((row["name"], key, round(100 * err, 1)))
     assert not bad, bad
+
+
+def test_chunked_prefill_off_uses_the_default_budget_of_serve():
+    """As `pagedllm serve` does, no --max-num-batched-tokens with chunked prefill off is the context length: prompts
+    over 2,048 tokens run whole (with a fixed 2,048 they were never admitted)."""
+    res = simulate(dep(), _burst(4, 3000, 16), EngineSettings(enable_chunked_prefill=False))
+    assert len(res.records) == 4 and all(r.output_len == 16 for r in res.records)

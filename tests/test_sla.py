@@ -232,3 +232,11 @@ def test_the_engine_controller_comes_from_the_scheduler_config():
     ctrl = sched.budget_controller
     assert (ctrl.max_budget, ctrl.min_budget, ctrl.target_tpot_s, ctrl.target_ttft_s) == (512, 24, 0.020, 0.5)
     assert sched.stats().token_budget == sched.token_budget == 512  # the maximum until steps are measured
+
+
+def test_budget_controller_needs_a_set_budget():
+    """SLA mode plans under the step budget, so the config must have it set (the scheduler sets the default)."""
+    with pytest.raises(ValueError, match="step budget is unset"):
+        BudgetController.from_config(SchedulerConfig(target_ttft_ms=500))
+    ctrl = BudgetController.from_config(SchedulerConfig(target_ttft_ms=500).with_budget_for(4096))
+    assert ctrl.max_budget == 2048

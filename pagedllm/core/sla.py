@@ -90,6 +90,8 @@ class BudgetController:
         if not config.sla_mode:
             return None
         budget = config.max_num_batched_tokens
+        if budget is None:
+            raise ValueError("the step budget is unset: take SchedulerConfig.with_budget_for(max_model_len)")
         return cls(budget, min_budget=min(config.max_num_seqs + 16, budget),
                    target_tpot_s=config.target_tpot_ms / 1000 if config.target_tpot_ms else None,
                    target_ttft_s=config.target_ttft_ms / 1000 if config.target_ttft_ms else None)

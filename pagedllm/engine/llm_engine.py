@@ -34,6 +34,7 @@ class LLMEngine:
         except BaseException:
             runner.shutdown()  # e.g. the config does not fit the model: stop the other tensor-parallel ranks
             raise
+        self.config = self.core.config  # the step budget set
         self.model_path = runner.model_path
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = self.core.max_model_len

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -110,15 +111,15 @@ def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None =
     RuntimeError with the compiler's output on a failed build."""
     from torch.utils.cpp_extension import include_paths
 
-    name = (march or "cross").replace("-", "_")
-    obj = Path(out_dir) / f"cpu_ops_{name}.o"
+    name = march or (cxx[-1] if cxx else "default")  # a cross compiler's target ends its command
+    obj = Path(out_dir) / f"cpu_ops_{re.sub(r'[^A-Za-z0-9]', '_', name)}.o"
     cflags = [f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + ([f"-march={march}"] if march else [])
     cmd = [*(cxx or [os.environ.get("CXX", "c++")]), *cflags, "-std=c++20", "-fPIC",
            "-DTORCH_EXTENSION_NAME=pagedllm_cpu_ops", "-DTORCH_API_INCLUDE_EXTENSION_H",
            *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]), "-c", str(SOURCE), "-o", str(obj)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        target = f"-march={march}" if march else " ".join(cxx or [])
+        target = f"-march={march}" if march else " ".join(cxx) if cxx else "the compiler's default target"
         raise RuntimeError(f"building the kernels for {target} failed:\n{proc.stderr[-4000:]}")
     return obj
 

@@ -54,7 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (same flags as pagedllm serve)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

@@ -62,7 +62,7 @@ class EngineSettings:
     """The engine flags that shape scheduling (same names and defaults as ``pagedllm serve``)."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: as serve (2048; with chunked prefill off, the context)
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -72,7 +72,7 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, f) < 1:
+            if getattr(self, f) is not None and getattr(self, f) < 1:
                 raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
