@@ -27,21 +27,21 @@ class EngineCore:
         self.runner = runner
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.arch.vocab_size
-        given = config.scheduler.max_num_batched_tokens
-        sc = config.scheduler.with_budget_for(self.max_model_len)
-        self.config = config = dataclasses.replace(config, scheduler=sc)
-        logger.info("scheduler: %d tokens per step (%s), at most %d sequences%s", sc.max_num_batched_tokens,
-                    "given" if given is not None else "default", sc.max_num_seqs, ", SLA mode" if sc.sla_mode else "")
-        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({self.max_model_len}) with chunked prefill disabled: long prompts could never be scheduled"
-            )
         self.kv_cache_manager = KVCacheManager(
             runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.max_model_len,
                                                num_host_blocks=runner.num_host_blocks)
+        sc = self.scheduler.config  # the step budget set when it was left to the default
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({sc.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill disabled: long prompts could never be scheduled"
+            )
+        logger.info("scheduler: %d tokens per step (%s), at most %d sequences%s", sc.max_num_batched_tokens,
+                    "default" if config.scheduler.max_num_batched_tokens is None else "given", sc.max_num_seqs,
+                    ", SLA mode" if sc.sla_mode else "")
+        self.config = dataclasses.replace(config, scheduler=sc)
         self.num_steps = 0
         # entered around the model runner's forward pass; AsyncLLM uses it to release its lock meanwhile, so the
         # event loop can queue requests and read stats while the step computes

@@ -46,8 +46,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_iteration_stats = IterationStats()
         # device, dtype, weight format, kernel path, weight plan, step token budget
-        budget = self.core.config.scheduler.max_num_batched_tokens
-        self.runtime = {**runner.describe(), "max_num_batched_tokens": budget}
+        self.runtime = {**runner.describe(), "max_num_batched_tokens": self.config.scheduler.max_num_batched_tokens}
         self._structured: StructuredOutputs | None = None
 
     @property
