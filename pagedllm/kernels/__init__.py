@@ -1,7 +1,8 @@
 """Fused CPU kernels (``cpu_ops.cpp``), compiled on first use with torch's C++ extension loader.
 
-The source has three vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), and portable scalar
-loops that compile anywhere (ARM included). The engine builds it for ``-march=native`` once per machine kind and
+The source has four vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), NEON on 64-bit ARM (with
+the dot-product instructions of ARMv8.2 for the packed-weight kernel where the target has them), and portable
+scalar loops that compile anywhere. The engine builds it for ``-march=native`` once per machine kind and
 source version (cached under torch's extensions directory; about 25 s of one core; the cache key hashes the
 source, the flags, the CPU's model and feature flags, and the torch version). ``PAGEDLLM_CPU_MARCH`` builds for
 another ``-march`` instead (an x86-64 level, to run e.g. the AVX2 path on an AVX-512 machine). It needs a C++ compiler. Without
@@ -92,7 +93,7 @@ def build(march: str = "native", verbose: bool = False):
     """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build."""
     from torch.utils.cpp_extension import load  # 0.2 s of setuptools: only where the kernels are built or loaded
 
-    tag = march.replace("-", "_")
+    tag = re.sub(r"[^A-Za-z0-9_]", "_", march)  # a module name: no "-" or "." (-march=armv8.2-a)
     return load(
         name=f"pagedllm_cpu_ops_{tag}_{build_key(march)}",
         sources=[str(SOURCE)],

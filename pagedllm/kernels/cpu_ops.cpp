@@ -19,6 +19,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 #include <algorithm>
@@ -108,8 +110,9 @@ void parallel_claims(int64_t n, int64_t chunk, const F& f) {
 }
 
 // ------------------------------------------------------------------ vector layer
-// One float vector type per instruction set: 16 lanes (AVX-512), 8 lanes (AVX2 + FMA), or none (the portable
-// scalar loops below serve every other CPU, ARM included). The kernels are written once against these helpers.
+// One float vector type per instruction set: 16 lanes (AVX-512), 8 lanes (AVX2 + FMA), 4 lanes (64-bit ARM's NEON),
+// or none (the portable scalar loops below serve every other CPU). The kernels are written once against these
+// helpers.
 #if defined(__AVX512F__)
 #define PAGEDLLM_VEC 16
 using vf = __m512;
@@ -217,6 +220,50 @@ inline float vhmax(vf x) {
 }
 inline int veq_mask(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
 inline int vnan_mask(vf x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define PAGEDLLM_VEC 4
+using vf = float32x4_t;
+inline vf vload(const float* p) { return vld1q_f32(p); }
+inline void vstore(float* p, vf x) { vst1q_f32(p, x); }
+inline vf vset1(float x) { return vdupq_n_f32(x); }
+inline vf vzero() { return vdupq_n_f32(0.f); }
+inline vf vadd(vf a, vf b) { return vaddq_f32(a, b); }
+inline vf vsub(vf a, vf b) { return vsubq_f32(a, b); }
+inline vf vmul(vf a, vf b) { return vmulq_f32(a, b); }
+inline vf vdiv(vf a, vf b) { return vdivq_f32(a, b); }
+inline vf vmax(vf a, vf b) { return vmaxq_f32(a, b); }
+inline vf vmin(vf a, vf b) { return vminq_f32(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+inline vf vfnma(vf a, vf b, vf c) { return vfmsq_f32(c, a, b); }
+inline vf vround(vf x) { return vrndnq_f32(x); }  // to nearest, ties to even
+inline vf vpow2n(vf x, vf n) {  // x * 2^n for integral n in [-126, 127]
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(x, vreinterpretq_f32_s32(e));
+}
+inline float vsum(vf x) { return vaddvq_f32(x); }
+inline vf vsumW(const vf* v) {  // lane j = the sum of v[j]'s lanes: pairwise adds
+  return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
+}
+inline void vload_split(const at::BFloat16* p, vf& even, vf& odd) {  // 8 bfloat16 values as even and odd elements
+  const uint32x4_t raw = vld1q_u32(reinterpret_cast<const uint32_t*>(p));
+  even = vreinterpretq_f32_u32(vshlq_n_u32(raw, 16));
+  odd = vreinterpretq_f32_u32(vandq_u32(raw, vdupq_n_u32(0xFFFF0000u)));
+}
+inline void vsplit(vf lo, vf hi, vf& even, vf& odd) {
+  even = vuzp1q_f32(lo, hi);
+  odd = vuzp2q_f32(lo, hi);
+}
+inline void vmerge(vf even, vf odd, vf& lo, vf& hi) {
+  lo = vzip1q_f32(even, odd);
+  hi = vzip2q_f32(even, odd);
+}
+inline float vhmax(vf x) { return vmaxvq_f32(x); }
+inline int vbits(uint32x4_t m) {  // bit j: lane j all ones
+  const uint32x4_t bit = {1u, 2u, 4u, 8u};
+  return static_cast<int>(vaddvq_u32(vandq_u32(m, bit)));
+}
+inline int veq_mask(vf a, vf b) { return vbits(vceqq_f32(a, b)); }
+inline int vnan_mask(vf x) { return vbits(vmvnq_u32(vceqq_f32(x, x))); }
 #else
 #define PAGEDLLM_VEC 0
 #endif
@@ -245,19 +292,29 @@ inline vf vexp(vf x) {
 // Into L2, not L1: a burst of L1 prefetches for a whole KV block (192 lines) waits on L1's few miss buffers and
 // measured 13-15% slower than L2 prefetches (or none) for decode attention over 30 layers' blocks.
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < bytes; off += 64) {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
+#else
+    __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
+#endif
+  }
 }
 #endif
 
-const char* vector_isa() {
+// The vector path's name, kept in the binary as data even where isa() folds it into code: the tests read it from
+// objects cross-compiled for CPUs that cannot load them.
+[[gnu::used]] constexpr char VECTOR_ISA[] =
 #if defined(__AVX512F__)
-  return "avx512";
+    "pagedllm-vector-path:avx512";
 #elif PAGEDLLM_VEC == 8
-  return "avx2";
+    "pagedllm-vector-path:avx2";
+#elif PAGEDLLM_VEC == 4
+    "pagedllm-vector-path:neon";
 #else
-  return "scalar";
+    "pagedllm-vector-path:scalar";
 #endif
-}
+const char* vector_isa() { return VECTOR_ISA + sizeof("pagedllm-vector-path:") - 1; }
 
 // ------------------------------------------------------------------ decode attention
 
@@ -823,6 +880,12 @@ struct QScales {
   int64_t at(int64_t g, int64_t b) const { return (g * nb + b) * 8; }  // index of group g's 8 values of block b
 };
 
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 template <typename T>
 inline void store_group(T* y, int64_t N, int64_t n0, const float* v) {  // up to 8 outputs, cut at N
   const int64_t cnt = std::min<int64_t>(8, N - n0);
@@ -839,12 +902,6 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {  // acc + 8 int32 su
 }
 
 constexpr int64_t PREFETCH_BYTES = 2048;  // of weights (scales: a quarter) ahead of a single-row tile
-
-inline int32_t load_i32(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // 8 scales or offsets as float32.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -1237,6 +1294,66 @@ inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const Quan
   }
 }
 
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define PAGEDLLM_QNEON 1
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const at::Half* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
+}
+
+// qgroup_scalar on ARM's dot-product instructions (ARMv8.2 dotprod: Graviton 2 and later, Apple M): a 32-byte unit
+// of a group is two 16-byte vectors (rows 0-3, rows 4-7), each 32-bit lane 4 bytes of one row, and one sdot adds
+// the lane's 4 products with the 4 activation bytes broadcast (4-bit codes in [0, 16) are non-negative int8).
+// The integer sums and the float steps per block are the x86 tiles'.
+template <int BITS, typename SC>
+inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row,
+                        int64_t K, int64_t nb, float* out) {
+  constexpr int64_t gbytes = BITS * 32;
+  float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = vdupq_n_f32(0.f);
+  const uint8x16_t low4 = vdupq_n_u8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xq = xa.q.data() + row * K + b * QB;
+    const int8_t* xq2 = xa.q2.data() + row * K + b * QB;
+    const uint8_t* wb = wg + b * gbytes;
+    int32x4_t h0 = vdupq_n_s32(0), h1 = h0, l0 = h0, l1 = h0;
+    auto bcast = [](const int8_t* p) { return vreinterpretq_s8_s32(vdupq_n_s32(load_i32(p))); };
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; ++i) {  // vector i: unit i in the low nibbles, unit 4+i in the high ones
+        const uint8x16_t v0 = vld1q_u8(wb + 32 * i), v1 = vld1q_u8(wb + 32 * i + 16);
+        const int8x16_t ul0 = vreinterpretq_s8_u8(vandq_u8(v0, low4)), ul1 = vreinterpretq_s8_u8(vandq_u8(v1, low4));
+        const int8x16_t uh0 = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), uh1 = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
+        const int8x16_t x1 = bcast(xq + 4 * i), x2 = bcast(xq2 + 4 * i);
+        const int8x16_t y1 = bcast(xq + 16 + 4 * i), y2 = bcast(xq2 + 16 + 4 * i);
+        h0 = vdotq_s32(vdotq_s32(h0, ul0, x1), uh0, y1);
+        h1 = vdotq_s32(vdotq_s32(h1, ul1, x1), uh1, y1);
+        l0 = vdotq_s32(vdotq_s32(l0, ul0, x2), uh0, y2);
+        l1 = vdotq_s32(vdotq_s32(l1, ul1, x2), uh1, y2);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) {  // signed 8-bit codes
+        const int8x16_t v0 = vreinterpretq_s8_u8(vld1q_u8(wb + 32 * i));
+        const int8x16_t v1 = vreinterpretq_s8_u8(vld1q_u8(wb + 32 * i + 16));
+        const int8x16_t x1 = bcast(xq + 4 * i), x2 = bcast(xq2 + 4 * i);
+        h0 = vdotq_s32(h0, v0, x1);
+        h1 = vdotq_s32(h1, v1, x1);
+        l0 = vdotq_s32(l0, v0, x2);
+        l1 = vdotq_s32(l1, v1, x2);
+      }
+    }
+    const int64_t i = sc.at(g, b);
+    const float sx = xa.s[row * nb + b], ss = xa.ss[row * nb + b];
+    acc0 = vfmaq_f32(acc0, vcvtq_f32_s32(vmlaq_n_s32(l0, h0, LEVEL)), vmulq_n_f32(load4(sc.d + i), sx));
+    acc1 = vfmaq_f32(acc1, vcvtq_f32_s32(vmlaq_n_s32(l1, h1, LEVEL)), vmulq_n_f32(load4(sc.d + i + 4), sx));
+    if constexpr (SC::offsets) {
+      acc0 = vfmaq_f32(acc0, load4(sc.m + i), vdupq_n_f32(ss));
+      acc1 = vfmaq_f32(acc1, load4(sc.m + i + 4), vdupq_n_f32(ss));
+    }
+  }
+  vst1q_f32(out, acc0);
+  vst1q_f32(out + 4, acc1);
+}
+#endif
+
 // Tile shapes, sized to the vector registers (32 with AVX-512, 16 with AVX2 alone): with 512-bit VNNI, ZPT pairs
 // of groups by ZMT rows, otherwise GT groups by MT rows. One or two rows (decode) run one group at a time: that
 // streams the weights in three sequential streams (codes, scales, offsets; two without offsets), which measured
@@ -1297,7 +1414,11 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
     float res[8];
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r = 0; r < M; ++r) {
+#if defined(PAGEDLLM_QNEON)
+        qgroup_neon<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
+#else
         qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
+#endif
         store_group(y + r * N, N, 8 * g, res);
       }
   });
