@@ -502,9 +502,10 @@ def test_kernels_build_and_pass_at_each_x86_level(march, level_runs):
 # No ARM machine runs this suite, but users serve on Graviton and Apple M-series CPUs. zig's clang (the dev extra
 # `ziglang`, which brings C/C++ headers and a libc for each target) compiles the kernels for both, so a change that
 # breaks the portable path fails here, not on a user's machine. Without OpenMP: zig has no omp.h.
-ARM_TARGETS = {  # target -> (object file magic, CPU type field: offset, bytes, value)
-    "aarch64-linux-gnu": (b"\x7fELF", (18, 2, 183)),  # ELF e_machine EM_AARCH64
-    "aarch64-macos": (bytes.fromhex("cffaedfe"), (4, 4, 0x0100000C)),  # Mach-O 64 cputype CPU_TYPE_ARM64
+ARM_TARGETS = {  # target -> (object file magic, CPU type field: offset, bytes, value), vector path
+    # zig's default CPUs: generic ARMv8 for Linux (NEON, no dot products), the Apple M1 for macOS (with them)
+    "aarch64-linux-gnu": (b"\x7fELF", (18, 2, 183), "neon"),  # ELF e_machine EM_AARCH64
+    "aarch64-macos": (bytes.fromhex("cffaedfe"), (4, 4, 0x0100000C), "neon+dotprod"),  # Mach-O CPU_TYPE_ARM64
 }
 
 
@@ -529,12 +530,12 @@ def arm_objects(tmp_path_factory):
 @pytest.mark.parametrize("target", ARM_TARGETS)
 def test_kernels_compile_for_arm(target, arm_objects):
     """The kernels compile for ARM (Linux and macOS) to an object of that architecture holding the NEON vector path
-    (its ``isa()`` names "neon"), with no x86 code. Running it needs an ARM machine or emulation:
+    (its ``isa()`` names "neon"; "neon+dotprod" with qlinear's dot-product path), with no x86 code. Running it needs an ARM machine or emulation:
     ``scripts/arm_emulated_tests.sh`` runs this file's kernel tests on aarch64 under qemu."""
     obj = arm_objects[target]
     if isinstance(obj, Exception):
         raise obj
     data = obj.read_bytes()
-    magic, (offset, size, cpu) = ARM_TARGETS[target]
+    magic, (offset, size, cpu), path = ARM_TARGETS[target]
     assert data[:4] == magic and int.from_bytes(data[offset:offset + size], "little") == cpu, (target, data[:20])
-    assert len(data) > 100_000 and b"pagedllm-vector-path:neon\x00" in data and b"avx2" not in data
+    assert len(data) > 100_000 and f"pagedllm-vector-path:{path}\x00".encode() in data and b"avx2" not in data

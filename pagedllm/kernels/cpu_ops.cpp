@@ -245,7 +245,7 @@ inline vf vsumW(const vf* v) {  // lane j = the sum of v[j]'s lanes: pairwise ad
   return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
 }
 inline void vload_split(const at::BFloat16* p, vf& even, vf& odd) {  // 8 bfloat16 values as even and odd elements
-  const uint32x4_t raw = vld1q_u32(reinterpret_cast<const uint32_t*>(p));
+  const uint32x4_t raw = vreinterpretq_u32_u16(vld1q_u16(reinterpret_cast<const uint16_t*>(p)));
   even = vreinterpretq_f32_u32(vshlq_n_u32(raw, 16));
   odd = vreinterpretq_f32_u32(vandq_u32(raw, vdupq_n_u32(0xFFFF0000u)));
 }
@@ -309,6 +309,8 @@ inline void prefetch(const void* p, int64_t bytes) {
     "pagedllm-vector-path:avx512";
 #elif PAGEDLLM_VEC == 8
     "pagedllm-vector-path:avx2";
+#elif PAGEDLLM_VEC == 4 && defined(__ARM_FEATURE_DOTPROD)
+    "pagedllm-vector-path:neon+dotprod";  // qlinear's sdot path (qgroup_neon) is in
 #elif PAGEDLLM_VEC == 4
     "pagedllm-vector-path:neon";
 #else
