@@ -501,7 +501,7 @@ def test_kernels_build_and_pass_at_each_x86_level(march, level_runs):
 # ------------------------------------------------------------------ ARM, cross-compiled
 # No ARM machine runs this suite, but users serve on Graviton and Apple M-series CPUs. zig's clang (the dev extra
 # `ziglang`, which brings C/C++ headers and a libc for each target) compiles the kernels for both, so a change that
-# breaks the portable path fails here, not on a user's machine. Without OpenMP: zig has no omp.h.
+# breaks the NEON path fails here, not on a user's machine. Without OpenMP: zig has no omp.h.
 ARM_TARGETS = {  # target -> (object file magic, CPU type field: offset, bytes, value), vector path
     # zig's default CPUs: generic ARMv8 for Linux (NEON, no dot products), the Apple M1 for macOS (with them)
     "aarch64-linux-gnu": (b"\x7fELF", (18, 2, 183), "neon"),  # ELF e_machine EM_AARCH64
@@ -530,8 +530,9 @@ def arm_objects(tmp_path_factory):
 @pytest.mark.parametrize("target", ARM_TARGETS)
 def test_kernels_compile_for_arm(target, arm_objects):
     """The kernels compile for ARM (Linux and macOS) to an object of that architecture holding the NEON vector path
-    (its ``isa()`` names "neon"; "neon+dotprod" with qlinear's dot-product path), with no x86 code. Running it needs an ARM machine or emulation:
-    ``scripts/arm_emulated_tests.sh`` runs this file's kernel tests on aarch64 under qemu."""
+    (its ``isa()`` names "neon"; "neon+dotprod" with qlinear's dot-product path), with no x86 code. Running it
+    needs an ARM machine or emulation: ``scripts/arm_emulated_tests.sh`` runs this file's kernel tests on aarch64
+    under qemu."""
     obj = arm_objects[target]
     if isinstance(obj, Exception):
         raise obj

@@ -5,9 +5,10 @@ the dot-product instructions of ARMv8.2 for the packed-weight kernel where the t
 scalar loops that compile anywhere. The engine builds it for ``-march=native`` once per machine kind and
 source version (cached under torch's extensions directory; about 25 s of one core; the cache key hashes the
 source, the flags, the CPU's model and feature flags, and the torch version). ``PAGEDLLM_CPU_MARCH`` builds for
-another ``-march`` instead (an x86-64 level, to run e.g. the AVX2 path on an AVX-512 machine). It needs a C++ compiler. Without
-one, or with ``PAGEDLLM_CPU_KERNELS=0``, ``cpu_ops()`` returns None, a warning is logged, and the model runs the
-same math as separate torch operations (the start-up log names the path in use).
+another ``-march`` instead (an x86-64 level, to run e.g. the AVX2 path on an AVX-512 machine; ``armv8.2-a+dotprod``
+on ARM, where a cross compiler has no ``native``). It needs a C++ compiler. Without one, or with
+``PAGEDLLM_CPU_KERNELS=0``, ``cpu_ops()`` returns None, a warning is logged, and the model runs the same math as
+separate torch operations (the start-up log names the path in use).
 """
 
 from __future__ import annotations
