@@ -90,13 +90,17 @@ def build_key(march: str) -> str:
     return h.hexdigest()[:12]
 
 
+def _ident(s: str) -> str:
+    """``s`` with every character a C identifier cannot hold replaced by "_" (``armv8.2-a+dotprod``)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", s)
+
+
 def build(march: str = "native", verbose: bool = False):
     """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build."""
     from torch.utils.cpp_extension import load  # 0.2 s of setuptools: only where the kernels are built or loaded
 
-    tag = re.sub(r"[^A-Za-z0-9_]", "_", march)  # a module name: no "-" or "." (-march=armv8.2-a)
     return load(
-        name=f"pagedllm_cpu_ops_{tag}_{build_key(march)}",
+        name=f"pagedllm_cpu_ops_{_ident(march)}_{build_key(march)}",  # a module name: no "-", "." or "+"
         sources=[str(SOURCE)],
         extra_cflags=[*BASE_CFLAGS, f"-march={march}"],
         extra_ldflags=["-fopenmp"],
@@ -114,7 +118,7 @@ def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None =
     from torch.utils.cpp_extension import include_paths
 
     name = march or (cxx[-1] if cxx else "default")  # a cross compiler's target ends its command
-    obj = Path(out_dir) / f"cpu_ops_{re.sub(r'[^A-Za-z0-9]', '_', name)}.o"
+    obj = Path(out_dir) / f"cpu_ops_{_ident(name)}.o"
     cflags = [f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + ([f"-march={march}"] if march else [])
     cmd = [*(cxx or [os.environ.get("CXX", "c++")]), *cflags, "-std=c++20", "-fPIC",
            "-DTORCH_EXTENSION_NAME=pagedllm_cpu_ops", "-DTORCH_API_INCLUDE_EXTENSION_H",
