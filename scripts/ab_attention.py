@@ -11,24 +11,12 @@ the same greedy tokens. Environment: ``BS`` (32), ``N`` (64), ``PLEN`` (14), ``R
 import collections
 import os
 import pathlib
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import pagedllm.kernels as K
 from pagedllm import LLM, SamplingParams
-
-
-def build(src: str):
-    d = pathlib.Path(tempfile.mkdtemp(prefix="aba_"))
-    shutil.copy(src, d / "cpu_ops.cpp")
-    source, K.SOURCE = K.SOURCE, d / "cpu_ops.cpp"  # build() names the module by the source's hash
-    try:
-        return K.build("native")
-    finally:
-        K.SOURCE = source
 
 
 class TimedAttention:
@@ -54,7 +42,8 @@ def main() -> None:
     llm = LLM(enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     spent = collections.Counter()
-    arms = {"A": TimedAttention(build(sys.argv[1]), spent), "B": TimedAttention(build(sys.argv[2]), spent)}
+    arms = {arm: TimedAttention(K.build("native", source=pathlib.Path(src)), spent)
+            for arm, src in zip("AB", sys.argv[1:3])}
     print("CPU:", K.cpu_info()[0])
     bs, n = int(os.environ.get("BS", "32")), int(os.environ.get("N", "64"))
     prompts = ["Write a short story about a robot who learns to paint. " * int(os.environ.get("PLEN", "14"))] * bs

@@ -12,10 +12,8 @@ float32, zero offsets), as BlockQuantLinear stores a GGUF file's. ``FORWARD=1`` 
 
 import os
 import pathlib
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -23,11 +21,8 @@ import torch
 import pagedllm.kernels as K
 
 
-def load(src: str, tag: str):
-    d = pathlib.Path(tempfile.mkdtemp(prefix=f"abq_{tag}_"))
-    shutil.copy(src, d / "cpu_ops.cpp")
-    K.SOURCE = d / "cpu_ops.cpp"  # build() names the module by the source's hash
-    return K.build(os.environ.get("MARCH", "native"))
+def load(src: str):
+    return K.build(os.environ.get("MARCH", "native"), source=pathlib.Path(src))
 
 
 def timed(f, reps: int) -> float:
@@ -81,7 +76,7 @@ def forward(old, new, g: torch.Generator) -> None:
 
 
 def main() -> None:
-    old, new = load(sys.argv[1], "old"), load(sys.argv[2], "new")
+    old, new = load(sys.argv[1]), load(sys.argv[2])
     print("CPU:", K.cpu_info()[0], "isa:", old.isa(), new.isa())
     g = torch.Generator().manual_seed(0)
     if os.environ.get("FORWARD"):

@@ -78,9 +78,9 @@ def can_run(march: str) -> bool:
     return set(X86_LEVEL_FLAGS[march]) <= flags
 
 
-def build_key(march: str) -> str:
+def build_key(march: str, source: Path = SOURCE) -> str:
     """Hash of what decides the binary: source, flags, torch version, and (for ``native``) the CPU itself."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(source.read_bytes())
     h.update(" ".join((*BASE_CFLAGS, f"-march={march}")).encode())
     h.update(torch.__version__.encode())
     if march == "native":
@@ -95,13 +95,15 @@ def _ident(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", s)
 
 
-def build(march: str = "native", verbose: bool = False):
-    """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build."""
+def build(march: str = "native", verbose: bool = False, source: Path = SOURCE):
+    """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build.
+    ``source``: another version of ``cpu_ops.cpp`` (the A/B scripts build an old one beside the current one: the
+    module is named by the source's hash, so both load in one process)."""
     from torch.utils.cpp_extension import load  # 0.2 s of setuptools: only where the kernels are built or loaded
 
     return load(
-        name=f"pagedllm_cpu_ops_{_ident(march)}_{build_key(march)}",  # a module name: no "-", "." or "+"
-        sources=[str(SOURCE)],
+        name=f"pagedllm_cpu_ops_{_ident(march)}_{build_key(march, source)}",  # a module name: no "-", "." or "+"
+        sources=[str(source)],
         extra_cflags=[*BASE_CFLAGS, f"-march={march}"],
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
