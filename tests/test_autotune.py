@@ -35,7 +35,7 @@ def native_weights():
     from pagedllm.config import default_model_path
     from pagedllm.model.loader import load_model_files
 
-    return load_model_files(default_model_path(), native_q4=True, native_q8=True)
+    return load_model_files(default_model_path(), native=True)
 
 
 def test_choose_plan_measures_once_then_reads_the_cache(native_weights, tmp_path, monkeypatch):

@@ -468,6 +468,7 @@ def level_runs(tmp_path_factory):
                "TORCH_EXTENSIONS_DIR": str(tmp_path_factory.mktemp(f"ext-{march}"))}
         if can_run(march):
             cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                   os.path.join(os.path.dirname(__file__), "test_gguf_blocks.py"),  # every GGUF block type's kernel
                    "-k", "not engine and not fused_and_torch and not each_x86_level and not compile_for_arm"]
         else:  # this CPU lacks the level's instructions: the build must still compile (loading it would not run)
             cmd = [sys.executable, "-c", "import sys; from pagedllm.kernels import compile_only; "

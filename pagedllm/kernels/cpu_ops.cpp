@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -770,6 +771,8 @@ struct QuantizedRows {
   std::vector<float> s;    // (M, K/32) s
   std::vector<float> ss;   // (M, K/32) s * sum(254 q + q2), ~ the block's sum of x
   std::vector<int32_t> isum;  // (M, K/32) sum(254 q + q2): 8-bit codes run as unsigned (s + 128) and subtract it
+  std::vector<float> ss2;      // (M, K/16): ss per half block (weights with a scale per 16 inputs)
+  std::vector<int32_t> isum2;  // (M, K/16): isum per half block
 };
 
 template <typename T>
@@ -784,6 +787,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
   out.s.resize(M * nb);
   out.ss.resize(M * nb);
   out.isum.resize(M * nb);
+  out.ss2.resize(2 * M * nb);
+  out.isum2.resize(2 * M * nb);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     float buf[QB];
     for (int64_t r = begin; r < end; ++r)
@@ -806,7 +811,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
           const __m256 vinv = _mm256_set1_ps(inv), vinv2 = _mm256_set1_ps(inv * LEVEL);
           const __m256 vsx = _mm256_set1_ps(amax / 127.f);
           __m256i q1i[4], q2i[4], vi[4];
-          __m256i sum = _mm256_setzero_si256();
+          __m256i sum = _mm256_setzero_si256(), sum_lo = sum;
           for (int j = 0; j < 4; ++j) {
             const __m256 q1f = _mm256_round_ps(_mm256_mul_ps(v[j], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             const __m256 rest = _mm256_fnmadd_ps(q1f, vsx, v[j]);
@@ -816,6 +821,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
                                                        _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
             vi[j] = _mm256_add_epi32(_mm256_mullo_epi32(q1i[j], _mm256_set1_epi32(LEVEL)), q2i[j]);
             sum = _mm256_add_epi32(sum, vi[j]);
+            if (j == 1) sum_lo = sum;  // inputs 0-15
           }
 #if defined(PAGEDLLM_QWIDE)
           // int16 in input order (the 64-bit permute undoes packs' per-lane interleave), then (a, a+2, a+1, a+3)
@@ -835,14 +841,21 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p1, order));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2), _mm256_permutevar8x32_epi32(p2, order));
 #endif
-          __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+          auto hsum = [](__m256i x) {
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            return _mm_cvtsi128_si32(s4);
+          };
           const float s = amax / (127.f * LEVEL);
           out.s[r * nb + b] = s;
-          const int32_t isum = _mm_cvtsi128_si32(s4);
+          const int32_t isum = hsum(sum), isum_lo = hsum(sum_lo);
           out.isum[r * nb + b] = isum;
           out.ss[r * nb + b] = s * static_cast<float>(isum);
+          out.isum2[2 * (r * nb + b)] = isum_lo;
+          out.isum2[2 * (r * nb + b) + 1] = isum - isum_lo;
+          out.ss2[2 * (r * nb + b)] = s * static_cast<float>(isum_lo);
+          out.ss2[2 * (r * nb + b) + 1] = s * static_cast<float>(isum - isum_lo);
         }
 #else
         int8_t* q = out.q.data() + r * K + b * QB;
@@ -850,8 +863,9 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
         float amax = 0.f;
         for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(buf[i]));
         const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
+        int sum = 0, sum_lo = 0;
         for (int i = 0; i < QB; ++i) {
+          if (i == QB / 2) sum_lo = sum;
           const float q1f = std::nearbyint(buf[i] * inv);
           const int v2 = std::max(-127, std::min(127, static_cast<int>(std::nearbyint((buf[i] - q1f * sx) *
                                                                                       (inv * LEVEL)))));
@@ -863,6 +877,10 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
         out.s[r * nb + b] = s;
         out.isum[r * nb + b] = sum;
         out.ss[r * nb + b] = s * static_cast<float>(sum);
+        out.isum2[2 * (r * nb + b)] = sum_lo;
+        out.isum2[2 * (r * nb + b) + 1] = sum - sum_lo;
+        out.ss2[2 * (r * nb + b)] = s * static_cast<float>(sum_lo);
+        out.ss2[2 * (r * nb + b) + 1] = s * static_cast<float>(sum - sum_lo);
 #endif
       }
   });
@@ -873,14 +891,26 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
 // per 4-bit block of a row). No offsets (OFF false: GGUF Q8_0, symmetric 8-bit weights) skips their loads and
 // multiply-adds. A float16 value widens to exactly the float32 it stands for, so the arithmetic is that of the
 // float32 layout; the format is a template argument, so the tiles hold no run-time test of it.
-template <typename S, bool OFF>
+// SUB: scales (and offsets) per block, 1 or 2 (GGUF's blocks of 16: Q2_K, Q3_K, Q6_K); with 2 the integer sums of
+// each half block (inputs 0-15, 16-31) get their own float steps, against the activations' per-half sums.
+template <typename S, bool OFF, int SUB = 1>
 struct QScales {
   static constexpr bool offsets = OFF;
+  static constexpr int sub = SUB;
   const S* d;
   const S* m;  // unused without OFF
   int64_t nb;  // blocks per row
-  int64_t at(int64_t g, int64_t b) const { return (g * nb + b) * 8; }  // index of group g's 8 values of block b
+  // index of group g's 8 values of block b (its half h)
+  int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
 };
+
+// The activation sums that the float steps of half h of a block (all of it with SUB 1) take: s * sum and sum.
+template <int SUB>
+inline float act_ss(const QuantizedRows& xa, int64_t row, int h) { return SUB == 1 ? xa.ss[row] : xa.ss2[2 * row + h]; }
+template <int SUB>
+inline int32_t act_isum(const QuantizedRows& xa, int64_t row, int h) {
+  return SUB == 1 ? xa.isum[row] : xa.isum2[2 * row + h];
+}
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -932,16 +962,17 @@ inline void prefetch_group(const uint8_t* wb, int64_t gbytes, const SC& sc, int6
 // (group, row) pair times d * s, plus m * ss, into the pair's float sums. The same float steps in every tile shape.
 template <int GT, int MT, typename SC, typename Sum>
 inline void add_blocks(__m256 (&acc)[GT][MT], const SC& sc, int64_t g0, const QuantizedRows& xa, int64_t r0,
-                       int64_t b, Sum isum) {
+                       int64_t b, int h, Sum isum) {
   for (int g = 0; g < GT; ++g) {
-    const int64_t i = sc.at(g0 + g, b);
+    const int64_t i = sc.at(g0 + g, b, h);
     const __m256 dv = load8(sc.d + i);
     const __m256 mv = SC::offsets ? load8(sc.m + i) : _mm256_setzero_ps();
     for (int r = 0; r < MT; ++r) {
       const int64_t row = (r0 + r) * sc.nb + b;
       acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(g, r)), _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row])),
                                   acc[g][r]);
-      if constexpr (SC::offsets) acc[g][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xa.ss[row]), acc[g][r]);
+      if constexpr (SC::offsets)
+        acc[g][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(act_ss<SC::sub>(xa, row, h)), acc[g][r]);
     }
   }
 }
@@ -964,61 +995,64 @@ template <int BITS, int GT, int MT, typename SC>
 inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                   const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m256* out) {
   constexpr int64_t gbytes = BITS * 32;
+  constexpr int SUB = SC::sub;
   __m256 acc[GT][MT];
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi16(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i s[GT][MT];
-    for (int g = 0; g < GT; ++g)
-      for (int r = 0; r < MT; ++r) s[g][r] = _mm256_setzero_si256();
     const int8_t* xv[MT];  // 32-bit words: the int16 pairs
     for (int r = 0; r < MT; ++r) xv[r] = reinterpret_cast<const int8_t*>(xa.v.data() + (r0 + r) * K + b * QB);
     auto word = [&](int r, int k) { return _mm256_set1_epi32(load_i32(xv[r] + 4 * k)); };
     if constexpr (MT == 1) {  // a single row streams the weights from memory: ask for them ahead of the prefetcher
       for (int g = 0; g < GT; ++g) prefetch_group(w + (g0 + g) * gstride + b * gbytes, gbytes, sc, g0 + g, b);
     }
-    if constexpr (BITS == 4) {
-      for (int i = 0; i < 4; ++i) {  // vector i: unit i in the low nibbles, unit 4+i in the high ones
-        for (int h = 0; h < 2; ++h) {  // the low nibbles (unit i), then the high ones (unit 4+i)
-          __m256i e0[GT], e1[GT];
+    for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
+      __m256i s[GT][MT];
+      for (int g = 0; g < GT; ++g)
+        for (int r = 0; r < MT; ++r) s[g][r] = _mm256_setzero_si256();
+      if constexpr (BITS == 4) {
+        for (int i = 0; i < 4; ++i) {  // vector i: unit i in the low nibbles, unit 4+i in the high ones
+          for (int h = SUB == 2 ? half : 0; h < (SUB == 2 ? half + 1 : 2); ++h) {  // low nibbles (unit i), high
+            __m256i e0[GT], e1[GT];
+            for (int g = 0; g < GT; ++g) {
+              __m256i v = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+              if (h) v = _mm256_srli_epi16(v, 4);
+              e0[g] = _mm256_and_si256(v, low4);                        // (a, a+2)
+              e1[g] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);  // (a+1, a+3)
+            }
+            for (int r = 0; r < MT; ++r) {
+              const __m256i x0 = word(r, 8 * h + 2 * i), x1 = word(r, 8 * h + 2 * i + 1);
+              for (int g = 0; g < GT; ++g) {
+                s[g][r] = _mm256_add_epi32(s[g][r], _mm256_add_epi32(_mm256_madd_epi16(e0[g], x0),
+                                                                     _mm256_madd_epi16(e1[g], x1)));
+                keep_in_register(s[g][r]);
+              }
+            }
+          }
+        }
+      } else {
+        for (int i = SUB == 2 ? 4 * half : 0; i < (SUB == 2 ? 4 * half + 4 : 8); ++i) {
+          __m256i f0[GT], f1[GT];
           for (int g = 0; g < GT; ++g) {
-            __m256i v = _mm256_loadu_si256(
+            const __m256i v = _mm256_loadu_si256(
                 reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
-            if (h) v = _mm256_srli_epi16(v, 4);
-            e0[g] = _mm256_and_si256(v, low4);                        // (a, a+2)
-            e1[g] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);  // (a+1, a+3)
+            f0[g] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // (4i, 4i+2)
+            f1[g] = _mm256_srai_epi16(v, 8);                        // (4i+1, 4i+3)
           }
           for (int r = 0; r < MT; ++r) {
-            const __m256i x0 = word(r, 8 * h + 2 * i), x1 = word(r, 8 * h + 2 * i + 1);
+            const __m256i x0 = word(r, 2 * i), x1 = word(r, 2 * i + 1);
             for (int g = 0; g < GT; ++g) {
-              s[g][r] = _mm256_add_epi32(s[g][r], _mm256_add_epi32(_mm256_madd_epi16(e0[g], x0),
-                                                                   _mm256_madd_epi16(e1[g], x1)));
+              s[g][r] = _mm256_add_epi32(s[g][r], _mm256_add_epi32(_mm256_madd_epi16(f0[g], x0),
+                                                                   _mm256_madd_epi16(f1[g], x1)));
               keep_in_register(s[g][r]);
             }
           }
         }
       }
-    } else {
-      for (int i = 0; i < 8; ++i) {
-        __m256i f0[GT], f1[GT];
-        for (int g = 0; g < GT; ++g) {
-          const __m256i v = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
-          f0[g] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // (4i, 4i+2)
-          f1[g] = _mm256_srai_epi16(v, 8);                        // (4i+1, 4i+3)
-        }
-        for (int r = 0; r < MT; ++r) {
-          const __m256i x0 = word(r, 2 * i), x1 = word(r, 2 * i + 1);
-          for (int g = 0; g < GT; ++g) {
-            s[g][r] = _mm256_add_epi32(s[g][r], _mm256_add_epi32(_mm256_madd_epi16(f0[g], x0),
-                                                                 _mm256_madd_epi16(f1[g], x1)));
-            keep_in_register(s[g][r]);
-          }
-        }
-      }
+      add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, half, [&](int g, int r) { return s[g][r]; });
     }
-    add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, [&](int g, int r) { return s[g][r]; });
   }
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
@@ -1035,14 +1069,12 @@ template <int BITS, int GT, int MT, typename SC>
 inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                   const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m256* out) {
   constexpr int64_t gbytes = BITS * 32;  // bytes per group and block: 128 (4-bit) or 256 (8-bit)
+  constexpr int SUB = SC::sub;
   __m256 acc[GT][MT];
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i hi[GT][MT], lo[GT][MT];
-    for (int g = 0; g < GT; ++g)
-      for (int r = 0; r < MT; ++r) hi[g][r] = lo[g][r] = _mm256_setzero_si256();
     const int8_t* xq[MT];
     const int8_t* xq2[MT];
     for (int r = 0; r < MT; ++r) {
@@ -1052,63 +1084,73 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
     if constexpr (MT == 1) {  // a single row streams the weights from memory: ask for them ahead of the prefetcher
       for (int g = 0; g < GT; ++g) prefetch_group(w + (g0 + g) * gstride + b * gbytes, gbytes, sc, g0 + g, b);
     }
-    if constexpr (BITS == 4) {
-      for (int i = 0; i < 4; ++i) {  // vector i: unit i (inputs 4i..4i+3) low, unit 4+i (16+4i..) high nibbles
-        __m256i ul[GT], uh[GT];
-        for (int g = 0; g < GT; ++g) {
-          const __m256i v = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
-          ul[g] = _mm256_and_si256(v, low4);
-          uh[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
-        for (int r = 0; r < MT; ++r) {
-          const __m256i x1 = _mm256_set1_epi32(load_i32(xq[r] + 4 * i));
-          const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
+    for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
+      __m256i hi[GT][MT], lo[GT][MT];
+      for (int g = 0; g < GT; ++g)
+        for (int r = 0; r < MT; ++r) hi[g][r] = lo[g][r] = _mm256_setzero_si256();
+      if constexpr (BITS == 4) {
+        for (int i = 0; i < 4; ++i) {  // vector i: unit i (inputs 4i..4i+3) low, unit 4+i (16+4i..) high nibbles
+          __m256i ul[GT], uh[GT];
           for (int g = 0; g < GT; ++g) {
-            hi[g][r] = dot_acc(hi[g][r], ul[g], x1);
-            lo[g][r] = dot_acc(lo[g][r], ul[g], x2);
+            const __m256i v = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+            ul[g] = _mm256_and_si256(v, low4);
+            uh[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           }
-          const __m256i y1 = _mm256_set1_epi32(load_i32(xq[r] + 16 + 4 * i));
-          const __m256i y2 = _mm256_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
+          for (int r = 0; r < MT; ++r) {
+            if (SUB == 1 || half == 0) {
+              const __m256i x1 = _mm256_set1_epi32(load_i32(xq[r] + 4 * i));
+              const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
+              for (int g = 0; g < GT; ++g) {
+                hi[g][r] = dot_acc(hi[g][r], ul[g], x1);
+                lo[g][r] = dot_acc(lo[g][r], ul[g], x2);
+              }
+            }
+            if (SUB == 1 || half == 1) {
+              const __m256i y1 = _mm256_set1_epi32(load_i32(xq[r] + 16 + 4 * i));
+              const __m256i y2 = _mm256_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
+              for (int g = 0; g < GT; ++g) {
+                hi[g][r] = dot_acc(hi[g][r], uh[g], y1);
+                lo[g][r] = dot_acc(lo[g][r], uh[g], y2);
+              }
+            }
+          }
+        }
+      } else {
+        for (int i = SUB == 2 ? 4 * half : 0; i < (SUB == 2 ? 4 * half + 4 : 8); ++i) {
+          __m256i u[GT], ua[GT];
           for (int g = 0; g < GT; ++g) {
-            hi[g][r] = dot_acc(hi[g][r], uh[g], y1);
-            lo[g][r] = dot_acc(lo[g][r], uh[g], y2);
+            u[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            ua[g] = _mm256_xor_si256(u[g], _mm256_set1_epi8(-128));  // s + 128 as unsigned; 128 * isum comes off
+#else
+            ua[g] = _mm256_sign_epi8(u[g], u[g]);  // |s| times x with s's sign (vpmaddubsw needs u < 128)
+#endif
+          }
+          for (int r = 0; r < MT; ++r) {
+            const __m256i x1 = _mm256_set1_epi32(load_i32(xq[r] + 4 * i));
+            const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
+            for (int g = 0; g < GT; ++g) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+              hi[g][r] = dot_acc(hi[g][r], ua[g], x1);
+              lo[g][r] = dot_acc(lo[g][r], ua[g], x2);
+#else
+              hi[g][r] = dot_acc(hi[g][r], ua[g], _mm256_sign_epi8(x1, u[g]));
+              lo[g][r] = dot_acc(lo[g][r], ua[g], _mm256_sign_epi8(x2, u[g]));
+#endif
+            }
           }
         }
       }
-    } else {
-      for (int i = 0; i < 8; ++i) {
-        __m256i u[GT], ua[GT];
-        for (int g = 0; g < GT; ++g) {
-          u[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+      add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, half, [&](int g, int r) {
+        __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(hi[g][r], _mm256_set1_epi32(LEVEL)), lo[g][r]);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-          ua[g] = _mm256_xor_si256(u[g], _mm256_set1_epi8(-128));  // s + 128 as unsigned; 128 * isum comes off
-#else
-          ua[g] = _mm256_sign_epi8(u[g], u[g]);  // |s| times x with s's sign (vpmaddubsw needs u < 128)
+        if constexpr (BITS == 8)
+          s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * act_isum<SUB>(xa, (r0 + r) * nb + b, half)));
 #endif
-        }
-        for (int r = 0; r < MT; ++r) {
-          const __m256i x1 = _mm256_set1_epi32(load_i32(xq[r] + 4 * i));
-          const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
-          for (int g = 0; g < GT; ++g) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            hi[g][r] = dot_acc(hi[g][r], ua[g], x1);
-            lo[g][r] = dot_acc(lo[g][r], ua[g], x2);
-#else
-            hi[g][r] = dot_acc(hi[g][r], ua[g], _mm256_sign_epi8(x1, u[g]));
-            lo[g][r] = dot_acc(lo[g][r], ua[g], _mm256_sign_epi8(x2, u[g]));
-#endif
-          }
-        }
-      }
+        return s;
+      });
     }
-    add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, [&](int g, int r) {
-      __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(hi[g][r], _mm256_set1_epi32(LEVEL)), lo[g][r]);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      if constexpr (BITS == 8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * xa.isum[(r0 + r) * nb + b]));
-#endif
-      return s;
-    });
   }
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
@@ -1139,14 +1181,12 @@ template <int BITS, int PT, int MT, typename SC>
 inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                      const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out) {
   constexpr int64_t gbytes = BITS * 32;
+  constexpr int SUB = SC::sub;
   __m512 acc[PT][MT];
   for (int p = 0; p < PT; ++p)
     for (int r = 0; r < MT; ++r) acc[p][r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i hi[PT][MT], lo[PT][MT];
-    for (int p = 0; p < PT; ++p)
-      for (int r = 0; r < MT; ++r) hi[p][r] = lo[p][r] = _mm512_setzero_si512();
     const int8_t* xq[MT];
     const int8_t* xq2[MT];
     for (int r = 0; r < MT; ++r) {
@@ -1154,55 +1194,66 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
       xq2[r] = xa.q2.data() + (r0 + r) * K + b * QB;
     }
     const uint8_t* wb = w + g0 * gstride + b * gbytes;
-    if constexpr (BITS == 4) {
-      for (int i = 0; i < 4; ++i) {
-        __m512i ul[PT], uh[PT];
-        for (int p = 0; p < PT; ++p) {
-          const __m512i v = load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i);
-          ul[p] = _mm512_and_si512(v, low4);
-          uh[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        }
-        for (int r = 0; r < MT; ++r) {
-          const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
-          const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
+    for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
+      __m512i hi[PT][MT], lo[PT][MT];
+      for (int p = 0; p < PT; ++p)
+        for (int r = 0; r < MT; ++r) hi[p][r] = lo[p][r] = _mm512_setzero_si512();
+      if constexpr (BITS == 4) {
+        for (int i = 0; i < 4; ++i) {
+          __m512i ul[PT], uh[PT];
           for (int p = 0; p < PT; ++p) {
-            hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], ul[p], x1);
-            lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], ul[p], x2);
+            const __m512i v = load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i);
+            ul[p] = _mm512_and_si512(v, low4);
+            uh[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           }
-          const __m512i y1 = _mm512_set1_epi32(load_i32(xq[r] + 16 + 4 * i));
-          const __m512i y2 = _mm512_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
-          for (int p = 0; p < PT; ++p) {
-            hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], uh[p], y1);
-            lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], uh[p], y2);
+          for (int r = 0; r < MT; ++r) {
+            if (SUB == 1 || half == 0) {
+              const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
+              const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
+              for (int p = 0; p < PT; ++p) {
+                hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], ul[p], x1);
+                lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], ul[p], x2);
+              }
+            }
+            if (SUB == 1 || half == 1) {
+              const __m512i y1 = _mm512_set1_epi32(load_i32(xq[r] + 16 + 4 * i));
+              const __m512i y2 = _mm512_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
+              for (int p = 0; p < PT; ++p) {
+                hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], uh[p], y1);
+                lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], uh[p], y2);
+              }
+            }
+          }
+        }
+      } else {
+        for (int i = SUB == 2 ? 4 * half : 0; i < (SUB == 2 ? 4 * half + 4 : 8); ++i) {
+          __m512i u[PT];
+          for (int p = 0; p < PT; ++p)  // s + 128 as unsigned; 128 * isum comes off below
+            u[p] = _mm512_xor_si512(load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i),
+                                    _mm512_set1_epi8(-128));
+          for (int r = 0; r < MT; ++r) {
+            const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
+            const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
+            for (int p = 0; p < PT; ++p) {
+              hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], u[p], x1);
+              lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], u[p], x2);
+            }
           }
         }
       }
-    } else {
-      for (int i = 0; i < 8; ++i) {
-        __m512i u[PT];
-        for (int p = 0; p < PT; ++p)  // s + 128 as unsigned; 128 * isum comes off below
-          u[p] = _mm512_xor_si512(load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i),
-                                  _mm512_set1_epi8(-128));
+      for (int p = 0; p < PT; ++p) {  // add_blocks' steps on two groups at once
+        const int64_t i = sc.at(g0 + 2 * p, b, half), j = sc.at(g0 + 2 * p + 1, b, half);
+        const __m512 dv = load_pair(sc.d + i, sc.d + j);
+        const __m512 mv = SC::offsets ? load_pair(sc.m + i, sc.m + j) : _mm512_setzero_ps();
         for (int r = 0; r < MT; ++r) {
-          const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
-          const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
-          for (int p = 0; p < PT; ++p) {
-            hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], u[p], x1);
-            lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], u[p], x2);
-          }
+          const int64_t row = (r0 + r) * nb + b;
+          __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r]);
+          if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * act_isum<SUB>(xa, row, half)));
+          acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xa.s[row])),
+                                      acc[p][r]);
+          if constexpr (SC::offsets)
+            acc[p][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(act_ss<SUB>(xa, row, half)), acc[p][r]);
         }
-      }
-    }
-    for (int p = 0; p < PT; ++p) {  // add_blocks' steps on two groups at once
-      const int64_t i = sc.at(g0 + 2 * p, b), j = sc.at(g0 + 2 * p + 1, b);
-      const __m512 dv = load_pair(sc.d + i, sc.d + j);
-      const __m512 mv = SC::offsets ? load_pair(sc.m + i, sc.m + j) : _mm512_setzero_ps();
-      for (int r = 0; r < MT; ++r) {
-        const int64_t row = (r0 + r) * nb + b;
-        __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r]);
-        if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xa.isum[row]));
-        acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xa.s[row])), acc[p][r]);
-        if constexpr (SC::offsets) acc[p][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xa.ss[row]), acc[p][r]);
       }
     }
   }
@@ -1271,28 +1322,33 @@ template <int BITS, typename SC>
 inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row,
                           int64_t K, int64_t nb, float* out) {
   constexpr int64_t gbytes = BITS * 32;
+  constexpr int SUB = SC::sub;
   for (int j = 0; j < 8; ++j) out[j] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xq = xa.q.data() + row * K + b * QB;
     const int8_t* xq2 = xa.q2.data() + row * K + b * QB;
     const uint8_t* wb = wg + b * gbytes;
-    int32_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int32_t s[SUB][8] = {};  // per half block (inputs 0-15, 16-31) with SUB 2
     for (int i = 0; i < (BITS == 4 ? 4 : 8); ++i)
       for (int j = 0; j < 8; ++j)
         for (int t = 0; t < 4; ++t) {
           const uint8_t byte = wb[32 * i + 4 * j + t];
           const int k = 4 * i + t;
           if constexpr (BITS == 4) {
-            s[j] += (byte & 0x0F) * (LEVEL * xq[k] + xq2[k]) + (byte >> 4) * (LEVEL * xq[16 + k] + xq2[16 + k]);
+            s[0][j] += (byte & 0x0F) * (LEVEL * xq[k] + xq2[k]);
+            s[SUB - 1][j] += (byte >> 4) * (LEVEL * xq[16 + k] + xq2[16 + k]);
           } else {
-            s[j] += static_cast<int8_t>(byte) * (LEVEL * xq[k] + xq2[k]);
+            s[SUB == 2 && k >= 16][j] += static_cast<int8_t>(byte) * (LEVEL * xq[k] + xq2[k]);
           }
         }
-    const float sx = xa.s[row * nb + b], ss = xa.ss[row * nb + b];
-    const int64_t i = sc.at(g, b);
-    for (int j = 0; j < 8; ++j)
-      out[j] += static_cast<float>(sc.d[i + j]) * sx * static_cast<float>(s[j]) +
-                (SC::offsets ? static_cast<float>(sc.m[i + j]) : 0.f) * ss;
+    const float sx = xa.s[row * nb + b];
+    for (int h = 0; h < SUB; ++h) {
+      const float ss = act_ss<SUB>(xa, row * nb + b, h);
+      const int64_t i = sc.at(g, b, h);
+      for (int j = 0; j < 8; ++j)
+        out[j] += static_cast<float>(sc.d[i + j]) * sx * static_cast<float>(s[h][j]) +
+                  (SC::offsets ? static_cast<float>(sc.m[i + j]) : 0.f) * ss;
+    }
   }
 }
 
@@ -1417,7 +1473,8 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r = 0; r < M; ++r) {
 #if defined(PAGEDLLM_QNEON)
-        qgroup_neon<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
+        if constexpr (SC::sub == 1) qgroup_neon<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
+        else qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);  // blocks of 16: the portable loop
 #else
         qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
 #endif
@@ -1428,8 +1485,8 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
 }
 
 // x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout above;
-// d, m: (ceil(N/8), K/32 * 8), both float32 or both float16; m empty: every offset 0 (8-bit codes only).
-// Returns (M, N) in x's dtype.
+// d, m: (ceil(N/8), K/32 * sub * 8), both float32 or both float16, sub 1 or 2 scales per block (2: blocks of 16);
+// m empty: every offset 0 (8-bit codes only). Returns (M, N) in x's dtype.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                    int64_t N) {
   check_cpu(x, "x");
@@ -1441,10 +1498,11 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == NG &&
                   w.size(1) == K / QB * bits * 32, "qlinear: weight must be contiguous uint8 (ceil(N/8), K*bits)");
   const bool half = d.scalar_type() == at::kHalf, offsets = m.numel() > 0;
+  const int64_t per_sub = NG * (K / QB) * 8, sub = d.numel() == 2 * per_sub ? 2 : 1;
   TORCH_CHECK((half || d.scalar_type() == at::kFloat) && m.scalar_type() == d.scalar_type() && d.is_contiguous() &&
-                  m.is_contiguous() && d.numel() == NG * (K / QB) * 8 && (!offsets || m.numel() == d.numel()),
-              "qlinear: scales and offsets must be contiguous (ceil(N/8), K/32 * 8), both float32 or both float16 "
-              "(offsets may be empty)");
+                  m.is_contiguous() && d.numel() == sub * per_sub && (!offsets || m.numel() == d.numel()),
+              "qlinear: scales and offsets must be contiguous (ceil(N/8), K/32 * 8) or (ceil(N/8), K/16 * 8), both "
+              "float32 or both float16 (offsets may be empty)");
   TORCH_CHECK(bits == 8 || offsets, "qlinear: 4-bit codes need their offsets");
   auto y = at::empty({M, N}, x.options());
   const int64_t nb = K / QB;
@@ -1456,14 +1514,21 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
       }
       qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
     };
-    if (half && offsets)
-      run(QScales<at::Half, true>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb});
-    else if (half)
-      run(QScales<at::Half, false>{d.data_ptr<at::Half>(), nullptr, nb});
-    else if (offsets)
-      run(QScales<float, true>{d.data_ptr<float>(), m.data_ptr<float>(), nb});
+    auto with_sub = [&](auto sub_tag) {
+      constexpr int S = decltype(sub_tag)::value;
+      if (half && offsets)
+        run(QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb});
+      else if (half)
+        run(QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb});
+      else if (offsets)
+        run(QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb});
+      else
+        run(QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb});
+    };
+    if (sub == 2)
+      with_sub(std::integral_constant<int, 2>{});
     else
-      run(QScales<float, false>{d.data_ptr<float>(), nullptr, nb});
+      with_sub(std::integral_constant<int, 1>{});
   });
   return y;
 }

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.quant.formats import Fp8Weight, dequantize_any
-from pagedllm.quant.linear import ACT_DTYPE, QBLOCK, BlockQuantLinear, Fp8Linear, Int4Linear, Int8Linear
+from pagedllm.quant.linear import ACT_DTYPE, QBLOCK, SUBBLOCK, BlockQuantLinear, Fp8Linear, Int4Linear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
                  block_ops=None, dense_dtype: torch.dtype = ACT_DTYPE):
     """The right linear kind for ``w``: a float tensor, a ``QuantizedWeight`` or an ``Fp8Weight``.
 
-    ``block_ops`` (the fused CPU kernels): integer weights in groups of a multiple of 32 run through
+    ``block_ops`` (the fused CPU kernels): integer weights in groups of a multiple of 16 run through
     ``BlockQuantLinear``; otherwise through torch's packed kernels. ``dense_min_tokens`` > 0 also keeps a
     ``dense_dtype`` copy for steps of at least that many rows.
     A packed kernel that the device's torch build lacks (or rejects for this shape) falls back to a
@@ -88,7 +88,8 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
     try:
         if isinstance(w, Fp8Weight):
             lin = Fp8Linear(w, bias, device, dtype)
-        elif block_ops is not None and device.type == "cpu" and w.group_size % QBLOCK == 0:
+        elif (block_ops is not None and device.type == "cpu" and w.group_size % SUBBLOCK == 0
+              and w.shape[1] % QBLOCK == 0):
             lin = BlockQuantLinear(w, bias, device, dtype, block_ops)
         elif w.bits == 8 and w.symmetric and w.group_size == w.shape[1]:
             lin = Int8Linear(w, bias, device, dtype)

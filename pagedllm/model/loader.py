@@ -15,7 +15,8 @@ import torch
 
 from pagedllm.model.arch import SUPPORTED_ARCHS, ModelArchConfig
 from pagedllm.gguf_file import GGUFFile
-from pagedllm.quant.formats import QuantizedWeight, reorder_rows
+from pagedllm.quant import gguf_blocks
+from pagedllm.quant.formats import reorder_rows
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -40,21 +41,6 @@ def _gguf_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | 
     qs = blocks[..., head:]
     codes = qs.view(np.int8) if kind == "Q8_0" else np.concatenate([qs & 0xF, qs >> 4], axis=-1)
     return d, m, codes.reshape(rows, -1)
-
-
-def _native_q4(data: np.ndarray, kind: str):
-    """GGUF Q4_0 / Q4_1 blocks -> a ``QuantizedWeight`` with the same numbers (no float round trip): Q4_1's
-    d*q + m = (q - 8)*d + (m + 8d); Q4_0's d*(q - 8)."""
-    d, m, codes = _gguf_blocks(data, kind)
-    zeros = None if m is None else torch.from_numpy(m + 8 * d)
-    return QuantizedWeight(torch.from_numpy(codes), torch.from_numpy(d), zeros, 4, 32)
-
-
-def _native_q8(data: np.ndarray):
-    """GGUF Q8_0 blocks -> a symmetric 8-bit ``QuantizedWeight`` with the same numbers (codes s + 128)."""
-    d, _, codes = _gguf_blocks(data, "Q8_0")
-    return QuantizedWeight(torch.from_numpy((codes.astype(np.int16) + 128).astype(np.uint8)), torch.from_numpy(d),
-                           None, 8, 32)
 
 
 def _dequantize(data: np.ndarray, ttype) -> np.ndarray:
@@ -94,9 +80,12 @@ def open_gguf(path: str):
     return reader
 
 
-def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
-    """``native_q4``: keep Q4_0/Q4_1 tensors (other than the embedding) as packed 4-bit weights instead of
-    dequantizing them; ``native_q8``: keep Q8_0 tensors (the embedding too) as packed 8-bit weights."""
+def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, native: bool = False,
+              ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """``native``: keep every tensor of a block type the block kernel runs (``quant.gguf_blocks.DECODERS``: Q4_0 ..
+    Q8_0, Q2_K .. Q6_K, IQ4_NL/XS) as packed codes with the file's own scales, never as float32 weights;
+    ``native_q4``: only Q4_0/Q4_1 tensors other than the embedding (torch's int4 kernel path); ``native_q8``: also
+    Q8_0 tensors, the embedding too. Other tensors (F32, F16, BF16, the rest) are float32."""
     reader = open_gguf(path)
     arch = reader.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -162,15 +151,11 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False) -> tu
             continue
         rotary = arch == "llama" and name.endswith((".q", ".k", ".q_bias", ".k_bias"))
         heads = n_head if ".q" in name else n_kv
-        if native_q4 and t.tensor_type.name in ("Q4_0", "Q4_1") and t.name != "token_embd.weight":
-            qw = _native_q4(t.data, t.tensor_type.name)
-            if rotary:
-                qw = reorder_rows(qw, lambda x: torch.from_numpy(np.ascontiguousarray(
-                    _unpermute_rotary(x.numpy(), heads))))
-            weights[name] = qw
-            continue
-        if native_q8 and t.tensor_type.name == "Q8_0":
-            qw = _native_q8(t.data)
+        kind = t.tensor_type.name
+        if (native and kind in gguf_blocks.DECODERS) or (
+                native_q4 and kind in ("Q4_0", "Q4_1") and t.name != "token_embd.weight") or (
+                native_q8 and kind == "Q8_0"):
+            qw = gguf_blocks.decode(t.data, kind)
             if rotary:
                 qw = reorder_rows(qw, lambda x: torch.from_numpy(np.ascontiguousarray(
                     _unpermute_rotary(x.numpy(), heads))))
@@ -248,12 +233,12 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     return cfg, weights
 
 
-def load_model_files(path: str, native_q4: bool = False, native_q8: bool = False,
+def load_model_files(path: str, native_q4: bool = False, native_q8: bool = False, native: bool = False,
                      ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Float weights of a GGUF file or HF-style directory (GGUF 4-/8-bit blocks kept packed with ``native_q4`` /
     ``native_q8``). Quantized checkpoints (``pagedllm quantize``) are read by ``pagedllm.model.weights``."""
     if os.path.isdir(path):
         return load_hf_dir(path)
     if path.endswith(".gguf"):
-        return load_gguf(path, native_q4, native_q8)
+        return load_gguf(path, native_q4, native_q8, native)
     raise ValueError(f"{path}: expected a .gguf file or a directory with config.json and *.safetensors")

@@ -3,9 +3,10 @@
 - a ``pagedllm quantize`` checkpoint directory: its packed weights (``--quantization`` may name its method or be
   left out; another value is an error);
 - ``int8`` / ``fp8``: quantize a full-precision model at load time (round to nearest, per-layer-type policy);
-- ``gguf``: keep a GGUF file's Q4_0/Q4_1 blocks packed (group 32, exactly the file's numbers); on CPU with the
-  fused kernels they (and a Q8_0 embedding / LM head) run through the ``qlinear`` block kernel, elsewhere through
-  torch's int4 kernel with the embedding dequantized and an int8 LM head;
+- ``gguf``: keep a GGUF file's blocks packed (exactly the file's numbers); on CPU with the fused kernels every block
+  type of ``quant.gguf_blocks`` (Q4_0 .. Q8_0, the K-quants, IQ4_NL/XS; the embedding too) runs through the
+  ``qlinear`` block kernel, elsewhere Q4_0/Q4_1 run through torch's int4 kernel with the embedding dequantized and
+  an int8 LM head;
 - ``awq`` / ``gptq`` / ``rtn`` without such a checkpoint: an error pointing to ``pagedllm quantize``."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def load_weights(path: str, quantization: str | None, block_kernel: bool = False
     if q == "gguf":
         if not path.endswith(".gguf"):
             raise ValueError("--quantization gguf needs a .gguf model file")
-        arch, weights = load_model_files(path, native_q4=True, native_q8=block_kernel)
+        arch, weights = (load_model_files(path, native=True) if block_kernel else load_model_files(path, native_q4=True))
         label = "gguf (native blocks, pagedllm qlinear kernel)" if block_kernel else "gguf (native 4-bit blocks)"
         return arch, weights, QuantPolicy(lm_head="int8", embed="int8"), label
     arch, weights = load_model_files(path)

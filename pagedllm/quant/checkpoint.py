@@ -50,7 +50,8 @@ def save_checkpoint(out_dir: str, arch, weights: dict, quant_info: dict, tokeniz
                 tensors[name + ".zeros"] = w.zeros.float().contiguous()
             if w.input_scale is not None:
                 tensors[name + ".input_scale"] = w.input_scale.float().contiguous()
-            formats[name] = {"format": "int", "bits": w.bits, "group_size": w.group_size, "shape": list(w.shape)}
+            formats[name] = {"format": "int", "bits": w.bits, "group_size": w.group_size, "shape": list(w.shape),
+                             "offset_form": w.offset_form}
         elif isinstance(w, Fp8Weight):
             tensors[name + ".data"] = w.data.contiguous()
             tensors[name + ".scales"] = w.scales.float().contiguous()
@@ -88,6 +89,7 @@ def load_checkpoint(path: str):
         if fmt["bits"] == 4:
             codes = _unpack4(codes)
         weights[name] = QuantizedWeight(codes, flat.pop(name + ".scales"), flat.pop(name + ".zeros", None),
-                                        fmt["bits"], fmt["group_size"], flat.pop(name + ".input_scale", None))
+                                        fmt["bits"], fmt["group_size"], flat.pop(name + ".input_scale", None),
+                                        fmt.get("offset_form", False))
     weights.update(flat)
     return arch, weights, cfg["quantization"]

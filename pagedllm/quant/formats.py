@@ -23,6 +23,9 @@ class QuantizedWeight:
     bits: int
     group_size: int
     input_scale: torch.Tensor | None = None  # (K,) AWQ: the layer computes (x / input_scale) @ W'^T
+    # GGUF's form: ``zeros`` holds the offset m of w = c * scale + m, with c the code itself for 4-bit codes (8-bit:
+    # c = q - 128, as without the flag), so a file's offsets are kept as they are (no m + 8 * scale round trip)
+    offset_form: bool = False
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -32,6 +35,13 @@ class QuantizedWeight:
             raise ValueError(f"group size {self.group_size} does not divide in_features {k}")
         if tuple(self.scales.shape) != (n, k // self.group_size):
             raise ValueError(f"scales shape {tuple(self.scales.shape)} != {(n, k // self.group_size)}")
+        if self.offset_form and self.zeros is None:
+            raise ValueError("offset_form needs the offsets (zeros)")
+
+    @property
+    def code_mid(self) -> int:
+        """What comes off a code before it is scaled: 2**(bits-1), or 0 for 4-bit codes in offset form."""
+        return 0 if self.offset_form and self.bits == 4 else 2 ** (self.bits - 1)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -100,7 +110,7 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     """The effective full-precision weight, input scaling (AWQ) folded back in."""
     n, k = qw.codes.shape
     ng = k // qw.group_size
-    q = qw.codes.reshape(n, ng, qw.group_size).float() - 2 ** (qw.bits - 1)
+    q = qw.codes.reshape(n, ng, qw.group_size).float() - qw.code_mid
     w = q * qw.scales.float().unsqueeze(-1)
     if qw.zeros is not None:
         w = w + qw.zeros.float().unsqueeze(-1)
@@ -127,20 +137,66 @@ def concat(parts: list) -> QuantizedWeight | Fp8Weight:
     p0 = parts[0]
     if isinstance(p0, Fp8Weight):
         return Fp8Weight(torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]))
-    if any((p.bits, p.group_size, p.symmetric, p.input_scale is None) !=
-           (p0.bits, p0.group_size, p0.symmetric, p0.input_scale is None) for p in parts):
-        raise ValueError("fused weights must share bits, group size and symmetry")
+    if any(p.input_scale is not None for p in parts):
+        if any((p.bits, p.group_size, p.symmetric, p.input_scale is None) !=
+               (p0.bits, p0.group_size, p0.symmetric, p0.input_scale is None) for p in parts):
+            raise ValueError("fused weights with input scales must share bits, group size and symmetry")
+    else:  # a GGUF file mixes block types in one fused layer (Q4_K q/k with a Q6_K v): widen them, exactly
+        parts = _common_form(parts)
+    p0 = parts[0]
     return QuantizedWeight(
         torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
         None if p0.zeros is None else torch.cat([p.zeros for p in parts]), p0.bits, p0.group_size,
-        p0.input_scale,
+        p0.input_scale, p0.offset_form,
     )
+
+
+def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """``parts`` in one form that holds each exactly: the most bits, the smallest group, offsets where any has them.
+    4-bit codes become the signed 8-bit codes of the same values; a group's scale is repeated over its halves."""
+    bits = max(p.bits for p in parts)
+    group = min(p.group_size for p in parts)
+    with_zeros = any(p.zeros is not None for p in parts)
+    if all((p.bits, p.group_size, p.zeros is not None) == (bits, group, with_zeros) for p in parts):
+        if bits == 4 and len({p.offset_form for p in parts}) > 1:
+            return [to_offset_form(p) for p in parts]
+        return parts
+    out = []
+    for p in parts:
+        if p.group_size % group:
+            raise ValueError(f"group sizes {p.group_size} and {group} do not nest")
+        rep = p.group_size // group
+        codes, zeros, offset_form = p.codes, p.zeros, p.offset_form
+        if p.bits != bits:  # 4 -> 8: the signed code c = q - code_mid, stored as c + 128; zeros/offsets unchanged
+            codes = (codes.to(torch.int16) - p.code_mid + 128).to(torch.uint8)
+            offset_form = False  # 8-bit zeros are offsets already
+        if with_zeros and zeros is None:
+            zeros = torch.zeros_like(p.scales, dtype=torch.float32)
+        if bits == 4 and with_zeros and not offset_form:
+            p2 = to_offset_form(QuantizedWeight(codes, p.scales, zeros, 4, p.group_size))
+            zeros, offset_form = p2.zeros, True
+        scales = p.scales.repeat_interleave(rep, dim=1) if rep > 1 else p.scales
+        if zeros is not None and rep > 1:
+            zeros = zeros.repeat_interleave(rep, dim=1)
+        out.append(QuantizedWeight(codes, scales, zeros, bits, group, None, offset_form and bits == 4))
+    if bits == 4 and len({p.offset_form for p in out}) > 1:
+        out = [to_offset_form(p) for p in out]
+    return out
+
+
+def to_offset_form(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` with offsets m of w = c * scale + m (see ``offset_form``): the same codes and scales."""
+    if qw.offset_form:
+        return qw
+    zeros = torch.zeros_like(qw.scales, dtype=torch.float32) if qw.zeros is None else qw.zeros.float()
+    m = zeros - qw.scales.float() * (2 ** (qw.bits - 1)) if qw.bits == 4 else zeros
+    return QuantizedWeight(qw.codes, qw.scales, m, qw.bits, qw.group_size, qw.input_scale, True)
 
 
 def reorder_rows(qw: QuantizedWeight, perm_fn) -> QuantizedWeight:
     """Apply a row permutation (given as a function on (N, ...) tensors) to codes, scales and zeros."""
     return QuantizedWeight(perm_fn(qw.codes), perm_fn(qw.scales), None if qw.zeros is None else perm_fn(qw.zeros),
-                           qw.bits, qw.group_size, qw.input_scale)
+                           qw.bits, qw.group_size, qw.input_scale, qw.offset_form)
 
 
 def weight_error_bound(qw: QuantizedWeight) -> torch.Tensor:

@@ -24,6 +24,7 @@ from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight
 
 ACT_DTYPE = torch.bfloat16
 QBLOCK = 32  # input channels per block of BlockQuantLinear
+SUBBLOCK = 16  # the smallest group it runs: a scale (and offset) per half block
 
 
 class _Packed:
@@ -97,6 +98,8 @@ class Int4Linear(_Packed):
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
         zeros = qw.zeros if qw.zeros is not None else torch.zeros_like(qw.scales)
+        if qw.offset_form:  # w = q*d + m = (q - 8)*d + (m + 8d)
+            zeros = zeros.float() + 8 * qw.scales.float()
         # (K/G, N, 2): [scale, zero] per group, the layout torch's kernels expect
         self.scales_and_zeros = torch.stack([qw.scales.float(), zeros.float()], -1).transpose(0, 1).contiguous().to(
             device, ACT_DTYPE)
@@ -120,30 +123,34 @@ class Int4Linear(_Packed):
 class BlockQuantLinear(_Packed):
     """Blocks of 32 input channels: ``w = d * u + m`` per block (``u`` 4-bit codes in [0, 16) or signed 8-bit
     codes), computed by the fused CPU kernel ``qlinear`` from the packed codes (0.5 or 1 byte per weight), output
-    rows interleaved in groups of 8 (layout: ``kernels/cpu_ops.cpp``). Scale and offset per block are float16 when
-    every one of the layer's values is exactly a float16 (a GGUF file's own, 4 bytes per block instead of 8), else
-    float32; 8-bit weights' offsets that are all zero (Q8_0, symmetric weights) are not stored at all.
+    rows interleaved in groups of 8 (layout: ``kernels/cpu_ops.cpp``). Weights in groups of 16 (GGUF Q2_K, Q3_K,
+    Q6_K) keep a scale and offset per half block (``sub`` 2). Scale and offset are float16 when every one of the
+    layer's values is exactly a float16 (a GGUF file's own), else float32; 8-bit weights' offsets that are all zero
+    (Q8_0, symmetric weights) are not stored at all.
     """
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
                  ops) -> None:
         if ops is None or device.type != "cpu":
             raise ValueError("BlockQuantLinear needs the fused CPU kernels")
-        if qw.group_size % QBLOCK or qw.bits not in (4, 8):
-            raise ValueError(f"BlockQuantLinear needs 4/8-bit weights in groups of a multiple of {QBLOCK}")
+        if qw.group_size % SUBBLOCK or qw.bits not in (4, 8):
+            raise ValueError(f"BlockQuantLinear needs 4/8-bit weights in groups of a multiple of {SUBBLOCK}")
         self.kind = f"q{qw.bits}-block"
         self.bits = qw.bits
         self.ops = ops
         self.out_features, self.in_features = n, k = qw.shape
+        if k % QBLOCK:
+            raise ValueError(f"BlockQuantLinear needs in_features a multiple of {QBLOCK}, got {k}")
+        self.sub = sub = 2 if qw.group_size % QBLOCK else 1  # scales per block of 32
         nb, ng = k // QBLOCK, (n + 7) // 8
-        rep = qw.group_size // QBLOCK
-        d = qw.scales.float().repeat_interleave(rep, dim=1)  # (N, K/32)
+        rep = qw.group_size * sub // QBLOCK
+        d = qw.scales.float().repeat_interleave(rep, dim=1)  # (N, K/32 * sub)
         zero = torch.zeros_like(d) if qw.zeros is None else qw.zeros.float().repeat_interleave(rep, dim=1)
         half = 2 ** (qw.bits - 1)  # w = (q - half) * d + zero
         if qw.bits == 4:
-            m, codes = zero - half * d, qw.codes  # w = d*q + (zero - 8d)
+            m, codes = (zero if qw.offset_form else zero - half * d), qw.codes  # w = d*q + m
         else:
-            m, codes = zero, (qw.codes.to(torch.int16) - half).to(torch.int8).view(torch.uint8)  # w = d*s + zero
+            m, codes = zero, qw.codes ^ 0x80  # w = d*s + zero; the signed code s = q - 128 as a byte
         pad = ng * 8 - n  # zero rows up to a whole group of 8 (their outputs are not stored)
         codes = F.pad(codes, (0, 0, 0, pad))
         if qw.bits == 4:  # (g, row, b, h, i, t) -> (g, b, i, row, t): low nibble h=0, high nibble h=1
@@ -152,8 +159,9 @@ class BlockQuantLinear(_Packed):
         else:  # (g, row, b, i, t) -> (g, b, i, row, t)
             self.codes = codes.reshape(ng, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(ng, nb * 256).contiguous()
 
-        def groups(v: torch.Tensor) -> torch.Tensor:  # (N, K/32) -> (N/8, K/32 * 8)
-            return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, nb).transpose(1, 2).reshape(ng, nb * 8).contiguous()
+        def groups(v: torch.Tensor) -> torch.Tensor:  # (N, K/32 * sub) -> (N/8, K/32 * sub * 8)
+            return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, nb * sub).transpose(1, 2).reshape(ng, nb * sub * 8
+                                                                                           ).contiguous()
 
         d, m = groups(d), groups(m)
         if torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m):  # no value changes
@@ -184,9 +192,11 @@ class BlockQuantLinear(_Packed):
             q = torch.stack([c & 0xF, c >> 4], dim=2).float()  # (T, nb, h, i, t): element 16h + 4i + t
         else:
             q = self.codes[grp].view(torch.int8).reshape(t, nb, 8, 8, 4)[at, :, :, row].float()
-        sc = self.scales[grp].float().reshape(t, nb, 8)[at, :, row]  # (T, nb)
-        off = self.offsets[grp].float().reshape(t, nb, 8)[at, :, row] if self.offsets.numel() else torch.zeros(())
-        w = q.reshape(t, nb, QBLOCK) * sc.unsqueeze(-1) + off.unsqueeze(-1)
+        sub = self.sub
+        sc = self.scales[grp].float().reshape(t, nb * sub, 8)[at, :, row]  # (T, nb * sub)
+        off = (self.offsets[grp].float().reshape(t, nb * sub, 8)[at, :, row] if self.offsets.numel()
+               else torch.zeros(()))
+        w = q.reshape(t, nb * sub, QBLOCK // sub) * sc.unsqueeze(-1) + off.unsqueeze(-1)
         return w.reshape(t, k)
 
     def dequantized(self) -> torch.Tensor:

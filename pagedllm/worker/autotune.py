@@ -78,7 +78,8 @@ def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
     """Whether every linear of the model (and the LM head) is an integer weight the block kernel runs."""
     names = [f"layers.{i}.{n}" for i in range(num_layers) for n in ("q", "k", "v", "o", "gate", "up", "down")]
     names.append("lm_head" if "lm_head" in weights else "embed")
-    return all(isinstance(weights.get(n), QuantizedWeight) and weights[n].group_size % 32 == 0 for n in names)
+    return all(isinstance(weights.get(n), QuantizedWeight) and weights[n].group_size % 16 == 0
+               and weights[n].shape[1] % 32 == 0 for n in names)
 
 
 def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:

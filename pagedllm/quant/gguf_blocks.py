@@ -1,0 +1,175 @@
+"""GGUF block types decoded from their bytes into ``QuantizedWeight`` s with exactly the file's numbers.
+
+Every block type that the engine runs natively is one decoder here, registered by its GGUF type name (``DECODERS``):
+it takes a tensor's rows of raw blocks (a uint8 view of the memory-mapped file, ``(rows, bytes per row)``) and
+returns the codes, per-block scales and offsets that the block kernel (``qlinear``, ``quant/linear.py``) runs. No
+value goes through a float32 weight: a sub-block's scale and offset are computed in float32 from the file's float16
+super-block scale and its small integer sub-scale (``d * sc``, ``-dmin * mn``), products that float32 holds exactly,
+so ``dequantize`` of the result equals ``gguf.quants.dequantize`` of the bytes bit for bit (``tests/kernels``).
+
+The forms (``QuantizedWeight`` with ``offset_form``: w = c * scale + offset):
+- 4-bit codes c in [0, 16) with an offset: Q4_0 (offset -8d), Q4_1, Q4_K (blocks of 32), Q2_K and Q3_K (2- and 3-bit
+  codes, blocks of 16: Q3_K's signed values as c = q + 4 with offset -4 * scale);
+- signed 8-bit codes: Q8_0, Q5_0 (q - 16), Q5_1 and Q5_K (q in [0, 32) with an offset), Q6_K (q - 32, blocks of 16),
+  IQ4_NL and IQ4_XS (their 16-entry non-linear table of int8 values).
+Blocks of 16 (``group_size`` 16) run with a scale per half block of 32 in the kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pagedllm.quant.formats import QuantizedWeight
+
+QK = 256  # values per K-quant super-block
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) uint8 little-endian float16 bytes -> (...) float32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _blocks(data: np.ndarray, nbytes: int) -> tuple[int, np.ndarray]:
+    """(rows, (rows * blocks per row, nbytes)) of a tensor's raw rows."""
+    rows = int(np.prod(data.shape[:-1]))
+    return rows, np.ascontiguousarray(data).reshape(-1, nbytes)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(n, 16k) bytes -> (n, 2, 16k): low nibbles, then high nibbles."""
+    return np.stack([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _bits(b: np.ndarray) -> np.ndarray:
+    """(n, B) bytes -> (n, 8B) bits, little-endian (bit j of byte i is element 8i + j)."""
+    return np.unpackbits(b, axis=-1, bitorder="little")
+
+
+def _weight(rows: int, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int,
+            group: int) -> QuantizedWeight:
+    """A ``QuantizedWeight`` (rows, K) from flat per-block arrays; 8-bit ``codes`` are signed (stored + 128)."""
+    c = codes.reshape(rows, -1)
+    if bits == 8:
+        c = c.view(np.uint8) ^ np.uint8(0x80)  # s + 128 as a byte: its sign bit flipped
+    t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(rows, -1))
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(c, dtype=np.uint8)), t(scales), t(offsets), bits,
+                           group, offset_form=offsets is not None)
+
+
+def q4_0(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 18)
+    d = _f16(b[:, 0:2])
+    return _weight(rows, _nibbles(b[:, 2:]), d, -8 * d, 4, 32)
+
+
+def q4_1(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 20)
+    return _weight(rows, _nibbles(b[:, 4:]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 4, 32)
+
+
+def q8_0(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 34)
+    return _weight(rows, b[:, 2:].view(np.int8), _f16(b[:, 0:2]), None, 8, 32)
+
+
+def _q5_values(b: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 codes in [0, 32): low nibbles from qs (elements 0-15 low, 16-31 high), bit 4 from qh."""
+    return (_nibbles(qs).reshape(len(b), 32) | (_bits(qh) << 4)).astype(np.int8)
+
+
+def q5_0(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 22)
+    return _weight(rows, _q5_values(b, b[:, 2:6], b[:, 6:]) - 16, _f16(b[:, 0:2]), None, 8, 32)
+
+
+def q5_1(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 24)
+    return _weight(rows, _q5_values(b, b[:, 4:8], b[:, 8:]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 8, 32)
+
+
+def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and eight 6-bit mins -> (n, 8) each."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def q4_k(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 144)
+    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    codes = np.stack([b[:, 16:].reshape(-1, 4, 32) & 0x0F, b[:, 16:].reshape(-1, 4, 32) >> 4], axis=2)  # (n,4,2,32)
+    return _weight(rows, codes, d * sc, -(dmin * mn), 4, 32)
+
+
+def q5_k(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 176)
+    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32): bit i of sub-block i
+    return _weight(rows, (low | (high << 4)).astype(np.int8), d * sc, -(dmin * mn), 8, 32)
+
+
+def q6_k(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 210)
+    ql, qh, sc, d = b[:, 0:128], b[:, 128:192], b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
+    low = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
+    q = (low | (high.reshape(-1, 8, 32) << 4)).astype(np.int8) - 32
+    return _weight(rows, q, d[:, None] * sc.astype(np.float32), None, 8, 16)
+
+
+def q2_k(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 84)
+    s, qs, d, dmin = b[:, 0:16], b[:, 16:80], _f16(b[:, 80:82])[:, None], _f16(b[:, 82:84])[:, None]
+    q = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
+    return _weight(rows, q, d * (s & 0x0F).astype(np.float32), -(dmin * (s >> 4).astype(np.float32)), 4, 16)
+
+
+def q3_k(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 110)
+    hmask, qs, s, d = b[:, 0:32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])[:, None]
+    low = np.stack([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1).reshape(-1, 16)
+    high = (s[:, 8:12][:, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]) & 3  # (n, 4, 4)
+    scale = d * ((low | (high.reshape(-1, 16) << 4)).astype(np.int8) - 32).astype(np.float32)  # (n, 16)
+    ql = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
+    qh = (hmask[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32)
+    # value ql - 4 (high bit clear) or ql (set): the code ql + 4 * bit, offset -4 * scale
+    return _weight(rows, ql.reshape(-1, 256) + 4 * qh.reshape(-1, 256), scale, -4 * scale, 4, 16)
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def iq4_nl(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 18)
+    return _weight(rows, IQ4_VALUES[_nibbles(b[:, 2:])], _f16(b[:, 0:2]), None, 8, 32)
+
+
+def iq4_xs(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 136)
+    d, sh, sl, qs = _f16(b[:, 0:2])[:, None], b[:, 2:4].copy().view(np.uint16)[:, 0], b[:, 4:8], b[:, 8:]
+    low = np.stack([sl & 0x0F, sl >> 4], axis=2).reshape(-1, 8)
+    high = (sh[:, None] >> (2 * np.arange(8, dtype=np.uint16))[None, :]) & 3
+    scale = d * ((low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32).astype(np.float32)
+    q = qs.reshape(-1, 8, 16)
+    return _weight(rows, IQ4_VALUES[np.stack([q & 0x0F, q >> 4], axis=2)], scale, None, 8, 32)
+
+
+# GGUF type name -> decoder of a tensor's raw block rows
+DECODERS: dict[str, Callable[[np.ndarray], QuantizedWeight]] = {
+    "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q8_0": q8_0,
+    "Q2_K": q2_k, "Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k,
+    "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs,
+}
+
+
+def decode(data: np.ndarray, kind: str) -> QuantizedWeight:
+    """The tensor's blocks as a ``QuantizedWeight`` (``kind``: a key of ``DECODERS``)."""
+    return DECODERS[kind](data)
