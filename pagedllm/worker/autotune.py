@@ -98,23 +98,51 @@ def _candidates(w: QuantizedWeight, ops) -> dict:
             "dense-float32": DenseLinear(dequantize_any(w).contiguous())}
 
 
-def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES) -> dict:
-    """{"layers"|"head": {candidate: {batch size: ms}}} for one forward's linears."""
+def inconsistent(per: dict) -> set[int]:
+    """Batch sizes whose timing breaks what the arithmetic allows a linear: a step of more rows costs at least
+    ~what a smaller one does (the same weights are read, more work is done) and at most proportionally more (the
+    weights are read once per step). A point a busy machine inflated fails one of these against a neighbour; both
+    of the pair are named (the other may be the one that is off)."""
+    ms = sorted(per)
+    bad: set[int] = set()
+    for a, b in zip(ms, ms[1:]):
+        ta, tb = per[a], per[b]
+        if tb < 0.7 * ta or tb > 1.6 * ta * b / a:
+            bad |= {a, b}
+    return bad
+
+
+def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES, timer=None, rounds: int = 4) -> dict:
+    """{"layers"|"head": {candidate: {batch size: ms}}} for one forward's linears. Points that are inconsistent
+    (``inconsistent``) are measured again, up to ``rounds`` times, keeping each point's fastest time (load only
+    ever adds time); ``"consistent"`` says whether every curve passed in the end."""
+    timer = timer or _time_ms
     groups = {"layers": list(_layer_weights(weights).values()), "head": [weights.get("lm_head", weights["embed"])]}
     res: dict = {}
+    ok = True
     for group, ws in groups.items():
         per: dict = {}
         lins = [_candidates(w, ops) for w in ws]
+        xs = {m: [torch.randn(m, w.shape[1]) for w in ws] for m in batch_sizes}
+
+        def point(name: str, m: int) -> float:
+            ms = sum(timer(cand[name], x) for cand, x in zip(lins, xs[m]))
+            return round(ms * (num_layers if group == "layers" else 1), 4)
+
         for name in lins[0]:
-            per[name] = {}
-            for m in batch_sizes:
-                ms = 0.0
-                for cand, w in zip(lins, ws):
-                    lin = cand[name]
-                    x = torch.randn(m, w.shape[1])
-                    ms += _time_ms(lin, x)
-                per[name][m] = round(ms * (num_layers if group == "layers" else 1), 4)
+            per[name] = {m: point(name, m) for m in batch_sizes}
+            for _ in range(rounds):
+                bad = inconsistent(per[name])
+                if not bad:
+                    break
+                for m in sorted(bad):
+                    per[name][m] = min(per[name][m], point(name, m))
+            if inconsistent(per[name]):
+                ok = False
+                logger.warning("weight path: %s timings of %s still inconsistent after %d re-measurements (a busy "
+                               "machine?): %s", group, name, rounds, per[name])
         res[group] = per
+    res["consistent"] = ok
     return res
 
 
@@ -129,6 +157,8 @@ def plan_from_timings(timings: dict, source: str) -> WeightPlan:
                 return m, best
         return 0, "dense-float32"
 
+    if not timings.get("consistent", True):  # measured under load: the arithmetic's plan, no dense copy
+        return WeightPlan(True, 0, 0, "float32", "arithmetic (timings inconsistent)", timings)
     layers, head = timings["layers"], timings["head"]
     block_at_1 = min(layers, key=lambda n: layers[n][1]) == "block"
     if not block_at_1:  # a dense path wins even for one row: no packed weights at all
@@ -150,8 +180,9 @@ def cache_key(weights: dict, num_layers: int) -> str:
     return h.hexdigest()[:16]
 
 
-def choose_plan(weights: dict, num_layers: int, ops) -> WeightPlan:
-    """The cached plan for this CPU and model shapes, or a new measurement (a few seconds), cached."""
+def choose_plan(weights: dict, num_layers: int, ops, remeasure: bool = False) -> WeightPlan:
+    """The cached plan for this CPU and model shapes, or a new measurement (a few seconds), cached. A cached entry
+    whose timings are inconsistent is measured again; ``remeasure``: measure again in any case."""
     key = cache_key(weights, num_layers)
     path = _cache_path()
     try:
@@ -161,8 +192,13 @@ def choose_plan(weights: dict, num_layers: int, ops) -> WeightPlan:
     if isinstance(cached.get(key), dict):
         try:  # JSON keeps the batch sizes as strings
             timings = {g: {c: {int(m): float(t) for m, t in per.items()} for c, per in cands.items()}
-                       for g, cands in cached[key].items()}
-            return plan_from_timings(timings, "cached")
+                       for g, cands in cached[key].items() if g != "consistent"}
+            checked = "consistent" in cached[key]  # this version checked it (an inconsistent one: the arithmetic)
+            timings["consistent"] = cached[key].get("consistent", True) and not any(
+                inconsistent(per) for cands in timings.values() for per in cands.values())
+            if (checked or timings["consistent"]) and not remeasure:
+                return plan_from_timings(timings, "cached")
+            # an unchecked plan (an older version cached it) that fails the checks: measure again
         except (KeyError, TypeError, ValueError):
             pass  # a stale or damaged entry: measure again
     t = time.perf_counter()
