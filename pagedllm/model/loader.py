@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -17,6 +19,8 @@ from pagedllm.model.arch import SUPPORTED_ARCHS, ModelArchConfig
 from pagedllm.gguf_file import GGUFFile
 from pagedllm.quant import gguf_blocks
 from pagedllm.quant.formats import reorder_rows
+
+logger = logging.getLogger(__name__)
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -138,7 +142,7 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
         "ffn_up.weight": "up",
         "ffn_down.weight": "down",
     }
-    weights: dict[str, torch.Tensor] = {}
+    tasks = []
     for t in reader.tensors:
         if t.name in rename:
             name = rename[t.name]
@@ -149,6 +153,10 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
             name = f"layers.{idx}.{per_layer[rest]}"
         else:
             continue
+        tasks.append((name, t))
+
+    def one(task):
+        name, t = task
         rotary = arch == "llama" and name.endswith((".q", ".k", ".q_bias", ".k_bias"))
         heads = n_head if ".q" in name else n_kv
         kind = t.tensor_type.name
@@ -159,12 +167,23 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
             if rotary:
                 qw = reorder_rows(qw, lambda x: torch.from_numpy(np.ascontiguousarray(
                     _unpermute_rotary(x.numpy(), heads))))
-            weights[name] = qw
-            continue
+            return qw
         arr = _dequantize(t.data, t.tensor_type)
         if rotary:
             arr = _unpermute_rotary(arr, heads)
-        weights[name] = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable or not arr.flags.c_contiguous))
+        return torch.from_numpy(np.array(arr, copy=not arr.flags.writeable or not arr.flags.c_contiguous))
+
+    # tensors decode on every core: numpy releases the GIL in its array operations
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        weights = dict(zip((name for name, _ in tasks), pool.map(one, tasks)))
+    counts: dict[str, list[int]] = {}
+    for _, t in tasks:
+        c = counts.setdefault(t.tensor_type.name, [0, 0])
+        c[0] += 1
+        c[1] += int(t.n_bytes)
+    logger.info("%s: %s", os.path.basename(path), ", ".join(
+        f"{kind} {n} tensors {b / 2**20:.1f} MiB {'native' if native and kind in gguf_blocks.DECODERS else 'float'}"
+        for kind, (n, b) in sorted(counts.items(), key=lambda kv: -kv[1][1])))
     return cfg, weights
 
 

@@ -153,11 +153,13 @@ class BlockQuantLinear(_Packed):
             m, codes = zero, qw.codes ^ 0x80  # w = d*s + zero; the signed code s = q - 128 as a byte
         pad = ng * 8 - n  # zero rows up to a whole group of 8 (their outputs are not stored)
         codes = F.pad(codes, (0, 0, 0, pad))
-        if qw.bits == 4:  # (g, row, b, h, i, t) -> (g, b, i, row, t): low nibble h=0, high nibble h=1
-            c = codes.reshape(ng, 8, nb, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-            self.codes = (c[..., 0] | (c[..., 1] << 4)).reshape(ng, nb * 128).contiguous()
-        else:  # (g, row, b, i, t) -> (g, b, i, row, t)
-            self.codes = codes.reshape(ng, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(ng, nb * 256).contiguous()
+        if qw.bits == 4:  # (row, b, h, i, t): the two nibbles h of (i, t) into one byte, low h=0, high h=1
+            c = codes.reshape(ng * 8, nb, 2, 16)
+            codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(ng * 8, nb * 16)
+        units = nb * (4 if qw.bits == 4 else 8)  # 4-byte units of a row: one int32 each
+        # (g, row, b, i) -> (g, b, i, row) as int32 units: 4x fewer elements to move than bytes
+        self.codes = (codes.contiguous().view(torch.int32).reshape(ng, 8, units).transpose(1, 2).contiguous()
+                      .view(torch.uint8).reshape(ng, units * 32))
 
         def groups(v: torch.Tensor) -> torch.Tensor:  # (N, K/32 * sub) -> (N/8, K/32 * sub * 8)
             return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, nb * sub).transpose(1, 2).reshape(ng, nb * sub * 8
