@@ -111,6 +111,19 @@ class GGUFFile:
             self.tensors.append(GGUFTensor(name, ttype, dims, n_elems, n_bytes, start, data))
         del self._buf  # the tensors' arrays keep the map alive
 
+    def release(self, t: "GGUFTensor") -> None:
+        """Drop tensor ``t``'s pages of the memory map from this process's resident set (they stay in the page
+        cache): a tensor decoded into the engine's own layout is not read again, and its mapped pages would
+        otherwise count a second time against the process's memory until the map is closed."""
+        page = mmap.PAGESIZE
+        start = int(t.data_offset) // page * page
+        end = int(t.data_offset) + int(t.n_bytes)
+        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except OSError:
+                pass
+
     def get(self, key: str, default=None):
         return self.fields.get(key, default)
 

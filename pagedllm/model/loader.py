@@ -85,11 +85,14 @@ def open_gguf(path: str):
 
 
 def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, native: bool = False,
-              ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+              lazy: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """``native``: keep every tensor of a block type the block kernel runs (``quant.gguf_blocks.DECODERS``: Q4_0 ..
     Q8_0, Q2_K .. Q6_K, IQ4_NL/XS) as packed codes with the file's own scales, never as float32 weights;
     ``native_q4``: only Q4_0/Q4_1 tensors other than the embedding (torch's int4 kernel path); ``native_q8``: also
-    Q8_0 tensors, the embedding too. Other tensors (F32, F16, BF16, the rest) are float32."""
+    Q8_0 tensors, the embedding too. Other tensors (F32, F16, BF16, the rest) are float32. ``lazy`` (with
+    ``native``): a ``LazyWeights`` dict whose block tensors decode as they are read (the model packs them one by
+    one), each one's pages of the memory map released once decoded: the load then holds little more than the
+    packed weights."""
     reader = open_gguf(path)
     arch = reader.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -163,19 +166,28 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
         if (native and kind in gguf_blocks.DECODERS) or (
                 native_q4 and kind in ("Q4_0", "Q4_1") and t.name != "token_embd.weight") or (
                 native_q8 and kind == "Q8_0"):
-            qw = gguf_blocks.decode(t.data, kind)
+            post = None
             if rotary:
-                qw = reorder_rows(qw, lambda x: torch.from_numpy(np.ascontiguousarray(
+                post = lambda qw: reorder_rows(qw, lambda x: torch.from_numpy(np.ascontiguousarray(  # noqa: E731
                     _unpermute_rotary(x.numpy(), heads))))
-            return qw
+            if lazy and native:
+                rows = int(np.prod(t.data.shape[:-1]))
+                return gguf_blocks.LazyBlocks(t.data, kind, (rows, int(t.shape[0])), post,
+                                              lambda: reader.release(t))
+            qw = gguf_blocks.decode(t.data, kind)
+            return qw if post is None else post(qw)
         arr = _dequantize(t.data, t.tensor_type)
         if rotary:
             arr = _unpermute_rotary(arr, heads)
         return torch.from_numpy(np.array(arr, copy=not arr.flags.writeable or not arr.flags.c_contiguous))
 
+    # in the order a model builds itself: the layers, then the embedding and head
+    tasks.sort(key=lambda nt: (0, int(nt[0].split(".")[1])) if nt[0].startswith("layers.") else (1, 0))
     # tensors decode on every core: numpy releases the GIL in its array operations
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
         weights = dict(zip((name for name, _ in tasks), pool.map(one, tasks)))
+    if lazy and native:
+        weights = gguf_blocks.LazyWeights(weights)
     counts: dict[str, list[int]] = {}
     for _, t in tasks:
         c = counts.setdefault(t.tensor_type.name, [0, 0])
@@ -253,11 +265,11 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
 
 
 def load_model_files(path: str, native_q4: bool = False, native_q8: bool = False, native: bool = False,
-                     ) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+                     lazy: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """Float weights of a GGUF file or HF-style directory (GGUF 4-/8-bit blocks kept packed with ``native_q4`` /
     ``native_q8``). Quantized checkpoints (``pagedllm quantize``) are read by ``pagedllm.model.weights``."""
     if os.path.isdir(path):
         return load_hf_dir(path)
     if path.endswith(".gguf"):
-        return load_gguf(path, native_q4, native_q8, native)
+        return load_gguf(path, native_q4, native_q8, native, lazy)
     raise ValueError(f"{path}: expected a .gguf file or a directory with config.json and *.safetensors")

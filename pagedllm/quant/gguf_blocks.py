@@ -17,6 +17,8 @@ Blocks of 16 (``group_size`` 16) run with a scale per half block of 32 in the ke
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -170,6 +172,105 @@ DECODERS: dict[str, Callable[[np.ndarray], QuantizedWeight]] = {
 }
 
 
+CHUNK_ROWS = 8192  # rows decoded at a time: the decoders' temporaries stay a few MiB, not a few per weight
+
+
 def decode(data: np.ndarray, kind: str) -> QuantizedWeight:
-    """The tensor's blocks as a ``QuantizedWeight`` (``kind``: a key of ``DECODERS``)."""
-    return DECODERS[kind](data)
+    """The tensor's blocks as a ``QuantizedWeight`` (``kind``: a key of ``DECODERS``), decoded in chunks of rows
+    into the result's own arrays (a large embedding's temporaries would otherwise be several times its size)."""
+    data = data.reshape(-1, data.shape[-1])
+    if len(data) <= CHUNK_ROWS:
+        return DECODERS[kind](data)
+    first = DECODERS[kind](data[:CHUNK_ROWS])
+    rows = len(data)
+    out = QuantizedWeight(
+        first.codes.new_empty(rows, first.codes.shape[1]), first.scales.new_empty(rows, first.scales.shape[1]),
+        None if first.zeros is None else first.zeros.new_empty(rows, first.zeros.shape[1]), first.bits,
+        first.group_size, offset_form=first.offset_form)
+    for r in range(0, rows, CHUNK_ROWS):
+        part = first if r == 0 else DECODERS[kind](data[r:r + CHUNK_ROWS])
+        out.codes[r:r + CHUNK_ROWS] = part.codes
+        out.scales[r:r + CHUNK_ROWS] = part.scales
+        if out.zeros is not None:
+            out.zeros[r:r + CHUNK_ROWS] = part.zeros
+    return out
+
+
+# block types that decode to 4-bit codes (the others: signed 8-bit), and those with a scale per 16 values
+FOUR_BIT = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"})
+GROUP_16 = frozenset({"Q2_K", "Q3_K", "Q6_K"})
+
+
+class LazyBlocks:
+    """A tensor's blocks, decoded when first needed (``LazyWeights``): its shape, bits and group size are known
+    without decoding. ``post``: applied to the decoded weight (e.g. a row permutation)."""
+
+    def __init__(self, data: np.ndarray, kind: str, shape: tuple[int, int], post=None, release=None) -> None:
+        self.data, self.kind, self.shape, self.post, self.release = data, kind, shape, post, release
+        self.bits = 4 if kind in FOUR_BIT else 8
+        self.group_size = 16 if kind in GROUP_16 else 32
+
+    def load(self) -> QuantizedWeight:
+        qw = decode(self.data, self.kind)
+        if self.post is not None:
+            qw = self.post(qw)
+        if self.release is not None:
+            self.release()
+        return qw
+
+
+class LazyWeights(dict):
+    """A weights dict whose ``LazyBlocks`` values decode when read (``pop``, ``[]``, ``get``), so a model that
+    builds its layers one by one holds the decoded (one byte per weight) form of a few tensors at a time, not of
+    all of them. Reading a value starts decoding the next ``ahead`` lazy values (in insertion order) on a thread
+    pool, so decoding runs beside the layer packing instead of before it. ``peek``: a value without decoding it."""
+
+    def __init__(self, items, ahead: int = 3, workers: int = 2) -> None:
+        super().__init__(items)
+        self._order = [k for k, v in self.items() if isinstance(v, LazyBlocks)]
+        self._next = 0
+        self._futures: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._ahead = ahead
+        self._pool = ThreadPoolExecutor(workers) if ahead > 0 else None
+
+    def peek(self, key, default=None):
+        return dict.get(self, key, default)
+
+    def _resolve(self, key) -> None:
+        v = dict.get(self, key)
+        if not isinstance(v, LazyBlocks):
+            return
+        with self._lock:
+            fut = self._futures.pop(key, None)
+        value = fut.result() if fut is not None else v.load()
+        dict.__setitem__(self, key, value)
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        if self._pool is None:
+            return
+        with self._lock:
+            while len(self._futures) < self._ahead and self._next < len(self._order):
+                key = self._order[self._next]
+                self._next += 1
+                v = dict.get(self, key)
+                if isinstance(v, LazyBlocks) and key not in self._futures:
+                    self._futures[key] = self._pool.submit(v.load)
+            if self._next >= len(self._order) and not self._futures:
+                self._pool.shutdown(wait=False)
+                self._pool = None
+
+    def __getitem__(self, key):
+        self._resolve(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        if key in self:
+            return self[key]
+        return default
+
+    def pop(self, key, *default):
+        if key in self:
+            self._resolve(key)
+        return dict.pop(self, key, *default)

@@ -144,15 +144,20 @@ class BlockQuantLinear(_Packed):
         self.sub = sub = 2 if qw.group_size % QBLOCK else 1  # scales per block of 32
         nb, ng = k // QBLOCK, (n + 7) // 8
         rep = qw.group_size * sub // QBLOCK
-        d = qw.scales.float().repeat_interleave(rep, dim=1)  # (N, K/32 * sub)
-        zero = torch.zeros_like(d) if qw.zeros is None else qw.zeros.float().repeat_interleave(rep, dim=1)
+        d = qw.scales.float()
+        d = d.repeat_interleave(rep, dim=1) if rep > 1 else d  # (N, K/32 * sub)
+        zero = None if qw.zeros is None else qw.zeros.float()
+        if zero is not None and rep > 1:
+            zero = zero.repeat_interleave(rep, dim=1)
         half = 2 ** (qw.bits - 1)  # w = (q - half) * d + zero
-        if qw.bits == 4:
-            m, codes = (zero if qw.offset_form else zero - half * d), qw.codes  # w = d*q + m
-        else:
-            m, codes = zero, qw.codes ^ 0x80  # w = d*s + zero; the signed code s = q - 128 as a byte
+        codes = qw.codes
+        if qw.bits == 4:  # w = d*q + m
+            m = zero if qw.offset_form else (0 if zero is None else zero) - half * d
+        else:  # w = d*s + zero with s = q - 128: the code's sign bit flipped, done on the packed copy below
+            m = zero
         pad = ng * 8 - n  # zero rows up to a whole group of 8 (their outputs are not stored)
-        codes = F.pad(codes, (0, 0, 0, pad))
+        if pad:
+            codes = F.pad(codes, (0, 0, 0, pad), value=0 if qw.bits == 4 else 128)
         if qw.bits == 4:  # (row, b, h, i, t): the two nibbles h of (i, t) into one byte, low h=0, high h=1
             c = codes.reshape(ng * 8, nb, 2, 16)
             codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(ng * 8, nb * 16)
@@ -160,16 +165,20 @@ class BlockQuantLinear(_Packed):
         # (g, row, b, i) -> (g, b, i, row) as int32 units: 4x fewer elements to move than bytes
         self.codes = (codes.contiguous().view(torch.int32).reshape(ng, 8, units).transpose(1, 2).contiguous()
                       .view(torch.uint8).reshape(ng, units * 32))
+        if qw.bits == 8:
+            self.codes ^= 0x80  # signed s = q - 128 as a byte, in place on the layer's own copy
+        del codes
 
         def groups(v: torch.Tensor) -> torch.Tensor:  # (N, K/32 * sub) -> (N/8, K/32 * sub * 8)
             return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, nb * sub).transpose(1, 2).reshape(ng, nb * sub * 8
                                                                                            ).contiguous()
 
-        d, m = groups(d), groups(m)
-        if torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m):  # no value changes
-            d, m = d.half(), m.half()
+        d = groups(d)
+        m = None if m is None or (self.bits == 8 and not m.any()) else groups(m)  # None: all 0, not stored
+        if torch.equal(d.half().float(), d) and (m is None or torch.equal(m.half().float(), m)):  # exact in fp16
+            d, m = d.half(), None if m is None else m.half()
         self.scales = d
-        self.offsets = m if m.any() or self.bits == 4 else m.new_empty(0)  # empty: all 0, skipped by the kernel
+        self.offsets = m if m is not None else d.new_empty(0)  # empty: all 0, skipped by the kernel
         self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(dtype)
         self.bias = None if bias is None else bias.to(device, dtype)
         self.out_dtype = dtype

@@ -31,6 +31,7 @@ from pagedllm.config import cache_dir
 from pagedllm.kernels import build_key, cpu_info, target_march
 from pagedllm.layers.linear import DenseLinear
 from pagedllm.quant.formats import QuantizedWeight, concat, dequantize_any
+from pagedllm.quant.gguf_blocks import LazyBlocks
 from pagedllm.quant.linear import BlockQuantLinear
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,9 @@ def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
     """Whether every linear of the model (and the LM head) is an integer weight the block kernel runs."""
     names = [f"layers.{i}.{n}" for i in range(num_layers) for n in ("q", "k", "v", "o", "gate", "up", "down")]
     names.append("lm_head" if "lm_head" in weights else "embed")
-    return all(isinstance(weights.get(n), QuantizedWeight) and weights[n].group_size % 16 == 0
-               and weights[n].shape[1] % 32 == 0 for n in names)
+    peek = getattr(weights, "peek", weights.get)  # a LazyWeights' value without decoding it
+    return all(isinstance(w := peek(n), (QuantizedWeight, LazyBlocks)) and w.group_size % 16 == 0
+               and w.shape[1] % 32 == 0 for n in names)
 
 
 def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
@@ -173,7 +175,8 @@ def plan_from_timings(timings: dict, source: str) -> WeightPlan:
 def cache_key(weights: dict, num_layers: int) -> str:
     model, flags = cpu_info()
     shapes = sorted((k, tuple(w.shape), w.bits, w.group_size) for k, w in _layer_weights(weights).items())
-    head = weights.get("lm_head", weights["embed"])
+    peek = getattr(weights, "peek", weights.get)  # the head's shape and format, without decoding it
+    head = peek("lm_head") if "lm_head" in weights else peek("embed")
     h = hashlib.sha256(json.dumps([CACHE_VERSION, model, sorted(flags), os.cpu_count(), torch.get_num_threads(),
                                    torch.__version__, build_key(target_march()), shapes, num_layers,
                                    [tuple(head.shape), head.bits, head.group_size]]).encode())

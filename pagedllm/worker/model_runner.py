@@ -159,7 +159,7 @@ class ModelRunner:
         auto = (c.model.dtype == "auto" and c.quantization is None and self.device.type == "cpu" and ops is not None
                 and c.tensor_parallel_size == 1 and path.endswith(".gguf"))
         if auto:
-            arch, weights = load_model_files(path, native=True)
+            arch, weights = load_model_files(path, native=True, lazy=True)
             if blocks_for_autotune(weights, arch.num_layers):
                 plan = choose_plan(weights, arch.num_layers, ops)
                 self.weight_plan = plan
