@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import resource
+import shlex
 import socket
 import subprocess
 import sys
@@ -85,8 +86,9 @@ def phase_hf(prompts: list[str], output_len: int, batch_size: int, dtype: str) -
     return _row(f"HF transformers {dtype}, {label}", n_out, dt, latencies, ttfts, _peak_rss())
 
 
-def phase_offline(prompts: list[str], output_len: int, dtype: str, quantization: str | None = None) -> dict:
-    llm = LLM(dtype=dtype, quantization=quantization)
+def phase_offline(prompts: list[str], output_len: int, dtype: str, quantization: str | None = None,
+                  model: str | None = None) -> dict:
+    llm = LLM(model=model, dtype=dtype, quantization=quantization)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     engine = llm.engine
     peak_blocks = 0
@@ -171,7 +173,9 @@ def running_server(dtype: str, quantization: str | None, extra: str, log_path: s
                             stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
+        t0 = time.monotonic()
         wait_healthy(proc, base, log_path)
+        proc.startup_s = time.monotonic() - t0  # launch to healthy: imports, load, kernels, KV cache
         yield proc, base
     finally:
         proc.terminate()
@@ -241,6 +245,59 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
                     hwm = int(line.split()[1]) * 1024
         for r in rows:
             r["peak_rss_bytes"] = hwm  # the server process's peak over all its runs
+            r["startup_s"] = proc.startup_s
+    return rows
+
+
+def _hwm(pid: int) -> int | None:
+    """A live process's peak resident set (VmHWM), bytes; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def phase_peer_cmd(name: str, cmd: str, prompts: list[str], output_len: int, concurrencies: list[int],
+                   results_dir: str, extra_body: dict | None = None) -> list[dict]:
+    """A peer server that this phase starts itself, once per concurrency (``cmd``: its command line, where
+    ``{port}``, ``{c}`` and ``{ctx}`` stand for a free port, the concurrency and 2048 x it, e.g. llama.cpp's
+    slots and their context ``-np {c} -c {ctx}``), alone on
+    the machine while it runs: its rows get the start-up time (launch to /v1/models answering) and peak RSS."""
+    rows = []
+    for c in concurrencies:
+        port = _free_port()
+        log_path = os.path.join(results_dir, f"peer-{name}-c{c}.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(shlex.split(cmd.format(port=port, c=c, ctx=2048 * c)), stdout=log,
+                                    stderr=subprocess.STDOUT)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                t0, deadline = time.monotonic(), time.monotonic() + 300
+                model = None
+                while model is None:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"peer {name} did not start (exit {proc.poll()}); see {log_path}")
+                    try:
+                        r = httpx.get(url + "/v1/models", timeout=1)
+                        if r.status_code == 200 and httpx.post(url + "/v1/completions", timeout=60, json={
+                                "model": r.json()["data"][0]["id"], "prompt": "Hi", "max_tokens": 1}).status_code == 200:
+                            model = r.json()["data"][0]["id"]
+                    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                        time.sleep(0.25)
+                startup = time.monotonic() - t0
+                row = phase_peer(name, url, model, prompts, output_len, [c], extra_body)[0]
+                row.update(peak_rss_bytes=_hwm(proc.pid), startup_s=startup, command=cmd)
+                rows.append(row)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     return rows
 
 
@@ -255,6 +312,14 @@ def parse_peer(value: str) -> tuple[str, str]:
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise argparse.ArgumentTypeError(f"peer {name!r}: URL must be http(s)://HOST[:PORT], got {url!r}")
     return name, url
+
+
+def parse_peer_cmd(value: str) -> tuple[str, str]:
+    """``--peer-cmd NAME=COMMAND`` -> (name, command with {port} and optionally {c}); an argparse type."""
+    name, sep, cmd = value.partition("=")
+    if not sep or not name.strip() or "{port}" not in cmd:
+        raise argparse.ArgumentTypeError(f"expected NAME=COMMAND with {{port}} in the command, got {value!r}")
+    return name.strip(), cmd.strip()
 
 
 def check_peer(name: str, url: str) -> str:
@@ -311,8 +376,8 @@ def write_report(rows: list[dict], meta: dict, results_dir: str) -> str:
     lines += [
         "",
         "| system | output tok/s | vs HF one-at-a-time | mean latency (s) | p99 latency (s) | mean TTFT (s) | "
-        "peak RSS (MiB) | KV used / static max-len reservation |",
-        "|---|---|---|---|---|---|---|---|",
+        "start-up (s) | peak RSS (MiB) | KV used / static max-len reservation |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         kv = "—"
@@ -320,9 +385,10 @@ def write_report(rows: list[dict], meta: dict, results_dir: str) -> str:
             kv = (f"{r['kv_bytes_used_peak'] / 2**20:.0f} MiB / {r['kv_bytes_static_max_len'] / 2**20:.0f} MiB "
                   f"({100 * r['kv_bytes_used_peak'] / r['kv_bytes_static_max_len']:.1f}%)")
         rss = "—" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 2**20:.0f}"  # peers: unknown
+        start = "—" if r.get("startup_s") is None else f"{r['startup_s']:.1f}"
         lines.append(
             f"| {r['system']} | {r['output_tok_s']:.1f} | {r['output_tok_s'] / base:.2f}x | {r['mean_latency_s']:.2f} | "
-            f"{r['p99_latency_s']:.2f} | {r['mean_ttft_s']:.2f} | {rss} | {kv} |"
+            f"{r['p99_latency_s']:.2f} | {r['mean_ttft_s']:.2f} | {start} | {rss} | {kv} |"
         )
     table = "\n".join(lines) + "\n"
     with open(os.path.join(results_dir, "results.md"), "w") as f:
@@ -357,7 +423,7 @@ def _run_phase(argv: list[str]) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    names = [name for name, _ in args.peer]
+    names = [name for name, _ in args.peer] + [name for name, _ in args.peer_cmd]
     if len(set(names)) != len(names):
         raise ValueError(f"--peer names must differ, got {names}")
     peers = {name: {"url": url, "model": check_peer(name, url)} for name, url in args.peer}  # before any measuring
@@ -366,14 +432,19 @@ def main(args: argparse.Namespace) -> int:
         args.concurrency, args.hf_batch_sizes = [1, 4], [4]
     os.makedirs(args.results_dir, exist_ok=True)
     prompts = load_prompts(args.prompts_file)[: args.num_prompts]
-    tok = load_tokenizer(default_model_path())
+    model = args.model or default_model_path()
+    if args.model and not args.skip_hf:
+        print("note: --model: the HF rows are for the embedded model only; skipping them", file=sys.stderr)
+        args.skip_hf = True
+    tok = load_tokenizer(model)
     lens = [len(tok.encode(p)) for p in prompts]
     meta = {"num_prompts": len(prompts), "output_len": args.output_len, "prompt_tokens_min": min(lens),
             "prompt_tokens_max": max(lens), "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
-            "cpu": cpu_info(), "command": " ".join(sys.argv)}
+            "cpu": cpu_info(), "command": " ".join(sys.argv), "model": model}
     if peers:
         meta["peers"] = peers
     common = ["--num-prompts", str(len(prompts)), "--output-len", str(args.output_len)]
+    server_args = args.server_args + (f" --model {shlex.quote(args.model)}" if args.model else "")
     if args.prompts_file:
         common += ["--prompts-file", args.prompts_file]
     rows = []
@@ -383,12 +454,17 @@ def main(args: argparse.Namespace) -> int:
             for b in args.hf_batch_sizes:
                 rows.append(_run_phase(["--phase", "hf", "--batch-size", str(b), "--dtype", dt, *common]))
     qflag = ["--quantization", args.quantization] if args.quantization else []
-    rows.append(_run_phase(["--phase", "offline", "--dtype", args.dtype, *qflag, *common]))
+    if not args.skip_offline:
+        mflag = ["--model", args.model] if args.model else []
+        rows.append(_run_phase(["--phase", "offline", "--dtype", args.dtype, *qflag, *mflag, *common]))
     rows += phase_server(args.prompts_file, len(prompts), args.output_len, args.concurrency, args.dtype,
-                         args.results_dir, args.quantization, args.server_args)
+                         args.results_dir, args.quantization, server_args)
     for name, peer in peers.items():
         rows += phase_peer(name, peer["url"], peer["model"], prompts, args.output_len, args.concurrency,
                            args.peer_extra_body)
+    for name, cmd in args.peer_cmd:
+        rows += phase_peer_cmd(name, cmd, prompts, args.output_len, args.concurrency, args.results_dir,
+                               args.peer_extra_body)
     table = write_report(rows, meta, args.results_dir)
     print("\n" + table)
     print(f"results in {args.results_dir}/ (results.json, results.md, chart.png)")
@@ -411,6 +487,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="JSON merged into every peer request (default: llama.cpp's cache_prompt off, so its slots do "
                         "not reuse prompts from earlier phases; '{}' for servers that refuse unknown fields)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-offline", action="store_true", help="no offline LLM.generate row")
+    p.add_argument("--model", default=None, help="the model file for the pagedllm rows (default: the embedded "
+                   "model; another one skips the HF rows)")
+    p.add_argument("--peer-cmd", action="append", type=parse_peer_cmd, default=[], metavar="NAME=COMMAND",
+                   help="a peer server this command starts itself, alone, once per concurrency, with start-up time "
+                        "and peak RSS: {port}, {c} (concurrency) and {ctx} (2048 x c) are filled in, e.g. --peer-cmd "
+                        "'llama.cpp=llama-server -m FILE.gguf --port {port} -t 2 -np {c} -c {ctx}'")
     p.add_argument("--results-dir", default="results/compare")
     p.add_argument("--quick", action="store_true", help="4 prompts x 16 tokens: a smoke run")
 
@@ -422,12 +505,13 @@ def _phase_main() -> int:
     add_dtype_arg(p, default="float32")
     add_workload_args(p, num_prompts=None, output_len=None)
     p.add_argument("--quantization", default=None)
+    p.add_argument("--model", default=None)
     a = p.parse_args()
     prompts = load_prompts(a.prompts_file)[: a.num_prompts]
     if a.phase == "hf":
         row = phase_hf(prompts, a.output_len, a.batch_size, "float32" if a.dtype == "auto" else a.dtype)
     else:
-        row = phase_offline(prompts, a.output_len, a.dtype, a.quantization)
+        row = phase_offline(prompts, a.output_len, a.dtype, a.quantization, a.model)
     print(json.dumps(row))
     return 0
 
