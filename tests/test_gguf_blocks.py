@@ -5,6 +5,8 @@ file with one tensor of each type runs through the whole engine, and the start-u
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -53,6 +55,7 @@ def test_decoded_values_equal_gguf_bit_for_bit(kind):
 @pytest.mark.parametrize("kind", sorted(DECODERS))
 def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
     from pagedllm.kernels import cpu_ops
+    from pagedllm.layers.linear import tensor_bytes
     from pagedllm.quant.linear import BlockQuantLinear
 
     ops = cpu_ops()
@@ -64,10 +67,17 @@ def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
     lin = BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, ops)
     assert torch.equal(lin.dequantized(), w)  # the packed layout decodes back to the file's numbers
     assert torch.equal(lin.embedding(torch.tensor([[0, 7, 43]])), w[[0, 7, 43]].unsqueeze(0))
+    flat = None  # K-quants: the same weight with float32 scales per block instead of the file's two-level ones
+    if qw.kscales is not None:
+        assert lin.super_scales is not None and lin.scales.dtype == torch.int8  # 1 byte per sub-block and row
+        flat = BlockQuantLinear(dataclasses.replace(qw, kscales=None), None, torch.device("cpu"), torch.float32, ops)
+        assert flat.super_scales is None and tensor_bytes(lin.tensors()) < tensor_bytes(flat.tensors())
     torch.manual_seed(0)
     for m in (1, 2, 3, 5, 17, 64):  # single rows, a row tile and its remainders, several row chunks
         x = torch.randn(m, k)
         y = lin(x)
+        if flat is not None:
+            assert torch.equal(y, flat(x))  # D * s is exact in float32: bitwise the same results
         ref = x.double() @ w.double().T
         # two int8 levels per activation keep ~15 bits: the error is ~1e-4 of the row's |x| |w|
         scale = x.abs().double() @ w.abs().double().T

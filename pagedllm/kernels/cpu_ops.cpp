@@ -912,6 +912,37 @@ inline int32_t act_isum(const QuantizedRows& xa, int64_t row, int h) {
   return SUB == 1 ? xa.isum[row] : xa.isum2[2 * row + h];
 }
 
+// GGUF K-quant scales as the file has them: value k of the (N/8, K/32 * SUB, 8) layout is D * s[k], with s a small
+// integer (a sub-block's 6-bit scale, or minus its min) and D the float16 scale of its super-block of 256 inputs
+// (N/8, K/256, 8): 1 byte per sub-block and row instead of 4. The product is exact in float32 (an 11-bit by
+// 8-bit integer), so the kernels' results are bitwise those of the float32 layout. A KPtr stands where QScales
+// has a plain pointer (sc.d + i, sc.d[i], load8), so every tile runs either layout unchanged.
+template <int SUB>
+struct KPtr {
+  const at::Half* D;
+  const int8_t* s;
+  int64_t nb;  // blocks of 32 per row
+  int64_t i;
+  KPtr operator+(int64_t k) const { return {D, s, nb, i + k}; }
+  int64_t super(int64_t k) const {  // index in D of value k: (g, b / 8, j) for k = ((g nb + b) SUB + h) 8 + j
+    const int64_t blk = k / (8 * SUB);
+    return ((blk / nb) * (nb / 8) + (blk % nb) / 8) * 8 + k % 8;
+  }
+  float operator[](int64_t k) const { return static_cast<float>(D[super(i + k)]) * static_cast<float>(s[i + k]); }
+  const int8_t* addr() const { return s + i; }
+};
+template <bool OFF, int SUB = 1>
+struct KScales {
+  static constexpr bool offsets = OFF;
+  static constexpr int sub = SUB;
+  KPtr<SUB> d;
+  KPtr<SUB> m;  // unused without OFF
+  int64_t nb;
+  int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
+};
+template <typename S> inline const void* addr(const S* p) { return p; }
+template <int SUB> inline const void* addr(const KPtr<SUB>& p) { return p.addr(); }
+
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
@@ -947,6 +978,13 @@ inline __m256 load8(const at::Half* p) {
 #endif
 }
 
+template <int SUB>
+inline __m256 load8(const KPtr<SUB>& p) {  // D * s for 8 rows: one super-block scale vector, 8 small integers
+  return _mm256_mul_ps(load8(p.D + p.super(p.i)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                           p.s + p.i)))));
+}
+
 // A single row streams the weights from memory: ask for group g's codes (wb: its block b) PREFETCH_BYTES ahead of
 // the prefetcher, and for its scales and offsets as many values ahead as a quarter of that.
 template <typename SC>
@@ -954,8 +992,8 @@ inline void prefetch_group(const uint8_t* wb, int64_t gbytes, const SC& sc, int6
   for (int64_t c = 0; c < gbytes; c += 64)
     _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH_BYTES + c), _MM_HINT_T0);
   const int64_t i = sc.at(g, b) + PREFETCH_BYTES / 4;
-  _mm_prefetch(reinterpret_cast<const char*>(sc.d + i), _MM_HINT_T0);
-  if constexpr (SC::offsets) _mm_prefetch(reinterpret_cast<const char*>(sc.m + i), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(addr(sc.d + i)), _MM_HINT_T0);
+  if constexpr (SC::offsets) _mm_prefetch(static_cast<const char*>(addr(sc.m + i)), _MM_HINT_T0);
 }
 
 // The end of block b in a tile of GT groups (from g0) by MT rows (from r0): the integer sums isum(g, r) of each
@@ -1174,6 +1212,12 @@ inline __m512 load_pair(const at::Half* a, const at::Half* b) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
+template <int SUB>
+inline __m512 load_pair(const KPtr<SUB>& a, const KPtr<SUB>& b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))),
+                                             _mm256_castps_pd(load8(b)), 1));
+}
+
 // qtile on 512-bit vectors: PT pairs of groups (g0 + 2p, g0 + 2p + 1) in one vector each, so one vpdpbusd does 64
 // products (twice the 256-bit rate on CPUs that issue one of either per cycle). The same integer sums and, per
 // 8 rows, the same float steps as qtile: the results are bitwise those of the 256-bit tiles.
@@ -1358,6 +1402,14 @@ inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
 inline float32x4_t load4(const at::Half* p) {
   return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
 }
+template <int SUB>
+inline float32x4_t load4(const KPtr<SUB>& p) {
+  const float32x4_t d = load4(p.D + p.super(p.i));
+  int32_t four;  // the 4 values' bytes (an 8-byte load could read past the array's end)
+  std::memcpy(&four, p.s + p.i, sizeof four);
+  const int16x4_t s = vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four))));
+  return vmulq_f32(d, vcvtq_f32_s32(vmovl_s16(s)));
+}
 
 // qgroup_scalar on ARM's dot-product instructions (ARMv8.2 dotprod: Graviton 2 and later, Apple M): a 32-byte unit
 // of a group is two 16-byte vectors (rows 0-3, rows 4-7), each 32-bit lane 4 bytes of one row, and one sdot adds
@@ -1484,51 +1536,96 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
 #endif
 }
 
+// Runs qlinear_impl for the scales layout `sc` (QScales or KScales) on x's dtype.
+template <typename SC>
+void qlinear_run(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t N, const SC& sc, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1);
+  dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (SC::offsets) {
+      if (bits == 4) return qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+    }
+    qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+  });
+}
+
+// Calls f with std::integral_constant<int, sub> for sub 1 or 2.
+template <typename F>
+void with_sub(int64_t sub, F&& f) {
+  if (sub == 2)
+    f(std::integral_constant<int, 2>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+
+void check_qlinear(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t N) {
+  check_cpu(x, "x");
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear: x must be contiguous (M, K)");
+  const int64_t K = x.size(1), NG = (N + 7) / 8;
+  TORCH_CHECK(K % QB == 0, "qlinear: in_features ", K, " is not a multiple of 32");
+  TORCH_CHECK(N >= 1, "qlinear: out_features must be >= 1");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == NG &&
+                  w.size(1) == K / QB * bits * 32, "qlinear: weight must be contiguous uint8 (ceil(N/8), K*bits)");
+}
+
 // x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout above;
 // d, m: (ceil(N/8), K/32 * sub * 8), both float32 or both float16, sub 1 or 2 scales per block (2: blocks of 16);
 // m empty: every offset 0 (8-bit codes only). Returns (M, N) in x's dtype.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                    int64_t N) {
-  check_cpu(x, "x");
-  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear: x must be contiguous (M, K)");
-  const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8;
-  TORCH_CHECK(K % QB == 0, "qlinear: in_features ", K, " is not a multiple of 32");
-  TORCH_CHECK(N >= 1, "qlinear: out_features must be >= 1");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == NG &&
-                  w.size(1) == K / QB * bits * 32, "qlinear: weight must be contiguous uint8 (ceil(N/8), K*bits)");
+  check_qlinear(x, w, bits, N);
+  const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8, nb = K / QB;
   const bool half = d.scalar_type() == at::kHalf, offsets = m.numel() > 0;
-  const int64_t per_sub = NG * (K / QB) * 8, sub = d.numel() == 2 * per_sub ? 2 : 1;
+  const int64_t per_sub = NG * nb * 8, sub = d.numel() == 2 * per_sub ? 2 : 1;
   TORCH_CHECK((half || d.scalar_type() == at::kFloat) && m.scalar_type() == d.scalar_type() && d.is_contiguous() &&
                   m.is_contiguous() && d.numel() == sub * per_sub && (!offsets || m.numel() == d.numel()),
               "qlinear: scales and offsets must be contiguous (ceil(N/8), K/32 * 8) or (ceil(N/8), K/16 * 8), both "
               "float32 or both float16 (offsets may be empty)");
   TORCH_CHECK(bits == 8 || offsets, "qlinear: 4-bit codes need their offsets");
   auto y = at::empty({M, N}, x.options());
-  const int64_t nb = K / QB;
-  dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
-    using T = decltype(tag);
-    auto run = [&](auto sc) {
-      if constexpr (decltype(sc)::offsets) {
-        if (bits == 4) return qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
-      }
-      qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
-    };
-    auto with_sub = [&](auto sub_tag) {
-      constexpr int S = decltype(sub_tag)::value;
-      if (half && offsets)
-        run(QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb});
-      else if (half)
-        run(QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb});
-      else if (offsets)
-        run(QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb});
-      else
-        run(QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb});
-    };
-    if (sub == 2)
-      with_sub(std::integral_constant<int, 2>{});
+  with_sub(sub, [&](auto sub_tag) {
+    constexpr int S = decltype(sub_tag)::value;
+    if (half && offsets)
+      qlinear_run(x, w, bits, N, QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb}, y);
+    else if (half)
+      qlinear_run(x, w, bits, N, QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb}, y);
+    else if (offsets)
+      qlinear_run(x, w, bits, N, QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb}, y);
     else
-      with_sub(std::integral_constant<int, 1>{});
+      qlinear_run(x, w, bits, N, QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb}, y);
+  });
+  return y;
+}
+
+// qlinear with GGUF K-quant scales (KScales): s, mn: (ceil(N/8), K/32 * sub * 8) int8 sub-block scales and offsets
+// (mn empty: none), D, Dm: (ceil(N/8), K/256 * 8) float16 super-block scales; a block's scale is D * s and its
+// offset Dm * mn. K is a multiple of 256.
+at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn,
+                     const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N) {
+  check_qlinear(x, w, bits, N);
+  const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8, nb = K / QB;
+  TORCH_CHECK(K % (8 * QB) == 0, "qlinear_k: in_features ", K, " is not a multiple of 256");
+  const bool offsets = mn.numel() > 0;
+  const int64_t per_sub = NG * nb * 8, sub = s.numel() == 2 * per_sub ? 2 : 1;
+  auto ok = [](const at::Tensor& t, at::ScalarType st, int64_t n) {
+    return t.scalar_type() == st && t.is_contiguous() && t.numel() == n;
+  };
+  TORCH_CHECK(ok(s, at::kChar, sub * per_sub) && ok(D, at::kHalf, NG * (nb / 8) * 8) &&
+                  (!offsets || (ok(mn, at::kChar, sub * per_sub) && ok(Dm, at::kHalf, D.numel()))),
+              "qlinear_k: sub-scales (and offsets) must be contiguous int8 (ceil(N/8), K/32 * sub * 8), "
+              "super-block scales contiguous float16 (ceil(N/8), K/256 * 8)");
+  TORCH_CHECK(bits == 8 || offsets, "qlinear_k: 4-bit codes need their offsets");
+  auto y = at::empty({M, N}, x.options());
+  const at::Half* dp = D.data_ptr<at::Half>();
+  with_sub(sub, [&](auto sub_tag) {
+    constexpr int S = decltype(sub_tag)::value;
+    const KPtr<S> d{dp, s.data_ptr<int8_t>(), nb, 0};
+    if (offsets)
+      qlinear_run(x, w, bits, N, KScales<true, S>{d, KPtr<S>{Dm.data_ptr<at::Half>(), mn.data_ptr<int8_t>(), nb, 0}, nb},
+                  y);
+    else
+      qlinear_run(x, w, bits, N, KScales<false, S>{d, d, nb}, y);
   });
   return y;
 }
@@ -1612,6 +1709,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", nogil);
   m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block)", nogil);
+  m.def("qlinear_k", &qlinear_k, "qlinear with GGUF K-quant scales: int8 sub-block scales x float16 super-block "
+        "scales", nogil);
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
   m.def("isa", &isa, "the instruction set this build's vector paths use");
 }

@@ -26,6 +26,9 @@ class QuantizedWeight:
     # GGUF's form: ``zeros`` holds the offset m of w = c * scale + m, with c the code itself for 4-bit codes (8-bit:
     # c = q - 128, as without the flag), so a file's offsets are kept as they are (no m + 8 * scale round trip)
     offset_form: bool = False
+    # GGUF K-quants' own scales, when the weight came from such a file: scales == super_d * sub_d and zeros ==
+    # super_m * sub_m (exact float32 products), which the block kernel keeps at 1 byte per sub-block instead of 4
+    kscales: "KScales | None" = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -50,6 +53,23 @@ class QuantizedWeight:
     @property
     def symmetric(self) -> bool:
         return self.zeros is None
+
+
+@dataclass
+class KScales:
+    """A K-quant weight's scales as its file has them: float16 per super-block of 256 inputs (``super_d``,
+    ``super_m``: (N, K/256)) times small integers per group (``sub_d``, ``sub_m``: (N, K/group) int8); no offsets:
+    ``super_m`` and ``sub_m`` None."""
+
+    super_d: torch.Tensor
+    sub_d: torch.Tensor
+    super_m: torch.Tensor | None = None
+    sub_m: torch.Tensor | None = None
+
+    def map(self, fn) -> "KScales":
+        """The same with ``fn`` applied to each tensor (a row permutation, a slice, a repeat)."""
+        return KScales(fn(self.super_d), fn(self.sub_d), None if self.super_m is None else fn(self.super_m),
+                       None if self.sub_m is None else fn(self.sub_m))
 
 
 @dataclass
@@ -144,10 +164,17 @@ def concat(parts: list) -> QuantizedWeight | Fp8Weight:
     else:  # a GGUF file mixes block types in one fused layer (Q4_K q/k with a Q6_K v): widen them, exactly
         parts = _common_form(parts)
     p0 = parts[0]
+    ks = None
+    if all(p.kscales is not None for p in parts) and len({p.kscales.sub_m is None for p in parts}) == 1:
+        cat = lambda f: torch.cat([f(p.kscales) for p in parts])  # noqa: E731
+        k0 = p0.kscales
+        ks = KScales(cat(lambda k: k.super_d), cat(lambda k: k.sub_d),
+                     None if k0.super_m is None else cat(lambda k: k.super_m),
+                     None if k0.sub_m is None else cat(lambda k: k.sub_m))
     return QuantizedWeight(
         torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
         None if p0.zeros is None else torch.cat([p.zeros for p in parts]), p0.bits, p0.group_size,
-        p0.input_scale, p0.offset_form,
+        p0.input_scale, p0.offset_form, ks,
     )
 
 
@@ -178,7 +205,14 @@ def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
         scales = p.scales.repeat_interleave(rep, dim=1) if rep > 1 else p.scales
         if zeros is not None and rep > 1:
             zeros = zeros.repeat_interleave(rep, dim=1)
-        out.append(QuantizedWeight(codes, scales, zeros, bits, group, None, offset_form and bits == 4))
+        ks = p.kscales
+        if ks is not None:
+            if rep > 1:
+                ks = KScales(ks.super_d, ks.sub_d.repeat_interleave(rep, dim=1), ks.super_m,
+                             None if ks.sub_m is None else ks.sub_m.repeat_interleave(rep, dim=1))
+            if with_zeros and ks.sub_m is None:  # zero offsets: 0 * 0
+                ks = KScales(ks.super_d, ks.sub_d, torch.zeros_like(ks.super_d), torch.zeros_like(ks.sub_d))
+        out.append(QuantizedWeight(codes, scales, zeros, bits, group, None, offset_form and bits == 4, ks))
     if bits == 4 and len({p.offset_form for p in out}) > 1:
         out = [to_offset_form(p) for p in out]
     return out
@@ -196,7 +230,13 @@ def to_offset_form(qw: QuantizedWeight) -> QuantizedWeight:
 def reorder_rows(qw: QuantizedWeight, perm_fn) -> QuantizedWeight:
     """Apply a row permutation (given as a function on (N, ...) tensors) to codes, scales and zeros."""
     return QuantizedWeight(perm_fn(qw.codes), perm_fn(qw.scales), None if qw.zeros is None else perm_fn(qw.zeros),
-                           qw.bits, qw.group_size, qw.input_scale, qw.offset_form)
+                           qw.bits, qw.group_size, qw.input_scale, qw.offset_form,
+                           None if qw.kscales is None else qw.kscales.map(perm_fn))
+
+
+def row_slice(qw: QuantizedWeight, n: int) -> QuantizedWeight:
+    """The first ``n`` output rows of ``qw`` (views, no copy)."""
+    return reorder_rows(qw, lambda x: x[:n])
 
 
 def weight_error_bound(qw: QuantizedWeight) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pagedllm.quant.formats import QuantizedWeight
+from pagedllm.quant.formats import KScales, QuantizedWeight
 
 QK = 256  # values per K-quant super-block
 
@@ -50,15 +50,27 @@ def _bits(b: np.ndarray) -> np.ndarray:
     return np.unpackbits(b, axis=-1, bitorder="little")
 
 
+def _raw16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) uint8 float16 bytes -> (...) float16, as they are."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
 def _weight(rows: int, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int,
-            group: int) -> QuantizedWeight:
-    """A ``QuantizedWeight`` (rows, K) from flat per-block arrays; 8-bit ``codes`` are signed (stored + 128)."""
+            group: int, ks: tuple | None = None) -> QuantizedWeight:
+    """A ``QuantizedWeight`` (rows, K) from flat per-block arrays; 8-bit ``codes`` are signed (stored + 128).
+    ``ks``: a K-quant's (super_d, sub_d, super_m, sub_m) per super-block (float16 (n,), int8 (n, subs)), with
+    scales == super_d * sub_d and offsets == super_m * sub_m."""
     c = codes.reshape(rows, -1)
     if bits == 8:
         c = c.view(np.uint8) ^ np.uint8(0x80)  # s + 128 as a byte: its sign bit flipped
     t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(rows, -1))
+    kscales = None
+    if ks is not None:
+        r = lambda a, dt: None if a is None else torch.from_numpy(  # noqa: E731
+            np.ascontiguousarray(a, dtype=dt).reshape(rows, -1))
+        kscales = KScales(r(ks[0], np.float16), r(ks[1], np.int8), r(ks[2], np.float16), r(ks[3], np.int8))
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(c, dtype=np.uint8)), t(scales), t(offsets), bits,
-                           group, offset_form=offsets is not None)
+                           group, offset_form=offsets is not None, kscales=kscales)
 
 
 def q4_0(data: np.ndarray) -> QuantizedWeight:
@@ -105,7 +117,7 @@ def q4_k(data: np.ndarray) -> QuantizedWeight:
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
     sc, mn = _k_scale_min(b[:, 4:16])
     codes = np.stack([b[:, 16:].reshape(-1, 4, 32) & 0x0F, b[:, 16:].reshape(-1, 4, 32) >> 4], axis=2)  # (n,4,2,32)
-    return _weight(rows, codes, d * sc, -(dmin * mn), 4, 32)
+    return _weight(rows, codes, d * sc, -(dmin * mn), 4, 32, (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn))
 
 
 def q5_k(data: np.ndarray) -> QuantizedWeight:
@@ -115,7 +127,8 @@ def q5_k(data: np.ndarray) -> QuantizedWeight:
     qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32): bit i of sub-block i
-    return _weight(rows, (low | (high << 4)).astype(np.int8), d * sc, -(dmin * mn), 8, 32)
+    return _weight(rows, (low | (high << 4)).astype(np.int8), d * sc, -(dmin * mn), 8, 32,
+                   (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn))
 
 
 def q6_k(data: np.ndarray) -> QuantizedWeight:
@@ -124,14 +137,15 @@ def q6_k(data: np.ndarray) -> QuantizedWeight:
     low = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
     q = (low | (high.reshape(-1, 8, 32) << 4)).astype(np.int8) - 32
-    return _weight(rows, q, d[:, None] * sc.astype(np.float32), None, 8, 16)
+    return _weight(rows, q, d[:, None] * sc.astype(np.float32), None, 8, 16, (_raw16(b[:, 208:210]), sc, None, None))
 
 
 def q2_k(data: np.ndarray) -> QuantizedWeight:
     rows, b = _blocks(data, 84)
     s, qs, d, dmin = b[:, 0:16], b[:, 16:80], _f16(b[:, 80:82])[:, None], _f16(b[:, 82:84])[:, None]
     q = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
-    return _weight(rows, q, d * (s & 0x0F).astype(np.float32), -(dmin * (s >> 4).astype(np.float32)), 4, 16)
+    return _weight(rows, q, d * (s & 0x0F).astype(np.float32), -(dmin * (s >> 4).astype(np.float32)), 4, 16,
+                   (_raw16(b[:, 80:82]), s & 0x0F, _raw16(b[:, 82:84]), -(s >> 4).astype(np.int8)))
 
 
 def q3_k(data: np.ndarray) -> QuantizedWeight:
@@ -139,11 +153,14 @@ def q3_k(data: np.ndarray) -> QuantizedWeight:
     hmask, qs, s, d = b[:, 0:32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])[:, None]
     low = np.stack([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1).reshape(-1, 16)
     high = (s[:, 8:12][:, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]) & 3  # (n, 4, 4)
-    scale = d * ((low | (high.reshape(-1, 16) << 4)).astype(np.int8) - 32).astype(np.float32)  # (n, 16)
+    sub = (low | (high.reshape(-1, 16) << 4)).astype(np.int8) - 32  # (n, 16) in [-32, 32)
+    scale = d * sub.astype(np.float32)
     ql = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
     qh = (hmask[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32)
     # value ql - 4 (high bit clear) or ql (set): the code ql + 4 * bit, offset -4 * scale
-    return _weight(rows, ql.reshape(-1, 256) + 4 * qh.reshape(-1, 256), scale, -4 * scale, 4, 16)
+    # the offset -4 * scale as (-d) * (4 * sub): both products exact, so the same float32 value
+    return _weight(rows, ql.reshape(-1, 256) + 4 * qh.reshape(-1, 256), scale, -4 * scale, 4, 16,
+                   (_raw16(b[:, 108:110]), sub, -_raw16(b[:, 108:110]), 4 * sub))
 
 
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
@@ -159,9 +176,11 @@ def iq4_xs(data: np.ndarray) -> QuantizedWeight:
     d, sh, sl, qs = _f16(b[:, 0:2])[:, None], b[:, 2:4].copy().view(np.uint16)[:, 0], b[:, 4:8], b[:, 8:]
     low = np.stack([sl & 0x0F, sl >> 4], axis=2).reshape(-1, 8)
     high = (sh[:, None] >> (2 * np.arange(8, dtype=np.uint16))[None, :]) & 3
-    scale = d * ((low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32).astype(np.float32)
+    sub = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32
+    scale = d * sub.astype(np.float32)
     q = qs.reshape(-1, 8, 16)
-    return _weight(rows, IQ4_VALUES[np.stack([q & 0x0F, q >> 4], axis=2)], scale, None, 8, 32)
+    return _weight(rows, IQ4_VALUES[np.stack([q & 0x0F, q >> 4], axis=2)], scale, None, 8, 32,
+                   (_raw16(b[:, 0:2]), sub, None, None))
 
 
 # GGUF type name -> decoder of a tensor's raw block rows
@@ -183,17 +202,25 @@ def decode(data: np.ndarray, kind: str) -> QuantizedWeight:
         return DECODERS[kind](data)
     first = DECODERS[kind](data[:CHUNK_ROWS])
     rows = len(data)
-    out = QuantizedWeight(
-        first.codes.new_empty(rows, first.codes.shape[1]), first.scales.new_empty(rows, first.scales.shape[1]),
-        None if first.zeros is None else first.zeros.new_empty(rows, first.zeros.shape[1]), first.bits,
-        first.group_size, offset_form=first.offset_form)
+    empty = lambda t: None if t is None else t.new_empty(rows, t.shape[1])  # noqa: E731
+    out = QuantizedWeight(empty(first.codes), empty(first.scales), empty(first.zeros), first.bits, first.group_size,
+                          offset_form=first.offset_form, kscales=None if first.kscales is None else
+                          first.kscales.map(empty))
     for r in range(0, rows, CHUNK_ROWS):
         part = first if r == 0 else DECODERS[kind](data[r:r + CHUNK_ROWS])
         out.codes[r:r + CHUNK_ROWS] = part.codes
         out.scales[r:r + CHUNK_ROWS] = part.scales
         if out.zeros is not None:
             out.zeros[r:r + CHUNK_ROWS] = part.zeros
+        if out.kscales is not None:
+            for dst, src in zip(_fields(out.kscales), _fields(part.kscales)):
+                if dst is not None:
+                    dst[r:r + CHUNK_ROWS] = src
     return out
+
+
+def _fields(k: KScales) -> tuple:
+    return k.super_d, k.sub_d, k.super_m, k.sub_m
 
 
 # block types that decode to 4-bit codes (the others: signed 8-bit), and those with a scale per 16 values

@@ -25,6 +25,7 @@ from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight
 ACT_DTYPE = torch.bfloat16
 QBLOCK = 32  # input channels per block of BlockQuantLinear
 SUBBLOCK = 16  # the smallest group it runs: a scale (and offset) per half block
+KSUPER = 256  # inputs per GGUF K-quant super-block
 
 
 class _Packed:
@@ -173,12 +174,28 @@ class BlockQuantLinear(_Packed):
             return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, nb * sub).transpose(1, 2).reshape(ng, nb * sub * 8
                                                                                            ).contiguous()
 
-        d = groups(d)
-        m = None if m is None or (self.bits == 8 and not m.any()) else groups(m)  # None: all 0, not stored
-        if torch.equal(d.half().float(), d) and (m is None or torch.equal(m.half().float(), m)):  # exact in fp16
-            d, m = d.half(), None if m is None else m.half()
-        self.scales = d
-        self.offsets = m if m is not None else d.new_empty(0)  # empty: all 0, skipped by the kernel
+        ks = qw.kscales
+        self.super_scales = self.super_offsets = None  # K-quant form: float16 per super-block of 256 inputs
+        if ks is not None and k % KSUPER == 0 and qw.input_scale is None:
+            # the file's own scales: int8 per sub-block (and row) times float16 per super-block, 1 byte instead of 4
+            def supers(v: torch.Tensor) -> torch.Tensor:  # (N, K/256) -> (N/8, K/256 * 8)
+                return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, -1).transpose(1, 2).reshape(ng, -1).contiguous()
+
+            rep_k = ks.sub_d.shape[1] and (nb * sub) // ks.sub_d.shape[1]
+            sub_d = ks.sub_d.repeat_interleave(rep_k, dim=1) if rep_k > 1 else ks.sub_d
+            self.scales, self.super_scales = groups(sub_d), supers(ks.super_d)
+            if ks.sub_m is not None and (self.bits == 4 or bool(ks.sub_m.any())):
+                sub_m = ks.sub_m.repeat_interleave(rep_k, dim=1) if rep_k > 1 else ks.sub_m
+                self.offsets, self.super_offsets = groups(sub_m), supers(ks.super_m)
+            else:
+                self.offsets, self.super_offsets = self.scales.new_empty(0), self.super_scales.new_empty(0)
+        else:
+            d = groups(d)
+            m = None if m is None or (self.bits == 8 and not m.any()) else groups(m)  # None: all 0, not stored
+            if torch.equal(d.half().float(), d) and (m is None or torch.equal(m.half().float(), m)):  # exact
+                d, m = d.half(), None if m is None else m.half()
+            self.scales = d
+            self.offsets = m if m is not None else d.new_empty(0)  # empty: all 0, skipped by the kernel
         self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(dtype)
         self.bias = None if bias is None else bias.to(device, dtype)
         self.out_dtype = dtype
@@ -188,6 +205,9 @@ class BlockQuantLinear(_Packed):
             x = x.float()
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
+        if self.super_scales is not None:
+            return self.ops.qlinear_k(x.contiguous(), self.codes, self.scales, self.offsets, self.super_scales,
+                                      self.super_offsets, self.bits, self.out_features)
         return self.ops.qlinear(x.contiguous(), self.codes, self.scales, self.offsets, self.bits, self.out_features)
 
     def _rows(self, ids: torch.Tensor | None) -> torch.Tensor:
@@ -204,9 +224,15 @@ class BlockQuantLinear(_Packed):
         else:
             q = self.codes[grp].view(torch.int8).reshape(t, nb, 8, 8, 4)[at, :, :, row].float()
         sub = self.sub
-        sc = self.scales[grp].float().reshape(t, nb * sub, 8)[at, :, row]  # (T, nb * sub)
-        off = (self.offsets[grp].float().reshape(t, nb * sub, 8)[at, :, row] if self.offsets.numel()
-               else torch.zeros(()))
+
+        def per_row(v: torch.Tensor, sup: torch.Tensor | None) -> torch.Tensor:  # (T, nb * sub) float32
+            out = v[grp].float().reshape(t, nb * sub, 8)[at, :, row]
+            if sup is not None:  # K-quant form: times the super-block's float16 scale (exact in float32)
+                out = out * sup[grp].float().reshape(t, -1, 8)[at, :, row].repeat_interleave(8 * sub, dim=1)
+            return out
+
+        sc = per_row(self.scales, self.super_scales)
+        off = per_row(self.offsets, self.super_offsets) if self.offsets.numel() else torch.zeros(())
         w = q.reshape(t, nb * sub, QBLOCK // sub) * sc.unsqueeze(-1) + off.unsqueeze(-1)
         return w.reshape(t, k)
 
@@ -222,7 +248,8 @@ class BlockQuantLinear(_Packed):
         return self._rows(ids).reshape(*ids.shape, self.in_features).to(self.out_dtype)
 
     def _tensors(self) -> list:
-        return [self.codes, self.scales, self.offsets, self.input_scale, self.bias]
+        return [self.codes, self.scales, self.offsets, self.super_scales, self.super_offsets, self.input_scale,
+                self.bias]
 
 
 class Fp8Linear(_Packed):

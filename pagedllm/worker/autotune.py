@@ -30,14 +30,15 @@ import torch
 from pagedllm.config import cache_dir
 from pagedllm.kernels import build_key, cpu_info, target_march
 from pagedllm.layers.linear import DenseLinear
-from pagedllm.quant.formats import QuantizedWeight, concat, dequantize_any
+from pagedllm.quant.formats import QuantizedWeight, concat, dequantize_any, row_slice
 from pagedllm.quant.gguf_blocks import LazyBlocks
 from pagedllm.quant.linear import BlockQuantLinear
 
 logger = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 4, 16, 64, 256)
-CACHE_VERSION = 2  # 2: no bfloat16 candidate
+HEAD_ROWS = 32768  # rows of the LM head timed (scaled to all of them)
+CACHE_VERSION = 3  # 2: no bfloat16 candidate; 3: consistency-checked timings, the head timed on a slice
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,13 @@ def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES, timer=
     (``inconsistent``) are measured again, up to ``rounds`` times, keeping each point's fastest time (load only
     ever adds time); ``"consistent"`` says whether every curve passed in the end."""
     timer = timer or _time_ms
-    groups = {"layers": list(_layer_weights(weights).values()), "head": [weights.get("lm_head", weights["embed"])]}
+    head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
+    # a large vocabulary's head is timed on a slice of its rows, scaled up (the time is linear in the rows): its
+    # float32 candidate would otherwise hold ~4 bytes per weight of the whole head for the measurement
+    head_scale = max(1.0, head.shape[0] / HEAD_ROWS)
+    if head_scale > 1:
+        head = row_slice(head, HEAD_ROWS)
+    groups = {"layers": list(_layer_weights(weights).values()), "head": [head]}
     res: dict = {}
     ok = True
     for group, ws in groups.items():
@@ -129,7 +136,7 @@ def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES, timer=
 
         def point(name: str, m: int) -> float:
             ms = sum(timer(cand[name], x) for cand, x in zip(lins, xs[m]))
-            return round(ms * (num_layers if group == "layers" else 1), 4)
+            return round(ms * (num_layers if group == "layers" else head_scale), 4)
 
         for name in lins[0]:
             per[name] = {m: point(name, m) for m in batch_sizes}
