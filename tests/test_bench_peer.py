@@ -2,7 +2,6 @@
 CPU description in benchmark results. No model is loaded."""
 
 import argparse
-import asyncio
 import json
 import socket
 import threading
@@ -13,8 +12,7 @@ import pytest
 from pagedllm.bench import compare
 from pagedllm.bench.cpuinfo import ISA_FLAGS, cpu_info, cpu_line, parse_cpuinfo
 
-FAKE_MODEL = "fake-model.gguf"
-EOS_AFTER = 2  # tokens the fake generates when the client does not ask it to ignore EOS
+from fake_openai_server import FAKE_MODEL
 
 
 def _free_port() -> int:
@@ -27,35 +25,11 @@ def _free_port() -> int:
 def fake_peer():
     """A streaming /v1/completions server in a thread: one SSE chunk per token, then usage; yields (url, bodies)."""
     import uvicorn
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
 
-    app = FastAPI()
+    from fake_openai_server import make_app
+
     bodies: list[dict] = []
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        bodies.append(body)
-        n = body["max_tokens"] if body.get("ignore_eos") else min(EOS_AFTER, body["max_tokens"])
-
-        async def stream():
-            for i in range(n):
-                await asyncio.sleep(0.002)
-                chunk = {"object": "text_completion", "model": body["model"],
-                         "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n"
-            usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": n,
-                     "total_tokens": len(body["prompt"].split()) + n}
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
+    app = make_app(bodies)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -96,6 +70,24 @@ def test_peer_phase_rows(fake_peer, tmp_path):
     assert "| peer fake, concurrency 2 |" in table and "| — | — |" in table  # RSS and KV unknown for a peer
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["meta"]["peers"]["fake"]["model"] == FAKE_MODEL and len(saved["rows"]) == 2
+
+
+def test_peer_cmd_starts_each_peer_alone_with_startup_and_rss(tmp_path):
+    """--peer-cmd: the phase starts the command once per concurrency (its {port}, {c} and {ctx} filled in), waits
+    for it to answer, measures it, reads its peak RSS and stops it."""
+    import os
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "fake_openai_server.py")
+    name, cmd = compare.parse_peer_cmd(f"fake={sys.executable} {script} --port {{port}} --tag c{{c}}-ctx{{ctx}}")
+    rows = compare.phase_peer_cmd(name, cmd, ["one two three", "four five"], 4, [1, 2], str(tmp_path))
+    assert [r["system"] for r in rows] == ["peer fake, concurrency 1", "peer fake, concurrency 2"]
+    for r, c in zip(rows, (1, 2)):
+        assert r["failed"] == 0 and r["output_tokens"] == 8
+        assert r["startup_s"] > 0 and r["peak_rss_bytes"] > 10 * 2**20
+        assert f"started c{c}-ctx{2048 * c}" in (tmp_path / f"peer-fake-c{c}.log").read_text()
+    with pytest.raises(argparse.ArgumentTypeError):
+        compare.parse_peer_cmd("fake=server --no-port")
 
 
 def test_unreachable_peer_fails_clearly():
