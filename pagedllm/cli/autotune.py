@@ -9,6 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from pagedllm.config import default_model_path
+from pagedllm.kernels import cpu_ops, kernel_path
+from pagedllm.model.loader import load_model_files
+from pagedllm.worker.autotune import _cache_path, blocks_for_autotune, choose_plan, plan_summary
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file (default: the embedded model)")
@@ -17,11 +22,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm.config import default_model_path
-    from pagedllm.kernels import cpu_ops, kernel_path
-    from pagedllm.model.loader import load_model_files
-    from pagedllm.worker.autotune import _cache_path, blocks_for_autotune, choose_plan, plan_summary
-
     path = args.model or default_model_path()
     if not path.endswith(".gguf"):
         raise ValueError(f"{path}: the weight plan is measured for GGUF files of 4/8-bit blocks")
