@@ -238,11 +238,7 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
                 kv_bytes_used_peak=peak["usage"] * capacity,
                 kv_bytes_static_max_len=min(c, n) * max_len * bytes_per_token,
             ))
-        hwm = 0
-        with open(f"/proc/{proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    hwm = int(line.split()[1]) * 1024
+        hwm = _hwm(proc.pid) or 0
         for r in rows:
             r["peak_rss_bytes"] = hwm  # the server process's peak over all its runs
             r["startup_s"] = proc.startup_s

@@ -46,7 +46,7 @@ from importlib import resources
 import httpx
 
 from pagedllm.bench.common import add_result_json_arg, add_workload_args, write_json
-from pagedllm.bench.compare import _load_row, _peak_rss, _run_phase, _scrape, load_args, running_server
+from pagedllm.bench.compare import _hwm, _load_row, _peak_rss, _run_phase, _scrape, load_args, running_server
 from pagedllm.bench.cpuinfo import cpu_info, cpu_line
 from pagedllm.bench.offline import load_prompts, run_hf_one_at_a_time
 from pagedllm.bench.serve import BenchRequest, run_load
@@ -209,17 +209,6 @@ def weights_bytes_from_log(text: str) -> int | None:
     return int(float(m.group(1)) * 2**20) if m else None
 
 
-def _vmhwm(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _counter(m: dict, name: str) -> float:
     return m.get(f"pagedllm:{name}_total", m.get(f"pagedllm:{name}", 0.0))
 
@@ -273,7 +262,7 @@ def run_server_step(step: Step, workloads: dict[str, list[str]], single: list[st
             if key in GATE_WORKLOADS and args.gate_prompts:
                 row["texts"][key] = asyncio.run(_greedy_texts(base, workloads[key][: args.gate_prompts], L,
                                                               min(C, args.gate_prompts)))
-        row["peak_rss_bytes"] = _vmhwm(proc.pid)
+        row["peak_rss_bytes"] = _hwm(proc.pid)
     with open(log_path) as f:
         row["weights_bytes"] = weights_bytes_from_log(f.read())
     return row
