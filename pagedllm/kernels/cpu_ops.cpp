@@ -902,6 +902,9 @@ struct QScales {
   int64_t nb;  // blocks per row
   // index of group g's 8 values of block b (its half h)
   int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
+  // where those 8 scales (offsets) start
+  const S* dp(int64_t g, int64_t b, int h = 0) const { return d + at(g, b, h); }
+  const S* mp(int64_t g, int64_t b, int h = 0) const { return m + at(g, b, h); }
 };
 
 // The activation sums that the float steps of half h of a block (all of it with SUB 1) take: s * sum and sum.
@@ -915,33 +918,32 @@ inline int32_t act_isum(const QuantizedRows& xa, int64_t row, int h) {
 // GGUF K-quant scales as the file has them: value k of the (N/8, K/32 * SUB, 8) layout is D * s[k], with s a small
 // integer (a sub-block's 6-bit scale, or minus its min) and D the float16 scale of its super-block of 256 inputs
 // (N/8, K/256, 8): 1 byte per sub-block and row instead of 4. The product is exact in float32 (an 11-bit by
-// 8-bit integer), so the kernels' results are bitwise those of the float32 layout. A KPtr stands where QScales
-// has a plain pointer (sc.d + i, sc.d[i], load8), so every tile runs either layout unchanged.
-template <int SUB>
+// 8-bit integer), so the kernels' results are bitwise those of the float32 layout. A KPtr (a group's 8 values of
+// one block: their super-block scales and sub-block integers) stands where QScales gives a plain pointer (p[j],
+// p + 4, load8), so every tile runs either layout unchanged; the super-block index is found once per block from
+// (g, b), with no division in the tiles.
 struct KPtr {
   const at::Half* D;
   const int8_t* s;
-  int64_t nb;  // blocks of 32 per row
-  int64_t i;
-  KPtr operator+(int64_t k) const { return {D, s, nb, i + k}; }
-  int64_t super(int64_t k) const {  // index in D of value k: (g, b / 8, j) for k = ((g nb + b) SUB + h) 8 + j
-    const int64_t blk = k / (8 * SUB);
-    return ((blk / nb) * (nb / 8) + (blk % nb) / 8) * 8 + k % 8;
-  }
-  float operator[](int64_t k) const { return static_cast<float>(D[super(i + k)]) * static_cast<float>(s[i + k]); }
-  const int8_t* addr() const { return s + i; }
+  KPtr operator+(int64_t k) const { return {D + k, s + k}; }  // within the 8 values (k < 8), or for a prefetch
+  float operator[](int64_t j) const { return static_cast<float>(D[j]) * static_cast<float>(s[j]); }
 };
 template <bool OFF, int SUB = 1>
 struct KScales {
   static constexpr bool offsets = OFF;
   static constexpr int sub = SUB;
-  KPtr<SUB> d;
-  KPtr<SUB> m;  // unused without OFF
+  const at::Half* D;
+  const int8_t* s;
+  const at::Half* Dm;  // unused without OFF
+  const int8_t* mn;
   int64_t nb;
   int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
+  int64_t super(int64_t g, int64_t b) const { return (g * (nb / 8) + b / 8) * 8; }
+  KPtr dp(int64_t g, int64_t b, int h = 0) const { return {D + super(g, b), s + at(g, b, h)}; }
+  KPtr mp(int64_t g, int64_t b, int h = 0) const { return {Dm + super(g, b), mn + at(g, b, h)}; }
 };
 template <typename S> inline const void* addr(const S* p) { return p; }
-template <int SUB> inline const void* addr(const KPtr<SUB>& p) { return p.addr(); }
+inline const void* addr(const KPtr& p) { return p.s; }
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -978,11 +980,9 @@ inline __m256 load8(const at::Half* p) {
 #endif
 }
 
-template <int SUB>
-inline __m256 load8(const KPtr<SUB>& p) {  // D * s for 8 rows: one super-block scale vector, 8 small integers
-  return _mm256_mul_ps(load8(p.D + p.super(p.i)),
-                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-                           p.s + p.i)))));
+inline __m256 load8(const KPtr& p) {  // D * s for 8 rows: one super-block scale vector, 8 small integers
+  return _mm256_mul_ps(load8(p.D), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                        reinterpret_cast<const __m128i*>(p.s)))));
 }
 
 // A single row streams the weights from memory: ask for group g's codes (wb: its block b) PREFETCH_BYTES ahead of
@@ -991,9 +991,8 @@ template <typename SC>
 inline void prefetch_group(const uint8_t* wb, int64_t gbytes, const SC& sc, int64_t g, int64_t b) {
   for (int64_t c = 0; c < gbytes; c += 64)
     _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH_BYTES + c), _MM_HINT_T0);
-  const int64_t i = sc.at(g, b) + PREFETCH_BYTES / 4;
-  _mm_prefetch(static_cast<const char*>(addr(sc.d + i)), _MM_HINT_T0);
-  if constexpr (SC::offsets) _mm_prefetch(static_cast<const char*>(addr(sc.m + i)), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(addr(sc.dp(g, b) + PREFETCH_BYTES / 4)), _MM_HINT_T0);
+  if constexpr (SC::offsets) _mm_prefetch(static_cast<const char*>(addr(sc.mp(g, b) + PREFETCH_BYTES / 4)), _MM_HINT_T0);
 }
 
 // The end of block b in a tile of GT groups (from g0) by MT rows (from r0): the integer sums isum(g, r) of each
@@ -1002,9 +1001,8 @@ template <int GT, int MT, typename SC, typename Sum>
 inline void add_blocks(__m256 (&acc)[GT][MT], const SC& sc, int64_t g0, const QuantizedRows& xa, int64_t r0,
                        int64_t b, int h, Sum isum) {
   for (int g = 0; g < GT; ++g) {
-    const int64_t i = sc.at(g0 + g, b, h);
-    const __m256 dv = load8(sc.d + i);
-    const __m256 mv = SC::offsets ? load8(sc.m + i) : _mm256_setzero_ps();
+    const __m256 dv = load8(sc.dp(g0 + g, b, h));
+    const __m256 mv = SC::offsets ? load8(sc.mp(g0 + g, b, h)) : _mm256_setzero_ps();
     for (int r = 0; r < MT; ++r) {
       const int64_t row = (r0 + r) * sc.nb + b;
       acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(g, r)), _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row])),
@@ -1212,8 +1210,7 @@ inline __m512 load_pair(const at::Half* a, const at::Half* b) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
-template <int SUB>
-inline __m512 load_pair(const KPtr<SUB>& a, const KPtr<SUB>& b) {
+inline __m512 load_pair(const KPtr& a, const KPtr& b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))),
                                              _mm256_castps_pd(load8(b)), 1));
 }
@@ -1286,9 +1283,9 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
         }
       }
       for (int p = 0; p < PT; ++p) {  // add_blocks' steps on two groups at once
-        const int64_t i = sc.at(g0 + 2 * p, b, half), j = sc.at(g0 + 2 * p + 1, b, half);
-        const __m512 dv = load_pair(sc.d + i, sc.d + j);
-        const __m512 mv = SC::offsets ? load_pair(sc.m + i, sc.m + j) : _mm512_setzero_ps();
+        const __m512 dv = load_pair(sc.dp(g0 + 2 * p, b, half), sc.dp(g0 + 2 * p + 1, b, half));
+        const __m512 mv = SC::offsets ? load_pair(sc.mp(g0 + 2 * p, b, half), sc.mp(g0 + 2 * p + 1, b, half))
+                                      : _mm512_setzero_ps();
         for (int r = 0; r < MT; ++r) {
           const int64_t row = (r0 + r) * nb + b;
           __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r]);
@@ -1388,10 +1385,11 @@ inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const Quan
     const float sx = xa.s[row * nb + b];
     for (int h = 0; h < SUB; ++h) {
       const float ss = act_ss<SUB>(xa, row * nb + b, h);
-      const int64_t i = sc.at(g, b, h);
+      const auto dv = sc.dp(g, b, h);
+      const auto mv = sc.mp(g, b, h);  // not read without offsets
       for (int j = 0; j < 8; ++j)
-        out[j] += static_cast<float>(sc.d[i + j]) * sx * static_cast<float>(s[h][j]) +
-                  (SC::offsets ? static_cast<float>(sc.m[i + j]) : 0.f) * ss;
+        out[j] += static_cast<float>(dv[j]) * sx * static_cast<float>(s[h][j]) +
+                  (SC::offsets ? static_cast<float>(mv[j]) : 0.f) * ss;
     }
   }
 }
@@ -1402,11 +1400,10 @@ inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
 inline float32x4_t load4(const at::Half* p) {
   return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
 }
-template <int SUB>
-inline float32x4_t load4(const KPtr<SUB>& p) {
-  const float32x4_t d = load4(p.D + p.super(p.i));
+inline float32x4_t load4(const KPtr& p) {
+  const float32x4_t d = load4(p.D);
   int32_t four;  // the 4 values' bytes (an 8-byte load could read past the array's end)
-  std::memcpy(&four, p.s + p.i, sizeof four);
+  std::memcpy(&four, p.s, sizeof four);
   const int16x4_t s = vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four))));
   return vmulq_f32(d, vcvtq_f32_s32(vmovl_s16(s)));
 }
@@ -1450,13 +1447,14 @@ inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const Quanti
         l1 = vdotq_s32(l1, v1, x2);
       }
     }
-    const int64_t i = sc.at(g, b);
+    const auto dv = sc.dp(g, b);
     const float sx = xa.s[row * nb + b], ss = xa.ss[row * nb + b];
-    acc0 = vfmaq_f32(acc0, vcvtq_f32_s32(vmlaq_n_s32(l0, h0, LEVEL)), vmulq_n_f32(load4(sc.d + i), sx));
-    acc1 = vfmaq_f32(acc1, vcvtq_f32_s32(vmlaq_n_s32(l1, h1, LEVEL)), vmulq_n_f32(load4(sc.d + i + 4), sx));
+    acc0 = vfmaq_f32(acc0, vcvtq_f32_s32(vmlaq_n_s32(l0, h0, LEVEL)), vmulq_n_f32(load4(dv), sx));
+    acc1 = vfmaq_f32(acc1, vcvtq_f32_s32(vmlaq_n_s32(l1, h1, LEVEL)), vmulq_n_f32(load4(dv + 4), sx));
     if constexpr (SC::offsets) {
-      acc0 = vfmaq_f32(acc0, load4(sc.m + i), vdupq_n_f32(ss));
-      acc1 = vfmaq_f32(acc1, load4(sc.m + i + 4), vdupq_n_f32(ss));
+      const auto mv = sc.mp(g, b);
+      acc0 = vfmaq_f32(acc0, load4(mv), vdupq_n_f32(ss));
+      acc1 = vfmaq_f32(acc1, load4(mv + 4), vdupq_n_f32(ss));
     }
   }
   vst1q_f32(out, acc0);
@@ -1620,12 +1618,11 @@ at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const at::Half* dp = D.data_ptr<at::Half>();
   with_sub(sub, [&](auto sub_tag) {
     constexpr int S = decltype(sub_tag)::value;
-    const KPtr<S> d{dp, s.data_ptr<int8_t>(), nb, 0};
+    const int8_t* sp = s.data_ptr<int8_t>();
     if (offsets)
-      qlinear_run(x, w, bits, N, KScales<true, S>{d, KPtr<S>{Dm.data_ptr<at::Half>(), mn.data_ptr<int8_t>(), nb, 0}, nb},
-                  y);
+      qlinear_run(x, w, bits, N, KScales<true, S>{dp, sp, Dm.data_ptr<at::Half>(), mn.data_ptr<int8_t>(), nb}, y);
     else
-      qlinear_run(x, w, bits, N, KScales<false, S>{d, d, nb}, y);
+      qlinear_run(x, w, bits, N, KScales<false, S>{dp, sp, dp, sp, nb}, y);
   });
   return y;
 }
