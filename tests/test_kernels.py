@@ -47,6 +47,10 @@ def test_decode_attention_matches_sdpa(ops, dtype, hq, hkv, d):
     for rows in ([0], [5], [3, 4]):  # one or two sequences are split per KV head over the threads: same numbers
         r = torch.tensor(rows)
         assert torch.equal(ops.decode_attention(q[r], kc, vc, tables[r], lens[r], d ** -0.5), out[r]), rows
+    for window in (1, 12, 16, 40):  # sliding-window layers: the last `window` keys, from inside a block or not
+        keep = mask & (torch.arange(max_blocks * bs) >= (lens - window)[:, None])[:, None, None, :]
+        _close(ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5, window),
+               decode_attention(q, kc, vc, tables, keep, d ** -0.5), dtype)
 
 
 def test_decode_attention_strided_query_and_bad_input(ops):

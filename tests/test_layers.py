@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, paged_attention, tiled_causal_attention
 
 
-def naive_attention(q, k, v, q_offset):
+def naive_attention(q, k, v, q_offset, window=0):
     n, hq, d = q.shape
     L, hkv, _ = k.shape
     g = hq // hkv
@@ -16,6 +16,8 @@ def naive_attention(q, k, v, q_offset):
     s = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) / d**0.5
     qpos = torch.arange(n)[:, None] + q_offset
     s = s.masked_fill(torch.arange(L)[None, :] > qpos, float("-inf"))
+    if window:
+        s = s.masked_fill(torch.arange(L)[None, :] <= qpos - window, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v.double()).float()
 
 
@@ -28,6 +30,9 @@ def test_tiled_attention_matches_reference(n, offset, q_tile, k_tile):
     v = torch.randn(n + offset, 3, 64)
     out = tiled_causal_attention(q, k, v, offset, 64**-0.5, q_tile=q_tile, k_tile=k_tile)
     torch.testing.assert_close(out, naive_attention(q, k, v, offset), atol=2e-5, rtol=1e-4)
+    for window in (1, 5, 17, 40):  # sliding-window layers: key tiles before every query's window skipped
+        out = tiled_causal_attention(q, k, v, offset, 64**-0.5, q_tile=q_tile, k_tile=k_tile, window=window)
+        torch.testing.assert_close(out, naive_attention(q, k, v, offset, window), atol=2e-5, rtol=1e-4)
 
 
 class MaxNumel(TorchDispatchMode):

@@ -71,7 +71,7 @@ def _assert_greedy_by_forward(model, prompt_ids, ours):
 
 def test_checkpoint_reloads_to_the_same_greedy_tokens(awq_checkpoint):
     from pagedllm import LLM, SamplingParams
-    from pagedllm.model.llama import LlamaForCausalLM
+    from pagedllm.model.decoder import CausalLM
     from pagedllm.quant.checkpoint import read_quant_info
 
     out, arch, weights = awq_checkpoint
@@ -80,7 +80,7 @@ def test_checkpoint_reloads_to_the_same_greedy_tokens(awq_checkpoint):
         cfg = json.load(f)
     assert cfg["tensors"]["layers.0.qkv"]["bits"] == 4 and cfg["tensors"]["layers.0.qkv"]["group_size"] == 32
     assert cfg["tensors"]["embed"]["bits"] == 8  # tied embedding / LM head: one int8 table
-    in_memory = LlamaForCausalLM(arch, dict(weights), torch.device("cpu"), torch.float32)
+    in_memory = CausalLM(arch, dict(weights), torch.device("cpu"), torch.float32)
     llm = LLM(dtype="float32", model=out)  # the checkpoint directory is recognised without --quantization
     assert llm.engine.core.runner.quantization.startswith("awq")
     assert llm.engine.core.runner.model.layers[0]["qkv"].kind == "int4"

@@ -380,7 +380,7 @@ inline void reorder_rows(float* x, int64_t rows, bool split) {  // rows of NC ve
 // qf's rows of those heads are reordered in place for a bfloat16 cache.
 template <typename T, int G, int NC>
 void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
-                int64_t h0, int64_t h1, float* scores, float* out) {
+                int64_t h0, int64_t h1, float* scores, float* out, int64_t skip) {
   constexpr int64_t D = NC * W;
   constexpr bool split = std::is_same_v<T, at::BFloat16>;
   const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS;
@@ -418,7 +418,10 @@ void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64
     }
   }
   if (nblocks > 0) prefetch(vc + table[0] * blk, std::min(BS, L) * tok * int64_t(sizeof(T)));
-  for (int64_t r = h0 * G; r < h1 * G; ++r) softmax_row(scores + r * L, L);
+  for (int64_t r = h0 * G; r < h1 * G; ++r) {
+    std::fill(scores + r * L, scores + r * L + skip, 0.f);  // outside the window: weight 0
+    softmax_row(scores + r * L + skip, L - skip);
+  }
   std::fill(out + h0 * G * D, out + h1 * G * D, 0.f);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
@@ -445,10 +448,10 @@ void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64
 
 template <typename T, int NC>
 bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS,
-                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out) {
+                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip) {
   switch (G) {
 #define PAGEDLLM_G(n) \
-  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out); return true;
+  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip); return true;
     PAGEDLLM_G(1) PAGEDLLM_G(2) PAGEDLLM_G(3) PAGEDLLM_G(4) PAGEDLLM_G(5) PAGEDLLM_G(6) PAGEDLLM_G(7) PAGEDLLM_G(8)
 #undef PAGEDLLM_G
     default: return false;
@@ -459,20 +462,21 @@ bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t*
 // The vector path for head dims 64 and 128 and up to 8 query heads per KV head; false: use the portable loop.
 template <typename T>
 bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                 int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out) {
+                 int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip) {
 #if PAGEDLLM_VEC
-  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out);
-  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out);
+  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip);
+  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip);
 #endif
   (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)h0, (void)h1,
-      (void)scores, (void)out;
+      (void)scores, (void)out, (void)skip;
   return false;
 }
 
 // T: the dtype of q and out; C: the caches' (a bfloat16 cache under float32 activations halves the bytes read)
 template <typename T, typename C>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                           int64_t window) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv;
@@ -497,9 +501,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
     row.resize(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / split, h0 = item % split * heads, h1 = h0 + heads;
-      const int64_t L = lens[b];
-      TORCH_CHECK(L >= 1 && L <= max_blocks * BS, "context length ", L, " does not fit the block table");
-      const int64_t* table = tables + b * max_blocks;
+      const int64_t full = lens[b];
+      TORCH_CHECK(full >= 1 && full <= max_blocks * BS, "context length ", full, " does not fit the block table");
+      // a sliding window: read from the block holding the first key inside it, the keys before it (skip) masked
+      const int64_t first = window > 0 ? std::max<int64_t>(0, full - window) : 0, b0 = first / BS;
+      const int64_t L = full - b0 * BS, skip = first - b0 * BS;
+      const int64_t* table = tables + b * max_blocks + b0;
       for (int64_t i = 0; i < (L + BS - 1) / BS; ++i)
         TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block ", table[i], " outside the cache");
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
@@ -507,14 +514,17 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         for (int64_t i = 0; i < D; ++i) qf[hq * D + i] = to_f(src[i]) * static_cast<float>(scale);
       }
       scores.resize(Hq * L);
-      if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data())) {
+      if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data(), skip)) {
         for (int64_t h = h0; h < h1; ++h) {  // portable path: one KV head at a time
           float* sc = scores.data() + h * G * L;
           for (int64_t t = 0; t < L; ++t) {
             load_row(kc + (table[t / BS] * BS + t % BS) * tok_stride + h * D, row.data(), D);
             for (int64_t g = 0; g < G; ++g) sc[g * L + t] = dot(qf.data() + (h * G + g) * D, row.data(), D);
           }
-          for (int64_t g = 0; g < G; ++g) softmax_row(sc + g * L, L);
+          for (int64_t g = 0; g < G; ++g) {
+            std::fill(sc + g * L, sc + g * L + skip, 0.f);
+            softmax_row(sc + g * L + skip, L - skip);
+          }
           float* a = acc.data() + h * G * D;
           std::fill(a, a + G * D, 0.f);
           for (int64_t t = 0; t < L; ++t) {
@@ -534,7 +544,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, Hq, D) with unit stride in D");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -548,7 +559,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   dispatch_float_bf16(q.scalar_type(), "decode_attention", [&](auto tag) {
     dispatch_float_bf16(k_cache.scalar_type(), "decode_attention (cache)", [&](auto ctag) {
-      decode_attention_impl<decltype(tag), decltype(ctag)>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+      decode_attention_impl<decltype(tag), decltype(ctag)>(out, q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                           window);
     });
   });
   return out;
@@ -1700,7 +1712,9 @@ std::string isa() {
 // by the caller for the call.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)", nogil);
+  m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence; window > 0: its last "
+        "window keys)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);

@@ -48,9 +48,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def tiled_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
-    q_tile: int = Q_TILE, k_tile: int = K_TILE,
+    q_tile: int = Q_TILE, k_tile: int = K_TILE, window: int = 0,
 ) -> torch.Tensor:
-    """Exact causal attention of ``n`` queries at positions q_offset.. over ``L`` keys at positions 0..L-1.
+    """Exact causal attention of ``n`` queries at positions q_offset.. over ``L`` keys at positions 0..L-1
+    (``window`` > 0: a query at p sees only the keys p - window + 1 .. p, a sliding-window layer).
 
     q: (n, Hq, D); k, v: (L, Hkv, D), Hq a multiple of Hkv (grouped-query attention). Returns (n, Hq, D).
     Scores exist only one (q_tile x k_tile) tile at a time; accumulation is in float32.
@@ -73,15 +74,23 @@ def tiled_causal_attention(
         acc = torch.zeros((hkv, g * m, d), dtype=acc_dtype, device=q.device)
         last_key = min(seq_len, q_offset + qe)  # keys past the tile's last query position are never needed
         first_masked = q_offset + qs  # keys at or past this position need the causal mask
-        for ks in range(0, last_key, k_tile):
+        # the window: keys before the first query's window are never needed; those before the last one's masked
+        first_key = max(0, q_offset + qs - window + 1) if window else 0
+        for ks in range(first_key - first_key % k_tile, last_key, k_tile):
             ke = min(ks + k_tile, last_key)
             s = torch.matmul(qt, kh[:, ks:ke].to(acc_dtype).transpose(1, 2))  # (Hkv, G*m, kt)
-            if ke - 1 > first_masked:
+            if ke - 1 > first_masked or (window and ks <= q_offset + qe - 1 - window):
                 k_pos = torch.arange(ks, ke, device=q.device)
-                s.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+                outside = k_pos[None, :] > q_pos[:, None]
+                if window:
+                    outside |= k_pos[None, :] <= q_pos[:, None] - window
+                s.masked_fill_(outside, float("-inf"))
             new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
-            p = torch.exp(s - new_max)
-            alpha = torch.exp(row_max - new_max)
+            shift = new_max
+            if window:  # a row may have seen no key yet (all outside its window): exp(-inf - -inf) would be NaN
+                shift = new_max.masked_fill(new_max == float("-inf"), 0.0)
+            p = torch.exp(s - shift)
+            alpha = torch.exp(row_max - shift)
             row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
             acc = acc * alpha + torch.matmul(p, vh[:, ks:ke].to(acc_dtype))
             row_max = new_max
@@ -112,16 +121,23 @@ def decode_attention(
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, ops=None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: (T, Hq, D); k, v: (T, Hkv, D) for the step's new tokens, written to the cache first (None: already
-    written, e.g. by the fused rotary kernel). ``ops``: the fused CPU kernels, or None for torch operations."""
+    written, e.g. by the fused rotary kernel). ``ops``: the fused CPU kernels, or None for torch operations.
+    ``window`` > 0: each query sees only its last ``window`` keys (its own included)."""
     if k is not None:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
     def decode(qd: torch.Tensor) -> torch.Tensor:
         if ops is not None:
-            return ops.decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
-        return decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+            return ops.decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale,
+                                        window)
+        mask = meta.decode_mask
+        if window:  # keys before len - window are outside
+            pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (pos >= meta.decode_lens.view(-1, 1, 1, 1) - window)
+        return decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, mask, scale)
 
     if meta.num_decodes and meta.decode_rows is None:  # all rows are decodes
         return decode(q)
@@ -134,6 +150,6 @@ def paged_attention(
         kc = k_cache.index_select(0, p.block_table).view(-1, hkv, d)[: p.context_len]
         vc = v_cache.index_select(0, p.block_table).view(-1, hkv, d)[: p.context_len]
         out[p.start : p.end] = tiled_causal_attention(
-            q[p.start : p.end], kc, vc, q_offset=p.context_len - (p.end - p.start), scale=scale
+            q[p.start : p.end], kc, vc, q_offset=p.context_len - (p.end - p.start), scale=scale, window=window
         )
     return out

@@ -3,9 +3,9 @@ over tensor-parallel ranks (``TPLayout``, ``tp_layout``). Pure data: no weights,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+from pagedllm.model.archs import ARCHS  # the registry: one module per architecture
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,40 @@ class ModelArchConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     vocab_fingerprint: str | None = None  # sha256 of the token strings, where the file lists them
+    # the variants an architecture picks (the defaults are llama's); ``model.archs`` sets them per architecture
+    qk_norm: bool = False  # RMSNorm over each q and k head before the rotary (qwen3, gemma3)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (gemma)
+    embed_scale: float | None = None  # embedding rows times this, rounded to the model dtype (gemma: sqrt(hidden))
+    sandwich_norm: bool = False  # RMSNorm on the attention and MLP outputs too, before the residual add (gemma)
+    attn_scale: float | None = None  # the query scale (None: head_dim ** -0.5)
+    sliding_window: int | None = None  # keys a sliding layer sees, its own token included
+    layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; empty: all "full"
+    rope_local_theta: float | None = None  # rotary base of the sliding layers, without scaling (gemma3)
+    # {"rope_type": "linear" | "llama3" | "factors", ...}: how the (full layers') rotary frequencies are scaled
+    rope_scaling: dict | None = field(default=None, compare=False, hash=False)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    stop_token_ids: tuple[int, ...] = ()  # end-of-generation tokens besides eos (gemma's <end_of_turn>)
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {tuple(ARCHS)}")
+        for name in ("layer_types", "stop_token_ids"):  # lists from a JSON checkpoint header
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        if set(self.layer_types) - {"full", "sliding"}:
+            raise ValueError(f"layer types must be 'full' or 'sliding', got {sorted(set(self.layer_types))}")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding layers need a sliding_window")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: silu, gelu_tanh")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+    def window(self, layer: int) -> int:
+        """Keys layer ``layer`` attends to (0: all of the context)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding" else 0
 
 
 @dataclass(frozen=True)

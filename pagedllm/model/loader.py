@@ -1,6 +1,6 @@
 """Reads model weights and hyper-parameters from GGUF files or HuggingFace-style directories.
 
-Weights come out under the engine's own names (see ``LlamaForCausalLM``), as float32 numpy/torch arrays, with
+Weights come out under the engine's own names (see ``CausalLM``), as float32 numpy/torch arrays, with
 llama's GGUF q/k rows un-permuted back to the HuggingFace rotary layout.
 """
 
@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from pagedllm.model.arch import SUPPORTED_ARCHS, ModelArchConfig
+from pagedllm.model.arch import ModelArchConfig
+from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos, hf_rope
 from pagedllm.gguf_file import GGUFFile
 from pagedllm.quant import gguf_blocks
 from pagedllm.quant.formats import reorder_rows
@@ -84,6 +85,105 @@ def open_gguf(path: str):
     return reader
 
 
+# the engine's weight names (``model.decoder.CausalLM``) for the tensor names every architecture shares;
+# an architecture's module adds or overrides per-layer names (``Arch.gguf_names`` / ``hf_names``)
+GGUF_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm",
+    "ffn_norm.weight": "post_norm",  # the norm before the MLP
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_qkv.weight": "qkv",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "attn_output.weight": "o",
+    "post_attention_norm.weight": "attn_out_norm",  # on the attention output (sandwich norms)
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+    "post_ffw_norm.weight": "mlp_out_norm",
+}
+HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.qkv_proj.weight": "qkv",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "self_attn.o_proj.weight": "o",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.gate_up_proj.weight": "gate_up",
+    "mlp.down_proj.weight": "down",
+}
+
+
+def _gguf_config(meta: GGUFMeta) -> dict:
+    """The hyper-parameters every architecture's GGUF metadata holds alike (llama.cpp's key names)."""
+    kv = meta.kv
+    hidden, n_head = int(kv("embedding_length")), int(kv("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens", None)
+    eot = meta.get("tokenizer.ggml.eot_token_id", None)
+    eos = meta.get("tokenizer.ggml.eos_token_id", None)
+    return dict(
+        arch=meta.arch,
+        vocab_size=int(kv("vocab_size", len(tokens) if tokens is not None else 0)),
+        hidden_size=hidden,
+        num_layers=int(kv("block_count")),
+        num_heads=n_head,
+        num_kv_heads=int(kv("attention.head_count_kv", n_head)),
+        head_dim=int(kv("attention.key_length", hidden // n_head)),
+        intermediate_size=int(kv("feed_forward_length")),
+        rms_norm_eps=float(kv("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(kv("rope.freq_base", 10000.0)),
+        max_position=int(kv("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in meta.tensor_names,
+        attention_bias="blk.0.attn_q.bias" in meta.tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
+        eos_token_id=eos,
+        stop_token_ids=() if eot is None or eot == eos else (int(eot),),
+        vocab_fingerprint=hashlib.sha256("\n".join(tokens).encode()).hexdigest() if tokens else None,
+    )
+
+
+def _hf_config(hf: dict, arch: str) -> dict:
+    """The hyper-parameters every HF ``config.json`` holds alike (an architecture's module reads per-layer-type
+    rotary parameters itself)."""
+    n_head = hf["num_attention_heads"]
+    per_type = isinstance((hf.get("rope_parameters") or {}).get("full_attention"), dict)
+    theta, scaling = (10000.0, None) if per_type else hf_rope(hf)
+    eos, stops = hf_eos(hf)
+    return dict(
+        arch=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n_head,
+        num_kv_heads=hf.get("num_key_value_heads") or n_head,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        attention_bias=hf.get("attention_bias", False),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos,
+        stop_token_ids=stops,
+    )
+
+
 def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, native: bool = False,
               lazy: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """``native``: keep every tensor of a block type the block kernel runs (``quant.gguf_blocks.DECODERS``: Q4_0 ..
@@ -95,64 +195,23 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
     packed weights."""
     reader = open_gguf(path)
     arch = reader.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHS}")
-
-    def kv(name, default=None):
-        return reader.get(f"{arch}.{name}", default)
-
-    hidden = int(kv("embedding_length"))
-    n_head = int(kv("attention.head_count"))
-    n_kv = int(kv("attention.head_count_kv", n_head))
-    names = {t.name for t in reader.tensors}
-    tokens = reader.get("tokenizer.ggml.tokens")
-    vocab = int(kv("vocab_size", len(tokens) if tokens is not None else 0))
-    cfg = ModelArchConfig(
-        arch=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=int(kv("block_count")),
-        num_heads=n_head,
-        num_kv_heads=n_kv,
-        head_dim=int(kv("attention.key_length", hidden // n_head)),
-        intermediate_size=int(kv("feed_forward_length")),
-        rms_norm_eps=float(kv("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(kv("rope.freq_base", 10000.0)),
-        max_position=int(kv("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=reader.get("tokenizer.ggml.eos_token_id"),
-        vocab_fingerprint=hashlib.sha256("\n".join(tokens).encode()).hexdigest() if tokens else None,
-    )
-
-    rename = {
-        "token_embd.weight": "embed",
-        "output_norm.weight": "norm",
-        "output.weight": "lm_head",
-    }
-    per_layer = {
-        "attn_norm.weight": "input_norm",
-        "ffn_norm.weight": "post_norm",
-        "attn_q.weight": "q",
-        "attn_k.weight": "k",
-        "attn_v.weight": "v",
-        "attn_q.bias": "q_bias",
-        "attn_k.bias": "k_bias",
-        "attn_v.bias": "v_bias",
-        "attn_output.weight": "o",
-        "ffn_gate.weight": "gate",
-        "ffn_up.weight": "up",
-        "ffn_down.weight": "down",
-    }
+    if arch not in ARCHS:
+        raise ValueError(f"{path}: unsupported architecture {arch!r}; supported: {tuple(ARCHS)}")
+    spec = ARCHS[arch]
+    by_name = {t.name: t for t in reader.tensors}
+    meta = GGUFMeta(arch, reader.get, set(by_name), lambda name: _dequantize(by_name[name].data,
+                                                                            by_name[name].tensor_type))
+    cfg = ModelArchConfig(**_gguf_config(meta) | spec.from_gguf(meta))
+    per_layer = GGUF_LAYER_NAMES | spec.gguf_names
+    n_head, n_kv = cfg.num_heads, cfg.num_kv_heads
     tasks = []
     for t in reader.tensors:
-        if t.name in rename:
-            name = rename[t.name]
+        if t.name in GGUF_NAMES:
+            name = GGUF_NAMES[t.name]
         elif t.name.startswith("blk."):
             _, idx, rest = t.name.split(".", 2)
             if rest not in per_layer:
-                continue  # e.g. rope_freqs: not used by these architectures
+                continue  # not a weight the layers read
             name = f"layers.{idx}.{per_layer[rest]}"
         else:
             continue
@@ -160,7 +219,7 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
 
     def one(task):
         name, t = task
-        rotary = arch == "llama" and name.endswith((".q", ".k", ".q_bias", ".k_bias"))
+        rotary = spec.gguf_permuted_qk and name.endswith((".q", ".k", ".q_bias", ".k_bias"))
         heads = n_head if ".q" in name else n_kv
         kind = t.tensor_type.name
         if (native and kind in gguf_blocks.DECODERS) or (
@@ -204,63 +263,33 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
+    hf = hf.get("text_config", hf) if hf.get("model_type") == "gemma3" else hf  # a multimodal checkpoint's text part
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {SUPPORTED_ARCHS}")
-    n_head = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or {}
-    eos = hf.get("eos_token_id")
-    cfg = ModelArchConfig(
-        arch=model_type,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=n_head,
-        num_kv_heads=hf.get("num_key_value_heads", n_head),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
-        intermediate_size=hf["intermediate_size"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        max_position=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=model_type == "qwen2" or hf.get("attention_bias", False),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-    )
+    if model_type not in HF_TYPES:
+        raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {tuple(HF_TYPES)}")
+    spec = HF_TYPES[model_type]
+    cfg = ModelArchConfig(**_hf_config(hf, spec.name) | spec.from_hf(hf))
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
-    per_layer = {
-        "input_layernorm.weight": "input_norm",
-        "post_attention_layernorm.weight": "post_norm",
-        "self_attn.q_proj.weight": "q",
-        "self_attn.k_proj.weight": "k",
-        "self_attn.v_proj.weight": "v",
-        "self_attn.q_proj.bias": "q_bias",
-        "self_attn.k_proj.bias": "k_bias",
-        "self_attn.v_proj.bias": "v_bias",
-        "self_attn.o_proj.weight": "o",
-        "mlp.gate_proj.weight": "gate",
-        "mlp.up_proj.weight": "up",
-        "mlp.down_proj.weight": "down",
-    }
+    per_layer = HF_LAYER_NAMES | spec.hf_names
     weights: dict[str, torch.Tensor] = {}
     for fname in files:
         for name, t in load_file(os.path.join(path, fname)).items():
-            if name == "model.embed_tokens.weight":
-                key = "embed"
-            elif name == "model.norm.weight":
-                key = "norm"
-            elif name == "lm_head.weight":
-                key = "lm_head"
+            name = name.replace("model.language_model.", "model.")
+            if name in HF_NAMES:
+                key = HF_NAMES[name]
             elif name.startswith("model.layers."):
-                idx, rest = name[len("model.layers.") :].split(".", 1)
+                idx, rest = name[len("model.layers."):].split(".", 1)
                 if rest not in per_layer:
                     continue
                 key = f"layers.{idx}.{per_layer[rest]}"
             else:
                 continue
-            weights[key] = t.float()
+            t = t.float()
+            if spec.hf_norm_plus_one and key.endswith("norm"):
+                t = 1.0 + t  # (1 + w) as the reference computes it, in float32: GGUF files store this
+            weights[key] = t
     return cfg, weights
 
 

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from pagedllm.config import resolve_model_path
 from pagedllm.engine.tokenizer import load_tokenizer
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.decoder import NORMS, CausalLM
 from pagedllm.model.loader import load_model_files
 from pagedllm.quant.checkpoint import save_checkpoint
 from pagedllm.quant.policy import LINEAR_TYPES, QuantPolicy, quantize_weight
@@ -33,12 +33,12 @@ def default_policy(bits: int, group_size: int, symmetric: bool) -> QuantPolicy:
 
 def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequences: list[list[int]] | None,
                    progress: bool = True):
-    """-> (arch, weights dict ready for ``save_checkpoint`` / ``LlamaForCausalLM``, report dict)."""
+    """-> (arch, weights dict ready for ``save_checkpoint`` / ``CausalLM``, report dict)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}")
     t0 = time.perf_counter()
     arch, raw = load_model_files(resolve_model_path(model_path))
-    model = LlamaForCausalLM(arch, raw, torch.device("cpu"), torch.float32)
+    model = CausalLM(arch, raw, torch.device("cpu"), torch.float32)
     del raw
     linear_names = [f"layers.{i}.{k}" for i in range(arch.num_layers) for k in LINEAR_TYPES]
     targets = [n for n in linear_names if policy.scheme(LINEAR_TYPES[n.split(".")[2]]) in ("int4", "int8")]
@@ -69,8 +69,9 @@ def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequ
         if lin.bias is not None:
             weights[f"layers.{i}.qkv_bias"] = lin.bias
     for i, layer in enumerate(model.layers):
-        weights[f"layers.{i}.input_norm"] = layer["input_norm"]
-        weights[f"layers.{i}.post_norm"] = layer["post_norm"]
+        for name in NORMS:
+            if name in layer:
+                weights[f"layers.{i}.{name}"] = layer[name]
     # embedding and LM head: round to nearest (salience scaling would break a tied table)
     head = model.lm_head.weight.float()
     weights["lm_head"] = quantize_weight(head, policy.lm_head, policy)

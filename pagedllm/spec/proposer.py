@@ -18,7 +18,7 @@ import torch
 from pagedllm.config import SpeculativeConfig, resolve_model_path
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.model.arch import ModelArchConfig
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.decoder import CausalLM
 from pagedllm.model.loader import load_model_files
 from pagedllm.outputs import SchedulerOutput
 from pagedllm.sample.metadata import CachedRequestState
@@ -26,7 +26,7 @@ from pagedllm.spec.ngram import propose_ngram
 
 
 def load_draft_model(path: str, target: ModelArchConfig, max_model_len: int, device: torch.device,
-                     dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+                     dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> CausalLM:
     """The draft model, checked against the target: the same vocabulary, a context of at least ``max_model_len``."""
     darch, dweights = load_model_files(resolve_model_path(path))
     a = target
@@ -40,7 +40,7 @@ def load_draft_model(path: str, target: ModelArchConfig, max_model_len: int, dev
     if darch.max_position < max_model_len:
         raise ValueError(f"the draft model's context ({darch.max_position}) is shorter than max_model_len "
                          f"({max_model_len})")
-    return LlamaForCausalLM(darch, dweights, device, dtype, kv_dtype=kv_dtype)
+    return CausalLM(darch, dweights, device, dtype, kv_dtype=kv_dtype)
 
 
 class Proposer:
@@ -88,7 +88,7 @@ class NgramProposer(Proposer):
 
 
 class DraftProposer(Proposer):
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, model: LlamaForCausalLM,
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, model: CausalLM,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, device: torch.device,
                  decode_metadata: Callable[[list[int], list[list[int]], list[int]], AttentionMetadata]) -> None:
         """``kv_caches``: the draft's layers of the KV cache (the target's blocks); ``decode_metadata(slots,

@@ -24,7 +24,7 @@ from pagedllm.errors import TensorParallelError
 from pagedllm.kernels import cpu_ops, kernel_path
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.model.arch import ModelArchConfig
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.decoder import CausalLM
 from pagedllm.model.loader import load_model_files
 from pagedllm.model.weights import load_weights
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
@@ -107,7 +107,7 @@ class ModelRunner:
             block_ops = ops if config.quantization == "gguf" else None
             dense = dict(dense_min_tokens=config.quant_dense_min_tokens)
         self.kv_dtype = choose_kv_dtype(config.cache.kv_cache_dtype, self.dtype, plan is not None)
-        self.model = LlamaForCausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
+        self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
                                       kv_dtype=self.kv_dtype, **dense)
         del weights
         max_len = config.model.max_model_len or arch.max_position
@@ -117,7 +117,7 @@ class ModelRunner:
             )
         self.max_model_len = max_len
         self.block_size = config.cache.block_size
-        self.draft_model: LlamaForCausalLM | None = None
+        self.draft_model: CausalLM | None = None
         spec = config.speculative
         if spec is not None and spec.method == "draft_model" and rank == 0:
             # with tensor parallelism: whole, on rank 0 only

@@ -1,4 +1,7 @@
-"""Llama-family decoder (llama: SmolLM2; qwen2: adds q/k/v biases) over flat token batches and a paged KV cache.
+"""The decoder-only transformer every registered architecture (``model.archs``) assembles, over flat token batches
+and a paged KV cache: llama's layers, with the variants an architecture's ``ModelArchConfig`` picks (q/k/v biases,
+QK-norm, GeGLU, sandwich norms, scaled embeddings, sliding-window layers with their own rotary base, rotary
+scaling, logit soft-capping).
 
 The step's tokens of all sequences are one flat (T, hidden) batch: every linear layer runs once per step for the
 whole batch; only attention looks at sequence boundaries (through ``AttentionMetadata``). q/k/v and gate/up
@@ -14,15 +17,16 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
 from pagedllm.layers.linear import build_linear, tensor_bytes
 from pagedllm.layers.norm import rms_norm
-from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pagedllm.model.arch import ModelArchConfig, tp_layout
 from pagedllm.quant.formats import concat
 from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
-LM_HEAD_DENSE_MIN_TOKENS = 2  # with a dense copy kept (--quant-dense-min-tokens), the head uses it from 2 rows
+LM_HEAD_DENSE_MIN_TOKENS = 2
+NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")  # with a dense copy kept (--quant-dense-min-tokens), the head uses it from 2 rows
 
 
-class LlamaForCausalLM:
+class CausalLM:
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  quant: QuantPolicy | None = None, tp=None, dense_min_tokens: int = 0, block_ops=None,
                  head_dense_min_tokens: int | None = None, dense_dtype: torch.dtype = torch.bfloat16,
@@ -46,7 +50,7 @@ class LlamaForCausalLM:
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.tp = tp
         # this rank's share (all of it without tensor parallelism)
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -90,14 +94,19 @@ class LlamaForCausalLM:
             if cfg.attention_bias:
                 bias = pop(p + "qkv_bias") if p + "qkv_bias" in weights else torch.cat(
                     [pop(p + "q_bias"), pop(p + "k_bias"), pop(p + "v_bias")])
-            self.layers.append({
+            layer = {
                 "input_norm": take(p + "input_norm"),
-                "post_norm": take(p + "post_norm"),
+                "post_norm": take(p + "post_norm"),  # before the MLP
                 "qkv": linear(p + "qkv", [p + "q", p + "k", p + "v"], "attn", bias),  # (Q+2K, H)
                 "o": linear(p + "o", [p + "o"], "attn"),
                 "gate_up": linear(p + "gate_up", [p + "gate", p + "up"], "mlp"),  # (2I, H)
                 "down": linear(p + "down", [p + "down"], "mlp"),
-            })
+                "window": cfg.window(i),
+            }
+            for name in (("q_norm", "k_norm") if cfg.qk_norm else ()) + (
+                    ("attn_out_norm", "mlp_out_norm") if cfg.sandwich_norm else ()):
+                layer[name] = take(p + name)
+            self.layers.append(layer)
         # the embedding table doubles as the LM head when tied; an int8 head then serves lookups as well
         if cfg.tie_word_embeddings:
             table = pop("embed")
@@ -115,7 +124,17 @@ class LlamaForCausalLM:
         else:
             self.lm_head = linear("lm_head", ["lm_head"], "lm_head")
             self.embed = linear("embed", ["embed"], "embed")
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype)
+        # the full layers' rotary; sliding layers with a base of their own (gemma3) use a second, unscaled one
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype,
+                                      rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        self.rotary_local = self.rotary
+        if cfg.rope_local_theta is not None and "sliding" in cfg.layer_types:
+            self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_local_theta, device, dtype)
+        for layer in self.layers:
+            layer["rotary"] = self.rotary_local if layer["window"] else self.rotary
+        # gemma: embeddings times sqrt(hidden), rounded to the model dtype as the reference does
+        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype)
+        self.act = F.silu if cfg.hidden_act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         # bfloat16 dense weights on CPU: oneDNN's pre-packed layout (a tied head keeps its rows for lookups)
@@ -134,7 +153,7 @@ class LlamaForCausalLM:
 
     def weight_bytes(self) -> int:
         tensors = [self.norm] + [t for lin in self.linears().values() for t in lin.tensors()]
-        tensors += [layer[n] for layer in self.layers for n in ("input_norm", "post_norm")]
+        tensors += [layer[n] for layer in self.layers for n in NORMS if n in layer]
         return tensor_bytes(tensors)
 
     @torch.inference_mode()
@@ -143,42 +162,65 @@ class LlamaForCausalLM:
         """input_ids, positions: (T,) -> final hidden states (T, H)."""
         if self.ops is not None:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
-        cfg = self.cfg
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
         t = input_ids.shape[0]
         h = self._embed(input_ids)  # (T, H)
-        rot = self.rotary.cos_sin(positions)
+        rots = {id(r): r.cos_sin(positions) for r in (self.rotary, self.rotary_local)}
         nq, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
+            x = rms_norm(h, layer["input_norm"], eps)
             qkv = layer["qkv"](x)  # (T, Q+2K)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            qk = self.rotary.apply(rot, qk.reshape(t, nq + nkv, d))  # q and k heads rotated in one pass
+            qk = qk.reshape(t, nq + nkv, d)
+            if cfg.qk_norm:
+                qk = torch.cat([rms_norm(qk[:, :nq], layer["q_norm"], eps), rms_norm(qk[:, nq:], layer["k_norm"], eps)],
+                               dim=1)
+            qk = layer["rotary"].apply(rots[id(layer["rotary"])], qk)  # q and k heads rotated in one pass
             q, k = qk[:, :nq], qk[:, nq:]
             v = v.reshape(t, nkv, d)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
-            h = h + self._reduce(layer["o"](attn.reshape(t, self.q_size)))  # row-parallel: partial sums
-            x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, window=layer["window"])
+            o = self._reduce(layer["o"](attn.reshape(t, self.q_size)))  # row-parallel: partial sums
+            h = h + (rms_norm(o, layer["attn_out_norm"], eps) if cfg.sandwich_norm else o)
+            x = rms_norm(h, layer["post_norm"], eps)
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            h = h + self._reduce(layer["down"](F.silu(gate) * up))
-        return rms_norm(h, self.norm, cfg.rms_norm_eps)
+            m = self._reduce(layer["down"](self.act(gate) * up))
+            h = h + (rms_norm(m, layer["mlp_out_norm"], eps) if cfg.sandwich_norm else m)
+        return rms_norm(h, self.norm, eps)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """The same layers with the fused CPU kernels: the residual add is folded into the next RMSNorm (h is
         updated in place), rotary + the K/V cache write are one pass, decode attention reads blocks in place."""
-        ops, eps = self.ops, self.cfg.rms_norm_eps
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         t = input_ids.shape[0]
-        nq, nkv, d = self.num_heads, self.num_kv_heads, self.cfg.head_dim
-        cos, sin = self.rotary.cos32, self.rotary.sin32
+        nq, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
         h = self._embed(input_ids).contiguous()  # (T, H): the residual stream, added to in place
         x = ops.rms_norm(h, self.layers[0]["input_norm"], eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = layer["qkv"](x)  # (T, Q+2K)
-            ops.rope_write_kv(qkv, positions, cos, sin, meta.slot_mapping, k_cache, v_cache, nq, nkv)
+            if cfg.qk_norm:  # each q and k head normalised in place, before the rotary
+                for heads, name in ((qkv[:, : self.q_size], "q_norm"),
+                                    (qkv[:, self.q_size : self.q_size + self.kv_size], "k_norm")):
+                    hv = heads.view(t, -1, d)
+                    hv.copy_(rms_norm(hv, layer[name], eps))
+            rot = layer["rotary"]
+            ops.rope_write_kv(qkv, positions, rot.cos32, rot.sin32, meta.slot_mapping, k_cache, v_cache, nq, nkv)
             q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
-            attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale, ops)  # (T, Hq, D)
-            x = ops.add_rms_norm(h, self._reduce(layer["o"](attn.reshape(t, self.q_size))), layer["post_norm"], eps)
-            mlp = self._reduce(layer["down"](ops.silu_and_mul(layer["gate_up"](x))))
+            attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale, ops,
+                                   window=layer["window"])  # (T, Hq, D)
+            o = self._reduce(layer["o"](attn.reshape(t, self.q_size)))
+            if cfg.sandwich_norm:
+                o = ops.rms_norm(o, layer["attn_out_norm"], eps)
+            x = ops.add_rms_norm(h, o, layer["post_norm"], eps)
+            gu = layer["gate_up"](x)
+            if cfg.hidden_act == "silu":
+                act = ops.silu_and_mul(gu)
+            else:
+                gate, up = gu.chunk(2, dim=-1)
+                act = self.act(gate) * up
+            mlp = self._reduce(layer["down"](act))
+            if cfg.sandwich_norm:
+                mlp = ops.rms_norm(mlp, layer["mlp_out_norm"], eps)
             nxt = self.layers[i + 1]["input_norm"] if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, mlp, nxt, eps)
         return x
@@ -189,6 +231,10 @@ class LlamaForCausalLM:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows; with tensor parallelism each rank looks up the ids in its vocabulary slice (zeros
         elsewhere) and the ranks' rows are summed."""
+        h = self._embed_rows(ids)
+        return h if self.embed_scale is None else h * self.embed_scale
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self.embed.embedding(ids)
         local = ids - self.vocab_start
@@ -202,4 +248,6 @@ class LlamaForCausalLM:
         logits = self.lm_head(hidden)
         if self.tp is not None:
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.cfg.vocab_size]
-        return logits.float()
+        logits = logits.float()
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,188 @@
+"""Every registered architecture against HF transformers on the same random weights (float32): a tiny model of
+each, made from a transformers config, saved as an HF directory and (llama.cpp's tensor names and conventions) as
+a GGUF file; greedy tokens identical and logprobs within 1e-4, alone, and batched with chunked prefill, prefix-cache
+hits and preemption. Sliding-window layers get prompts longer than their window."""
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+MAX_TOKENS = 16
+PROMPTS = [[5, 17, 300, 42, 9], list(range(100, 140)), [1000, 2000, 3000] * 9]
+WINDOW = 12  # sliding layers' window: shorter than the prompts and not a multiple of the 16-token blocks
+
+
+def _hf_model(kind: str, vocab: int, gguf_conventions: bool = False):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  eos_token_id=2, bos_token_id=1)
+    if kind == "gemma3":
+        cfg = tf.Gemma3TextConfig(**common | dict(num_hidden_layers=7, head_dim=32, sliding_window=WINDOW,
+                                                  tie_word_embeddings=True,
+                                                  query_pre_attn_scalar=32 if gguf_conventions else 24))
+        model = tf.Gemma3ForCausalLM(cfg)
+    elif kind == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common | dict(head_dim=32)))
+    elif kind == "llama3":  # Llama 3.x rotary scaling, over all three bands of a 16-wide head
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common | dict(rope_parameters=dict(
+            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64))))
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common | dict(sliding_window=WINDOW, head_dim=16)))
+    elif kind == "phi3":
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**common | dict(pad_token_id=0)))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: confident greedy choices; norms not all 1
+            p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def _reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    with torch.inference_mode():
+        full = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              min_new_tokens=MAX_TOKENS, pad_token_id=0, eos_token_id=None)
+        logits = model(full).logits[0].float()
+    return full[0, len(prompt):].tolist(), torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
+
+
+def _check(path: str, model, arch: str):
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    alone = LLM(model=path, max_model_len=512, dtype="float32", enable_prefix_caching=False)
+    assert alone.engine.core.runner.arch.arch == arch
+    for p in PROMPTS:
+        got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
+        want, ref_lp = _reference(model, p)
+        assert got.token_ids == want, (arch, p)
+        for i, lp in enumerate(got.logprobs):
+            assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (arch, p, i)
+    del alone
+    # batched, prompts in chunks of 16 tokens, a shared prefix (cache hits) and a KV cache too small for all of
+    # them at once (preemption): the same tokens
+    c = model.config
+    block_bytes = 16 * 2 * c.num_key_value_heads * (getattr(c, "head_dim", None) or 16) * 4 * c.num_hidden_layers
+    busy = LLM(model=path, max_model_len=128, dtype="float32", max_num_batched_tokens=16,
+               kv_cache_memory=8 * block_bytes)  # 8 blocks of 16 tokens; the prompts and outputs need 16
+    prompts = PROMPTS + [PROMPTS[1] + [7, 8, 9], PROMPTS[2][:20]]
+    outs = busy.generate(prompts, sp, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(model, p)[0], (arch, p)
+    sched = busy.engine.core.scheduler
+    assert sched.counters.num_preemptions > 0 and sched.kv.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3", "mistral", "phi3"])
+def test_hf_directory_matches_transformers(tmp_path, llm, kind):
+    model = _hf_model(kind, llm.engine.core.vocab_size)
+    d = tmp_path / kind
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    _check(str(d), model, {"mistral": "llama", "llama3": "llama"}.get(kind, kind))
+
+
+# llama.cpp's tensor names for the HF ones (per layer)
+GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the llama architecture (HF half split -> interleaved pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path: str, kind: str, model) -> None:
+    from pagedllm.config import default_model_path
+    from pagedllm.gguf_file import GGUFFile
+
+    src = GGUFFile(default_model_path())
+    c = model.config
+    arch = {"llama3": "llama"}.get(kind, kind)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if kind == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
+                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
+        fn(src.get(f"tokenizer.ggml.{key}"))
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    state = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    plus_one = kind == "gemma3"  # llama.cpp stores gemma's norm weights as 1 + w
+    names = GGUF_LAYER | (GEMMA_LAYER if kind == "gemma3" else {"post_attention_layernorm": "ffn_norm"})
+    for name, t in state.items():
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if c.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        else:
+            i, rest = name[len("model.layers."):].split(".", 1)
+            mod, suffix = rest.rsplit(".", 1)
+            out = f"blk.{i}.{names[mod]}.{suffix}"
+            if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = _permute(t, c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads)
+        if plus_one and name.endswith("norm.weight"):
+            t = 1.0 + t
+        w.add_tensor(out, np.ascontiguousarray(t, dtype=np.float32))
+    if kind == "llama3":  # llama.cpp's per-frequency divisors for Llama 3 scaling
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        base = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
+        w.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3"])
+def test_gguf_file_matches_transformers(tmp_path, llm, kind):
+    model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
+    path = str(tmp_path / f"tiny-{kind}.gguf")
+    _write_gguf(path, kind, model)
+    _check(path, model, "llama" if kind == "llama3" else kind)
+
+
+def test_gemma3_config_from_gguf_metadata(tmp_path, llm):
+    """The 5:1 local/global pattern, the window, the local rotary base, the scaled embedding and <end_of_turn>."""
+    from pagedllm.model.loader import load_gguf
+
+    model = _hf_model("gemma3", llm.engine.core.vocab_size, gguf_conventions=True)
+    path = str(tmp_path / "g.gguf")
+    _write_gguf(path, "gemma3", model)
+    cfg, _ = load_gguf(path)
+    assert cfg.layer_types == ("sliding",) * 5 + ("full", "sliding")
+    assert cfg.window(0) == WINDOW and cfg.window(5) == 0
+    assert cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1e6
+    assert cfg.embed_scale == math.sqrt(64) and cfg.qk_norm and cfg.sandwich_norm and cfg.hidden_act == "gelu_tanh"
