@@ -106,7 +106,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path: str, kind: str, model) -> None:
+def _write_gguf(path: str, kind: str, model, eot: int | None = None) -> None:
     from pagedllm.config import default_model_path
     from pagedllm.gguf_file import GGUFFile
 
@@ -133,6 +133,8 @@ def _write_gguf(path: str, kind: str, model) -> None:
         fn(src.get(f"tokenizer.ggml.{key}"))
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     state = {k: v.float().numpy() for k, v in model.state_dict().items()}
     plus_one = kind == "gemma3"  # llama.cpp stores gemma's norm weights as 1 + w
     names = GGUF_LAYER | (GEMMA_LAYER if kind == "gemma3" else {"post_attention_layernorm": "ffn_norm"})
@@ -186,3 +188,21 @@ def test_gemma3_config_from_gguf_metadata(tmp_path, llm):
     assert cfg.window(0) == WINDOW and cfg.window(5) == 0
     assert cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1e6
     assert cfg.embed_scale == math.sqrt(64) and cfg.qk_norm and cfg.sandwich_norm and cfg.hidden_act == "gelu_tanh"
+
+
+def test_end_of_turn_token_stops_generation(tmp_path, llm):
+    """A file's end-of-turn token (``tokenizer.ggml.eot_token_id``; gemma: <end_of_turn>) ends a request as eos
+    does, unless eos is ignored."""
+    model = _hf_model("gemma3", llm.engine.core.vocab_size, gguf_conventions=True)
+    want, _ = _reference(model, PROMPTS[1])
+    eot = want[3]  # the fourth token the model picks
+    path = str(tmp_path / "eot.gguf")
+    _write_gguf(path, "gemma3", model, eot=eot)
+    ours = LLM(model=path, max_model_len=128, dtype="float32")
+    assert ours.engine.core.runner.arch.stop_token_ids == (eot,)
+    out = ours.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want[:want.index(eot) + 1]
+    assert out[0].outputs[0].finish_reason == "stop"
+    out = ours.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want

@@ -42,7 +42,7 @@ class LLMEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos
-        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, runner.arch.stop_token_ids)
         self._ids = itertools.count()
         self.last_iteration_stats = IterationStats()
         # device, dtype, weight format, kernel path, weight plan, step token budget

@@ -79,9 +79,12 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_id: int | None, max_model_len: int) -> None:
+    def __init__(self, tokenizer, eos_token_id: int | None, max_model_len: int,
+                 model_stop_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        # the model's other end-of-generation tokens (gemma's <end_of_turn>): they stop a request as eos does
+        self.model_stop_ids = tuple(t for t in model_stop_ids if t != eos_token_id)
         self.max_model_len = max_model_len
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, ChildState] = {}
@@ -101,6 +104,8 @@ class OutputProcessor:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentState(request_id, prompt, list(prompt_token_ids), [], arrival)
         reqs = []
+        if self.model_stop_ids and not params.ignore_eos:
+            params = replace(params, stop_token_ids=sorted(set(params.stop_token_ids or ()) | set(self.model_stop_ids)))
         for i in range(params.n):
             child_params = params
             if params.n > 1:

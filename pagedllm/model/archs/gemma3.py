@@ -21,8 +21,10 @@ def from_gguf(meta: GGUFMeta) -> dict:
     out["rope_local_theta"] = 10000.0  # not in the file: llama.cpp's constant
     if meta.kv("rope.scaling.type") == "linear":
         out["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.kv("rope.scaling.factor"))}
-    eot = meta.token_id("<end_of_turn>")
-    out["stop_token_ids"] = () if eot is None else (eot,)
+    eot = meta.get("tokenizer.ggml.eot_token_id", None)  # the file's say, else the vocabulary's <end_of_turn>
+    eot = meta.token_id("<end_of_turn>") if eot is None else eot
+    if eot is not None:
+        out["stop_token_ids"] = (int(eot),)
     return out
 
 
