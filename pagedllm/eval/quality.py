@@ -3,7 +3,8 @@
 Three measurements, all offline and deterministic:
 - perplexity on held-out English text shipped with Python (``pagedllm.quant.texts``, the "eval" split);
 - token-level agreement with the baseline on the same text: top-1 agreement and mean KL(baseline || candidate);
-- accuracy on the business test set (``data/business.jsonl``: chat prompts with accepted answers, greedy).
+- accuracy on the business test set (``data/business.jsonl``: chat prompts with accepted answers, greedy; a base
+  model without a chat template answers them as ``Question: ...`` completions).
 
 The gate fails when perplexity rises by more than ``max_ppl_increase`` (relative) or accuracy drops by more than
 ``max_accuracy_drop`` (absolute fraction)."""
@@ -45,8 +46,14 @@ def is_correct(output: str, answers: list[str]) -> bool:
 
 
 def answer_items(llm, items: list[dict], max_tokens: int = 32) -> list[str]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = llm.chat([[{"role": "user", "content": it["prompt"]}] for it in items], params, use_tqdm=False)
+    """Greedy answers: as chat turns, or for a base model without a chat template as ``Question: ...\nAnswer:``
+    completions (one line)."""
+    if getattr(llm.get_tokenizer(), "chat_template", None):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        outs = llm.chat([[{"role": "user", "content": it["prompt"]}] for it in items], params, use_tqdm=False)
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=["\n"])
+        outs = llm.generate([f"Question: {it['prompt']}\nAnswer:" for it in items], params, use_tqdm=False)
     return [o.outputs[0].text for o in outs]
 
 

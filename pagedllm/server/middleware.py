@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from pagedllm.server.errors import APIError, error_json
+from pagedllm.server.errors import APIError, anthropic_route, error_json
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -20,7 +20,8 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                return await error_json(413, f"request body is larger than {self.max_bytes} bytes")(scope, receive, send)
+                return await error_json(413, f"request body is larger than {self.max_bytes} bytes",
+                                        path=scope["path"])(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -37,18 +38,23 @@ class BodyLimitMiddleware:
 
 class ApiKeyMiddleware:
     """Requires `Authorization: Bearer <key>` on every route except the public ones (/health, and /metrics unless
-    --metrics-require-auth); the key is compared in constant time. Plain ASGI, so that disconnect detection
-    downstream still sees the real receive channel."""
+    --metrics-require-auth); on the Anthropic Messages API routes Anthropic's `x-api-key: <key>` header is accepted
+    too. The key is compared in constant time. Plain ASGI, so that disconnect detection downstream still sees the
+    real receive channel."""
 
     def __init__(self, app, api_key: str, public_paths: frozenset[str] = frozenset({"/health"})) -> None:
         self.app, self.key, self.public = app, api_key.encode(), public_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.public:
-            header = dict(scope.get("headers", [])).get(b"authorization", b"")
+            headers = dict(scope.get("headers", []))
+            header = headers.get(b"authorization", b"")
             token = header[7:] if header[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                resp = error_json(401, "Invalid or missing API key")
+            ok = hmac.compare_digest(token, self.key)
+            if anthropic_route(scope["path"]):
+                ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key) or ok
+            if not ok:
+                resp = error_json(401, "Invalid or missing API key", path=scope["path"])
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 return await resp(scope, receive, send)
         return await self.app(scope, receive, send)

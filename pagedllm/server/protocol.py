@@ -1,11 +1,14 @@
-"""OpenAI protocol request models (pydantic).
+"""Request models (pydantic): OpenAI's protocol, and Anthropic's Messages API, which maps onto a chat completion
+request (``AnthropicCountTokensRequest.to_chat``).
 
 A field the server does not implement is refused (400 naming it) rather than silently ignored, except the ones
-OpenAI documents as optional hints that do not change the output (``HINT_FIELDS``)."""
+OpenAI documents as optional hints that do not change the output (``HINT_FIELDS``; Anthropic's:
+``ANTHROPIC_HINT_FIELDS``)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -160,3 +163,163 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+# ---------------------------------------------------------------------- Anthropic's Messages API
+# accepted and ignored; ``cache_control`` on blocks and tools is accepted too (prefix caching is automatic)
+ANTHROPIC_HINT_FIELDS = frozenset({"service_tier"})
+_CLOSED = ConfigDict(extra="forbid")
+
+
+class AnthropicTextBlock(BaseModel):
+    model_config = _CLOSED
+
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+    citations: list[dict[str, Any]] | None = None
+
+
+class AnthropicToolUseBlock(BaseModel):
+    model_config = _CLOSED
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolResultBlock(BaseModel):
+    model_config = _CLOSED
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[AnthropicTextBlock] | None = None
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
+        return f"Error: {text}" if self.is_error else text
+
+
+AnthropicBlock = Annotated[Union[AnthropicTextBlock, AnthropicToolUseBlock, AnthropicToolResultBlock],
+                           Field(discriminator="type")]
+
+
+class AnthropicMessage(BaseModel):
+    model_config = _CLOSED
+
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicBlock]
+
+
+class AnthropicTool(BaseModel):
+    model_config = _CLOSED
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolChoice(BaseModel):
+    model_config = _CLOSED
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+def _text_parts(blocks: list[AnthropicTextBlock]) -> list[dict]:
+    return [{"type": "text", "text": b.text} for b in blocks]
+
+
+def _chat_messages(m: AnthropicMessage) -> list[dict]:
+    """One Anthropic message as chat messages: an assistant's text and ``tool_use`` blocks become one message with
+    ``tool_calls``; a user's ``tool_result`` blocks become ``tool`` messages and its text a user message, in order."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    if m.role == "assistant":
+        if any(isinstance(b, AnthropicToolResultBlock) for b in m.content):
+            raise ValueError("messages: tool_result blocks belong in user messages")
+        msg: dict = {"role": "assistant", "content": _text_parts([b for b in m.content
+                                                                   if isinstance(b, AnthropicTextBlock)])}
+        calls = [{"id": b.id, "type": "function",
+                  "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                 for b in m.content if isinstance(b, AnthropicToolUseBlock)]
+        if calls:
+            msg["tool_calls"] = calls
+        return [msg]
+    out: list[dict] = []
+    for b in m.content:
+        if isinstance(b, AnthropicToolUseBlock):
+            raise ValueError("messages: tool_use blocks belong in assistant messages")
+        if isinstance(b, AnthropicToolResultBlock):
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+        elif out and out[-1]["role"] == "user":
+            out[-1]["content"].append({"type": "text", "text": b.text})
+        else:
+            out.append({"role": "user", "content": _text_parts([b])})
+    return out or [{"role": "user", "content": ""}]
+
+
+class AnthropicCountTokensRequest(BaseModel):
+    """``POST /v1/messages/count_tokens``: what a Messages request renders to, without the sampling fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[AnthropicTextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        return sorted(set(self.model_extra or {}) - ANTHROPIC_HINT_FIELDS)
+
+    def to_chat(self, **sampling: Any) -> ChatCompletionRequest:
+        """The same request as a chat completion request (``sampling``: its sampling fields); ValueError for what
+        has no equivalent."""
+        if self.messages[-1].role == "assistant":
+            raise ValueError("messages: a final assistant message (prefilling the response) is not supported")
+        messages: list[dict] = []
+        if self.system:
+            messages.append({"role": "system", "content": self.system if isinstance(self.system, str)
+                             else _text_parts(self.system)})
+        for m in self.messages:
+            messages += _chat_messages(m)
+        tools = None if self.tools is None else [
+            {"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in self.tools]
+        tool_choice: str | dict | None = None
+        parallel = True
+        tc = self.tool_choice
+        if tc is not None:
+            if tc.type == "tool":
+                if tc.name is None:
+                    raise ValueError("tool_choice: type 'tool' needs a name")
+                tool_choice = {"type": "function", "function": {"name": tc.name}}
+            else:
+                tool_choice = {"auto": "auto", "any": "required", "none": "none"}[tc.type]
+            parallel = not tc.disable_parallel_tool_use
+        return ChatCompletionRequest(model=self.model, messages=messages, tools=tools, tool_choice=tool_choice,
+                                     parallel_tool_calls=parallel, **sampling)
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    """``POST /v1/messages``."""
+
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None
+    stream: bool = False
+
+    def to_chat(self, **sampling: Any) -> ChatCompletionRequest:
+        return super().to_chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
+                               top_p=self.top_p, top_k=self.top_k, stream=self.stream, **sampling)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.outputs import CompletionOutput, TokenLogprobs
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.server.degradation import FallbackRouter
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import ChatCompletionRequest
 from pagedllm.server.serving_base import OpenAIServing
 from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs
-from pagedllm.server.tools import extract_tool_calls, plan_tools, template_messages, visible_content
+from pagedllm.server.tools import ToolPlan, extract_tool_calls, plan_tools, stream_view, template_messages
 
 
 def chat_logprobs(lps: list[TokenLogprobs]) -> dict:
@@ -45,15 +49,27 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return template_messages(messages)
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt: its tool plan, its output constraint, the messages and tools the chat template renders,
+    and their encoding for the primary engine."""
+
+    plan: ToolPlan
+    structured: StructuredOutputsParams | None
+    messages: list[dict]
+    tools: list[dict] | None
+    encoded: tuple[str, list[int]]
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, model_names: list[str], router: FallbackRouter,
                  auto_tools: bool = False) -> None:
         super().__init__(engine, model_names, router)
         self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
 
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
-        model = self.check_model(req.model)
-        self.refuse_unsupported(req)
+    def prompt(self, req: ChatCompletionRequest) -> ChatPrompt:
+        """The request's tool plan and constraint, and its messages rendered by the chat template and encoded (a
+        template error is a 400 before anything is queued)."""
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tools)
         structured = req.structured()
         if plan.structured is not None:
@@ -63,14 +79,24 @@ class OpenAIServingChat(OpenAIServing):
             structured = plan.structured
         tools = req.tools if plan.mode != "none" else None
         messages = _messages(req)
-        encoded = [self.engine.encode_chat(messages, tools)]  # a template error is a 400 before anything is queued
+        return ChatPrompt(plan, structured, messages, tools, self.engine.encode_chat(messages, tools))
+
+    async def begin(self, req: ChatCompletionRequest, raw: Request,
+                    logprobs: int | None = None) -> tuple[ToolPlan, list[AsyncIterator], str]:
+        """Check, render and queue a chat request: its tool plan, its output streams and the model serving them."""
+        model = self.check_model(req.model)
+        self.refuse_unsupported(req)
+        p = self.prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = req.to_sampling_params(max_tokens, logprobs, p.structured)
+        gens, model = await self.start(lambda eng: [eng.encode_chat(p.messages, p.tools)], [p.encoded], params, req,
+                                       model, raw)
+        return p.plan, gens, model
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.to_sampling_params(max_tokens, logprobs, structured)
-        gens, model = await self.start(lambda eng: [eng.encode_chat(messages, tools)], encoded, params, req, model,
-                                       raw)
+        plan, gens, model = await self.begin(req, raw, (req.top_logprobs or 0) if req.logprobs else None)
         reply = Reply("chatcmpl", model)
 
         if not req.stream:
@@ -89,14 +115,7 @@ class OpenAIServingChat(OpenAIServing):
             return reply.json("chat.completion", choices, finals)
 
         def render(_prompt: int, index: int, c: CompletionOutput, deltas: ChoiceDeltas) -> dict | None:
-            calls = []  # content streams as it comes, except what may be (or is) a tool call
-            if plan.mode == "none":
-                shown = c.text
-            elif c.finish_reason is None:
-                shown = visible_content(plan, c.text)
-            else:
-                _, calls = extract_tool_calls(plan, c.text)
-                shown = visible_content(plan, c.text) if calls else c.text
+            shown, calls = stream_view(plan, c.text, c.finish_reason is not None)
             d = deltas.next(index, shown, c)
             if d is None:
                 return None

@@ -21,6 +21,7 @@ from pagedllm.server.errors import ClientGone
 from pagedllm.server.protocol import StreamOptions
 
 DONE = "data: [DONE]\n\n"
+ENGINE_ERRORS = (RequestFailedError, EngineDeadError, EngineOverloadedError)  # what ends a started stream early
 
 
 def stream_line(obj) -> str:
@@ -180,8 +181,8 @@ class Reply:
     """One response: its id, creation time and the model that serves it (also in a header), as one JSON body or
     as an SSE stream of chunks."""
 
-    def __init__(self, id_prefix: str, model: str) -> None:
-        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+    def __init__(self, id_prefix: str, model: str, sep: str = "-") -> None:
+        self.id = f"{id_prefix}{sep}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.headers = {"x-pagedllm-served-by": model}
@@ -205,20 +206,34 @@ class Reply:
         async def lines():
             deltas = ChoiceDeltas()
             finals: dict[int, RequestOutput] = {}
-            try:
-                for choice in opening:
-                    yield stream_line(self.body(obj, [choice]))
-                async for i, o in merged(gens):
-                    for c in o.outputs:
-                        choice = render(i, i * n + c.index, c, deltas)
-                        if choice is not None:
-                            yield stream_line(self.body(obj, [choice]))
-                    if o.finished:
-                        finals[i] = o
-                if include_usage:
-                    yield stream_line(self.body(obj, [], usage(list(finals.values()))))
-            except (RequestFailedError, EngineDeadError, EngineOverloadedError) as e:
-                yield stream_error(e)
-            yield DONE
+            for choice in opening:
+                yield stream_line(self.body(obj, [choice]))
+            async for i, o in merged(gens):
+                for c in o.outputs:
+                    choice = render(i, i * n + c.index, c, deltas)
+                    if choice is not None:
+                        yield stream_line(self.body(obj, [choice]))
+                if o.finished:
+                    finals[i] = o
+            if include_usage:
+                yield stream_line(self.body(obj, [], usage(list(finals.values()))))
 
-        return StreamingResponse(lines(), media_type="text/event-stream", headers=self.headers)
+        return self.stream(lines(), stream_error, DONE)
+
+    def stream(self, events: AsyncIterator[str], on_error: Callable[[Exception], str],
+               last: str = "") -> StreamingResponse:
+        """An SSE response of ``events``; an engine failure midway ends it with ``on_error``'s event, and ``last``
+        (when given) closes the stream either way."""
+
+        async def body():
+            try:
+                async for line in events:
+                    yield line
+            except ENGINE_ERRORS as e:
+                yield on_error(e)
+            finally:
+                await events.aclose()  # a client that went away: close the streams (aborting their requests)
+            if last:
+                yield last
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=self.headers)

@@ -129,6 +129,17 @@ def visible_content(plan: ToolPlan, text: str) -> str:
     return text
 
 
+def stream_view(plan: ToolPlan, text: str, finished: bool) -> tuple[str, list[dict]]:
+    """What a stream may show of an output so far (the text the client may see now) and, once it has finished, its
+    tool calls: content streams as it comes, except what may be (or is) a tool call."""
+    if plan.mode == "none":
+        return text, []
+    if not finished:
+        return visible_content(plan, text), []
+    _, calls = extract_tool_calls(plan, text)
+    return (visible_content(plan, text) if calls else text), calls
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: assistant ``tool_calls`` with their arguments as objects."""
     out = []
