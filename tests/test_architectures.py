@@ -37,6 +37,12 @@ def _hf_model(kind: str, vocab: int, gguf_conventions: bool = False):
             original_max_position_embeddings=64))))
     elif kind == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common | dict(sliding_window=WINDOW, head_dim=16)))
+    elif kind == "qwen3moe":  # 4 experts, 2 per token
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common | dict(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)))
+    elif kind == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**common | dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                       sliding_window=None)))
     elif kind == "phi3":
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**common | dict(pad_token_id=0)))
     else:
@@ -81,13 +87,13 @@ def _check(path: str, model, arch: str):
     assert sched.counters.num_preemptions > 0 and sched.kv.prefix_cache_hits > 0
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3", "mistral", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3", "mistral", "phi3", "qwen3moe", "mixtral"])
 def test_hf_directory_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size)
     d = tmp_path / kind
     model.save_pretrained(d, safe_serialization=True)
     llm.get_tokenizer().save_pretrained(d)
-    _check(str(d), model, {"mistral": "llama", "llama3": "llama"}.get(kind, kind))
+    _check(str(d), model, {"mistral": "llama", "llama3": "llama", "mixtral": "llama"}.get(kind, kind))
 
 
 # llama.cpp's tensor names for the HF ones (per layer)
@@ -106,7 +112,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path: str, kind: str, model, eot: int | None = None) -> None:
+def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts: bool = False) -> None:
     from pagedllm.config import default_model_path
     from pagedllm.gguf_file import GGUFFile
 
@@ -138,6 +144,22 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None) -> None:
     state = {k: v.float().numpy() for k, v in model.state_dict().items()}
     plus_one = kind == "gemma3"  # llama.cpp stores gemma's norm weights as 1 + w
     names = GGUF_LAYER | (GEMMA_LAYER if kind == "gemma3" else {"post_attention_layernorm": "ffn_norm"})
+    if kind == "qwen3moe":  # experts stacked per layer, as llama.cpp writes them
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}.mlp."
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", state.pop(p + "gate.weight"))  # the router stays F32
+            gate, up = np.split(state.pop(p + "experts.gate_up_proj"), 2, axis=1)  # (E, 2I, H) in memory
+            for out, t in (("ffn_gate_exps", gate), ("ffn_up_exps", up),
+                           ("ffn_down_exps", state.pop(p + "experts.down_proj"))):
+                t = np.ascontiguousarray(t)
+                if q8_experts:  # in Q8_0 blocks, as quantized files hold them
+                    w.add_tensor(f"blk.{i}.{out}.weight", gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                else:
+                    w.add_tensor(f"blk.{i}.{out}.weight", t)
     for name, t in state.items():
         if name == "model.embed_tokens.weight":
             out = "token_embd.weight"
@@ -155,7 +177,12 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None) -> None:
                 t = _permute(t, c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads)
         if plus_one and name.endswith("norm.weight"):
             t = 1.0 + t
-        w.add_tensor(out, np.ascontiguousarray(t, dtype=np.float32))
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if q8_experts and t.ndim == 2:  # every linear and the embedding in Q8_0 blocks
+            w.add_tensor(out, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(out, t)
     if kind == "llama3":  # llama.cpp's per-frequency divisors for Llama 3 scaling
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -168,7 +195,7 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3", "qwen3moe"])
 def test_gguf_file_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
     path = str(tmp_path / f"tiny-{kind}.gguf")
@@ -206,3 +233,20 @@ def test_end_of_turn_token_stops_generation(tmp_path, llm):
     out = ours.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     assert out[0].outputs[0].token_ids == want
+
+
+def test_quantized_experts_run_from_their_blocks(tmp_path, llm):
+    """Experts stored as Q8_0 stacks: the default path slices each expert out of its layer's tensor and runs it in
+    the block kernel; its greedy tokens and logprobs follow the float32 path's on the same file."""
+    model = _hf_model("qwen3moe", llm.engine.core.vocab_size, gguf_conventions=True)
+    path = str(tmp_path / "moe-q8.gguf")
+    _write_gguf(path, "qwen3moe", model, q8_experts=True)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    ref = LLM(model=path, max_model_len=128, dtype="float32").generate(PROMPTS, sp, use_tqdm=False)
+    auto = LLM(model=path, max_model_len=128, kv_cache_dtype="float32")
+    lins = auto.engine.core.runner.model.linears()
+    assert {lins[f"layers.1.experts.{e}.{n}"].kind for e in range(4) for n in ("gate_up", "down")} == {"q8-block"}
+    for g, r in zip(auto.generate(PROMPTS, sp, use_tqdm=False), ref):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert abs(a.logprob - b.logprob) < 0.02

@@ -39,6 +39,12 @@ class ModelArchConfig:
     rope_scaling: dict | None = field(default=None, compare=False, hash=False)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     stop_token_ids: tuple[int, ...] = ()  # end-of-generation tokens besides eos (gemma's <end_of_turn>)
+    # mixture of experts (qwen3moe, mixtral): every layer's MLP is num_experts experts of moe_intermediate_size,
+    # num_experts_per_tok of them per token (softmax router, top-k, renormalised with norm_topk_prob)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -51,6 +57,8 @@ class ModelArchConfig:
             raise ValueError(f"layer types must be 'full' or 'sliding', got {sorted(set(self.layer_types))}")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: silu, gelu_tanh")
         if self.num_heads % self.num_kv_heads:

@@ -19,7 +19,7 @@ from pagedllm.layers.linear import build_linear, tensor_bytes
 from pagedllm.layers.norm import rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pagedllm.model.arch import ModelArchConfig, tp_layout
-from pagedllm.quant.formats import concat
+from pagedllm.quant.formats import concat, dequantize
 from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
 LM_HEAD_DENSE_MIN_TOKENS = 2
@@ -99,10 +99,18 @@ class CausalLM:
                 "post_norm": take(p + "post_norm"),  # before the MLP
                 "qkv": linear(p + "qkv", [p + "q", p + "k", p + "v"], "attn", bias),  # (Q+2K, H)
                 "o": linear(p + "o", [p + "o"], "attn"),
-                "gate_up": linear(p + "gate_up", [p + "gate", p + "up"], "mlp"),  # (2I, H)
-                "down": linear(p + "down", [p + "down"], "mlp"),
                 "window": cfg.window(i),
             }
+            if cfg.num_experts:  # a router (float, small) and per expert its own fused gate/up and down
+                router = pop(p + "router")
+                layer["router"] = (router if isinstance(router, torch.Tensor) else dequantize(router)).to(
+                    device=device, dtype=dtype).contiguous()
+                layer["experts"] = [
+                    (linear(f"{p}experts.{e}.gate_up", [f"{p}experts.{e}.gate", f"{p}experts.{e}.up"], "mlp"),
+                     linear(f"{p}experts.{e}.down", [f"{p}experts.{e}.down"], "mlp")) for e in range(cfg.num_experts)]
+            else:
+                layer["gate_up"] = linear(p + "gate_up", [p + "gate", p + "up"], "mlp")  # (2I, H)
+                layer["down"] = linear(p + "down", [p + "down"], "mlp")
             for name in (("q_norm", "k_norm") if cfg.qk_norm else ()) + (
                     ("attn_out_norm", "mlp_out_norm") if cfg.sandwich_norm else ()):
                 layer[name] = take(p + name)
@@ -148,7 +156,11 @@ class CausalLM:
         out = {"lm_head": self.lm_head, "embed": self.embed}
         for i, layer in enumerate(self.layers):
             for name in ("qkv", "o", "gate_up", "down"):
-                out[f"layers.{i}.{name}"] = layer[name]
+                if name in layer:
+                    out[f"layers.{i}.{name}"] = layer[name]
+            for e, (gate_up, down) in enumerate(layer.get("experts", ())):
+                out[f"layers.{i}.experts.{e}.gate_up"] = gate_up
+                out[f"layers.{i}.experts.{e}.down"] = down
         return out
 
     def weight_bytes(self) -> int:
@@ -182,8 +194,7 @@ class CausalLM:
             o = self._reduce(layer["o"](attn.reshape(t, self.q_size)))  # row-parallel: partial sums
             h = h + (rms_norm(o, layer["attn_out_norm"], eps) if cfg.sandwich_norm else o)
             x = rms_norm(h, layer["post_norm"], eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            m = self._reduce(layer["down"](self.act(gate) * up))
+            m = self._reduce(self._mlp(layer, x))
             h = h + (rms_norm(m, layer["mlp_out_norm"], eps) if cfg.sandwich_norm else m)
         return rms_norm(h, self.norm, eps)
 
@@ -212,18 +223,38 @@ class CausalLM:
             if cfg.sandwich_norm:
                 o = ops.rms_norm(o, layer["attn_out_norm"], eps)
             x = ops.add_rms_norm(h, o, layer["post_norm"], eps)
-            gu = layer["gate_up"](x)
-            if cfg.hidden_act == "silu":
-                act = ops.silu_and_mul(gu)
-            else:
-                gate, up = gu.chunk(2, dim=-1)
-                act = self.act(gate) * up
-            mlp = self._reduce(layer["down"](act))
+            mlp = self._reduce(self._mlp(layer, x))
             if cfg.sandwich_norm:
                 mlp = ops.rms_norm(mlp, layer["mlp_out_norm"], eps)
             nxt = self.layers[i + 1]["input_norm"] if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(h, mlp, nxt, eps)
         return x
+
+    def _gated(self, gate_up, down, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate) * up) with gate and up from one fused projection."""
+        gu = gate_up(x)
+        if self.ops is not None and self.cfg.hidden_act == "silu":
+            return down(self.ops.silu_and_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
+        return down(self.act(gate) * up)
+
+    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+        if "experts" not in layer:
+            return self._gated(layer["gate_up"], layer["down"], x)
+        # mixture of experts: softmax over the router's logits (float32), the top k per token (renormalised), and
+        # the step's tokens grouped per expert, so each chosen expert runs once on all of its tokens; experts are
+        # added in ascending order, as the reference does
+        probs = torch.softmax(F.linear(x, layer["router"]), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)  # (T, k)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            slot, rows = torch.where((chosen == e).T)  # (k, T) order: by slot, then token, as the reference
+            y = self._gated(*layer["experts"][e], x[rows].contiguous())
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp is None else self.tp.all_reduce(x)

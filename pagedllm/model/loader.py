@@ -10,7 +10,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -106,7 +108,9 @@ GGUF_LAYER_NAMES = {
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
     "post_ffw_norm.weight": "mlp_out_norm",
+    "ffn_gate_inp.weight": "router",  # mixture of experts: the router, and the experts stacked in one tensor each
 }
+GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
 HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 HF_LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
@@ -125,7 +129,31 @@ HF_LAYER_NAMES = {
     "mlp.up_proj.weight": "up",
     "mlp.gate_up_proj.weight": "gate_up",
     "mlp.down_proj.weight": "down",
+    "mlp.gate.weight": "router",
+    "block_sparse_moe.gate.weight": "router",
 }
+# one expert's projection (qwen3moe: mlp.experts.E.gate_proj; mixtral: block_sparse_moe.experts.E.w1 / w3 / w2)
+HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+HF_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# experts stacked in 3-D tensors (transformers' in-memory layout): (E, 2I, H) and (E, H, I)
+HF_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "gate_up", "mlp.experts.down_proj": "down"}
+
+
+@dataclass
+class _ExpertSlice:
+    """Expert ``e`` of a GGUF tensor that stacks all of a layer's experts: read as a tensor of its own."""
+
+    name: str
+    data: np.ndarray
+    tensor_type: object
+    shape: tuple
+    n_bytes: int
+    data_offset: int
+
+    @classmethod
+    def of(cls, t, e: int, n: int) -> "_ExpertSlice":
+        size = int(t.n_bytes) // n
+        return cls(f"{t.name}[{e}]", t.data[e], t.tensor_type, tuple(t.shape[:2]), size, int(t.data_offset) + e * size)
 
 
 def _gguf_config(meta: GGUFMeta) -> dict:
@@ -208,6 +236,11 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
     for t in reader.tensors:
         if t.name in GGUF_NAMES:
             name = GGUF_NAMES[t.name]
+        elif t.name.startswith("blk.") and t.name.split(".", 2)[2] in GGUF_EXPERTS:
+            _, idx, rest = t.name.split(".", 2)
+            tasks += [(f"layers.{idx}.experts.{e}.{GGUF_EXPERTS[rest]}", _ExpertSlice.of(t, e, cfg.num_experts))
+                      for e in range(cfg.num_experts)]
+            continue
         elif t.name.startswith("blk."):
             _, idx, rest = t.name.split(".", 2)
             if rest not in per_layer:
@@ -281,9 +314,16 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
                 key = HF_NAMES[name]
             elif name.startswith("model.layers."):
                 idx, rest = name[len("model.layers."):].split(".", 1)
-                if rest not in per_layer:
+                if (m := HF_EXPERT.fullmatch(rest)) is not None:
+                    key = f"layers.{idx}.experts.{m[1]}.{HF_EXPERT_PART[m[2]]}"
+                elif rest in HF_STACKED_EXPERTS:
+                    for e, w in enumerate(t.float().unbind(0)):
+                        weights[f"layers.{idx}.experts.{e}.{HF_STACKED_EXPERTS[rest]}"] = w.contiguous()
                     continue
-                key = f"layers.{idx}.{per_layer[rest]}"
+                elif rest not in per_layer:
+                    continue
+                else:
+                    key = f"layers.{idx}.{per_layer[rest]}"
             else:
                 continue
             t = t.float()

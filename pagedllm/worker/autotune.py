@@ -78,21 +78,28 @@ def _time_ms(fn, x: torch.Tensor, min_s: float = 0.03, max_reps: int = 50) -> fl
 
 def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
     """Whether every linear of the model (and the LM head) is an integer weight the block kernel runs."""
-    names = [f"layers.{i}.{n}" for i in range(num_layers) for n in ("q", "k", "v", "o", "gate", "up", "down")]
-    names.append("lm_head" if "lm_head" in weights else "embed")
     peek = getattr(weights, "peek", weights.get)  # a LazyWeights' value without decoding it
+    mlp = ("gate", "up", "down") if peek("layers.0.experts.0.down") is None else tuple(
+        f"experts.{e}.{n}" for e in range(_num_experts(weights)) for n in ("gate", "up", "down"))
+    names = [f"layers.{i}.{n}" for i in range(num_layers) for n in ("q", "k", "v", "o") + mlp]
+    names.append("lm_head" if "lm_head" in weights else "embed")
     return all(isinstance(w := peek(n), (QuantizedWeight, LazyBlocks)) and w.group_size % 16 == 0
                and w.shape[1] % 32 == 0 for n in names)
 
 
+def _num_experts(weights: dict) -> int:
+    return sum(1 for n in weights if n.startswith("layers.0.experts.") and n.endswith(".down"))
+
+
 def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
-    """Layer 0's linears, fused as the model fuses them."""
+    """Layer 0's linears, fused as the model fuses them (a mixture of experts: its first expert's MLP)."""
     p = "layers.0."
+    mlp = p if f"{p}down" in weights else f"{p}experts.0."
     return {
         "qkv": concat([weights[p + n] for n in ("q", "k", "v")]),
         "o": weights[p + "o"],
-        "gate_up": concat([weights[p + "gate"], weights[p + "up"]]),
-        "down": weights[p + "down"],
+        "gate_up": concat([weights[mlp + "gate"], weights[mlp + "up"]]),
+        "down": weights[mlp + "down"],
     }
 
 

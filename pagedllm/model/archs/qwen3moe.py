@@ -1,0 +1,23 @@
+"""Qwen 3 mixture of experts (Qwen3-30B-A3B, ...): qwen3's attention, every layer's MLP a softmax-routed top-k
+mixture of experts (no shared expert)."""
+
+from pagedllm.model.archs import Arch, GGUFMeta
+
+
+def from_gguf(meta: GGUFMeta) -> dict:
+    return {"qk_norm": True, "num_experts": int(meta.kv("expert_count")),
+            "num_experts_per_tok": int(meta.kv("expert_used_count")),
+            "moe_intermediate_size": int(meta.kv("expert_feed_forward_length")), "norm_topk_prob": True}
+
+
+def from_hf(hf: dict) -> dict:
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise ValueError("qwen3moe: dense layers between the sparse ones (decoder_sparse_step, mlp_only_layers) "
+                         "are not supported")
+    return {"qk_norm": True, "num_experts": hf.get("num_experts") or hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf["moe_intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "attention_bias": bool(hf.get("attention_bias", False))}
+
+
+ARCH = Arch("qwen3moe", ("qwen3_moe",), from_gguf, from_hf)
