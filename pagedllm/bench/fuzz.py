@@ -1,9 +1,9 @@
 """API fuzzing of a running server: schemathesis cases from its own `/openapi.json`, hypothesis-drawn OpenAI
 bodies that mix valid and invalid values, and a fixed list of hostile requests (broken JSON, invalid UTF-8, NaN,
-out-of-vocabulary ids, oversize bodies, ...).
+out-of-vocabulary ids, oversize bodies, bad Anthropic Messages requests, ...).
 
-Every response is classified: 2xx, 4xx with OpenAI's error object, 4xx without it, 5xx, or no response (the
-connection failed: a crash). Schema checks (status codes, content types and bodies as documented; invalid input
+Every response is classified: 2xx, 4xx with the route's error object (OpenAI's; Anthropic's on `/v1/messages...`),
+4xx without it, 5xx, or no response (the connection failed: a crash). Schema checks (status codes, content types and bodies as documented; invalid input
 refused) are counted separately. Used by `pagedllm bench reliability` and by tests/test_reliability.py.
 """
 
@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagedllm.server.errors import anthropic_route
+
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -24,7 +26,8 @@ class Tally:
     sent: int = 0
     ok: int = 0  # 2xx
     client_errors: int = 0  # 4xx
-    openai_shaped: int = 0  # 4xx with {"error": {message, type, param, code}}
+    openai_shaped: int = 0  # 4xx with the route's error object: {"error": {message, type, param, code}} (OpenAI's)
+    # or {"type": "error", "error": {type, message}} (Anthropic's, on its routes)
     server_errors: int = 0  # 5xx
     no_response: int = 0  # connection failed or timed out
     statuses: Counter = field(default_factory=Counter)
@@ -47,18 +50,50 @@ class Tally:
                 "statuses": {str(k): v for k, v in sorted(self.statuses.items())}, "problems": self.problems}
 
 
-def openai_error_shape(resp: httpx.Response) -> bool:
+def error_shape(resp: httpx.Response) -> bool:
+    """Does the error carry its route's error object: Anthropic's on the Messages API routes
+    (``{"type": "error", "error": {type, message}}``), else OpenAI's (``{"error": {message, type, param, code}}``)?"""
     try:
         body = resp.json()
     except ValueError:
         return False
     err = body.get("error") if isinstance(body, dict) else None
-    return (isinstance(err, dict) and ERROR_KEYS <= set(err) and isinstance(err["message"], str)
-            and bool(err["message"]) and err["code"] == resp.status_code)
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str) or not err["message"]:
+        return False
+    try:
+        path = resp.request.url.path
+    except RuntimeError:  # a response made by hand, without a request
+        path = ""
+    if anthropic_route(path):
+        return body.get("type") == "error" and isinstance(err.get("type"), str)
+    return ERROR_KEYS <= set(err) and err["code"] == resp.status_code
+
+
+def check_anthropic_sse(text: str) -> str | None:
+    """An Anthropic stream: `event: <type>` / `data: <JSON>` pairs from message_start to message_stop."""
+    events = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    if len(events) != len(data):
+        return "stream has events without data (or data without event)"
+    for name, d in zip(events, data):
+        try:
+            obj = json.loads(d)
+        except ValueError:
+            return f"stream event is not JSON: {d[:80]}"
+        if obj.get("type") != name:
+            return f"event {name!r} carries data of type {obj.get('type')!r}"
+        if name == "error":
+            return f"error inside a 200 stream: {obj.get('error')}"
+    if not events or events[0] != "message_start" or events[-1] != "message_stop":
+        return "stream does not run from message_start to message_stop"
+    return None
 
 
 def check_sse(text: str) -> str | None:
-    """A stream must be `data: <JSON>` events ending with `data: [DONE]`; an error event is reported."""
+    """A stream must be `data: <JSON>` events ending with `data: [DONE]` (Anthropic's: `check_anthropic_sse`); an
+    error event is reported."""
+    if text.startswith("event: "):
+        return check_anthropic_sse(text)
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
         return "stream does not end with data: [DONE]"
@@ -88,10 +123,10 @@ def classify(t: Tally, label: str, resp: httpx.Response | None, expect: set[int]
                 t.problem(f"{label}: {bad}")
     elif 400 <= s < 500:
         t.client_errors += 1
-        if openai_error_shape(resp):
+        if error_shape(resp):
             t.openai_shaped += 1
         else:
-            t.problem(f"{label}: {s} without OpenAI error shape: {resp.text[:200]}")
+            t.problem(f"{label}: {s} without the route's error shape: {resp.text[:200]}")
     elif s >= 500:
         t.server_errors += 1
         t.problem(f"{label}: {s}: {resp.text[:300]}")
@@ -206,7 +241,47 @@ def hostile_cases(model: str, max_model_len: int, vocab_size: int) -> list[tuple
         ("unknown route", "GET", "/v1/nothing-here", {}, {404}),
         ("wrong method", "GET", c, {}, {405}),
     ]
-    return cases
+    return cases + anthropic_hostile_cases(model)
+
+
+def anthropic_hostile_cases(model: str) -> list[tuple[str, str, str, dict, set[int]]]:
+    """Bad requests to the Anthropic Messages API routes (answered with Anthropic's error object)."""
+    m, count = "/v1/messages", "/v1/messages/count_tokens"
+    user = {"role": "user", "content": "Hi"}
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+    def body(**kw):
+        return {"json": {"model": model, "max_tokens": 4, "messages": [user], **kw}}
+
+    bad400 = {400}
+    return [
+        ("messages: invalid JSON", "POST", m, {"content": b"{not json", "headers": {"content-type":
+                                                                                   "application/json"}}, bad400),
+        ("messages: max_tokens missing", "POST", m, {"json": {"model": model, "messages": [user]}}, bad400),
+        ("messages: max_tokens 0", "POST", m, body(max_tokens=0), bad400),
+        ("messages: temperature -1", "POST", m, body(temperature=-1), bad400),
+        ("messages: empty", "POST", m, body(messages=[]), bad400),
+        ("messages: system role in messages", "POST", m, body(messages=[{"role": "system", "content": "x"}]),
+         bad400),
+        ("messages: image block", "POST", m, body(messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]), bad400),
+        ("messages: tool_result from the assistant", "POST", m, body(messages=[user, {"role": "assistant", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}, user]), bad400),
+        ("messages: final assistant message", "POST", m, body(messages=[user, {"role": "assistant",
+                                                                                "content": "Sure"}]), bad400),
+        ("messages: tool_choice tool without name", "POST", m, body(tools=[tool], tool_choice={"type": "tool"}),
+         bad400),
+        ("messages: tool_choice names an unknown tool", "POST", m, body(tools=[tool], tool_choice={
+            "type": "tool", "name": "nope"}), bad400),
+        ("messages: server tool", "POST", m, body(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+         bad400),
+        ("messages: stop_sequences empty string", "POST", m, body(stop_sequences=[""]), bad400),
+        ("messages: unknown field", "POST", m, body(frobnicate=1), bad400),
+        ("messages: unknown model", "POST", m, body(model="claude-9"), {404}),
+        ("messages: wrong method", "GET", m, {}, {405}),
+        ("count_tokens: max_tokens given", "POST", count, body(), bad400),
+        ("count_tokens: messages missing", "POST", count, {"json": {"model": model}}, bad400),
+    ]
 
 
 def run_hostile(base: str, headers: dict, model: str, max_model_len: int, vocab_size: int,

@@ -27,6 +27,7 @@ from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, write_json
 from pagedllm.bench.compare import _free_port, running_server, wait_healthy
 from pagedllm.bench.cpuinfo import cpu_line
 from pagedllm.config import default_model_path
+from pagedllm.server.errors import anthropic_route
 
 GREEDY_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
                   "List three uses of copper:"]
@@ -287,7 +288,7 @@ async def _timed_load(base: str, headers: dict, bodies: list[dict], concurrency:
             if r.status_code == 200:
                 res["tokens"] = r.json()["usage"]["completion_tokens"]
             else:
-                res["shaped"] = fuzz.openai_error_shape(r)
+                res["shaped"] = fuzz.error_shape(r)
             return res
 
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout + 5, limits=limits) as client:
@@ -347,13 +348,14 @@ def phase_overload(base: str, key: str | None, max_num_seqs: int, burst: int, ou
 
 
 def phase_auth(base: str, key: str, metrics_public: bool = True) -> dict:
-    """Every route in the OpenAPI schema, plus the docs, without a key, with a wrong one and with the right one."""
+    """Every route in the OpenAPI schema, plus the docs, without a key, with a wrong one and with the right one (as a
+    bearer key; as `x-api-key` too, which only the Anthropic Messages API routes accept)."""
     schema = httpx.get(base + "/openapi.json", headers=auth(key), timeout=30).json()
     routes = [(m.upper(), p) for p, ops in schema["paths"].items() for m in ops]
     routes += [("GET", "/openapi.json"), ("GET", "/docs")]
     public = {"/health"} | ({"/metrics"} if metrics_public else set())
     wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {key}x"},
-             {"Authorization": f"Basic {key}"}, {"Authorization": key}]
+             {"Authorization": f"Basic {key}"}, {"Authorization": key}, {"x-api-key": "wrong"}]
     checked, problems = 0, []
     with httpx.Client(base_url=base, timeout=60) as c:
         for method, path in routes:
@@ -369,6 +371,11 @@ def phase_auth(base: str, key: str, metrics_public: bool = True) -> dict:
             checked += 1
             if s == 401:
                 problems.append(f"{method} {path} refused the right key")
+            if path not in public:
+                s = c.request(method, path, headers={"x-api-key": key}, **kw).status_code
+                checked += 1
+                if (s == 401) == anthropic_route(path):
+                    problems.append(f"{method} {path} answered {s} to the right key as x-api-key")
     return {"phase": "auth", "routes": len(routes), "requests": checked, "public": sorted(public),
             "passed": not problems, "problems": problems}
 

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP app (FastAPI) over AsyncLLM engines: its routes, middleware, error handlers, lifespan
-and OpenAPI schema."""
+"""The OpenAI-compatible HTTP app (FastAPI) over AsyncLLM engines, with Anthropic's Messages API beside it: its
+routes, middleware, error handlers, lifespan and OpenAPI schema."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ from pagedllm.server import openapi
 from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FallbackRouter, FaultInjection
 from pagedllm.server.errors import APIError, error_json, install_error_handlers
 from pagedllm.server.middleware import MAX_BODY_BYTES, ApiKeyMiddleware, BodyLimitMiddleware
-from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedllm.server.protocol import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest,
+                                      CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from pagedllm.server.serving_chat import OpenAIServingChat
 from pagedllm.server.serving_completion import OpenAIServingCompletion
+from pagedllm.server.serving_messages import AnthropicServingMessages
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -37,6 +39,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     router = FallbackRouter(engine, model_names[0], fallback, fallback_name, breaker, request_timeout_s, faults)
     serving_completion = OpenAIServingCompletion(engine, model_names, router)
     serving_chat = OpenAIServingChat(engine, model_names, router, auto_tools)
+    serving_messages = AnthropicServingMessages(serving_chat)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -100,6 +103,15 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                                                              "model": openapi.ChatCompletionResponse}})
     async def chat(req: ChatCompletionRequest, raw: Request):
         return await serving_chat.create_chat_completion(req, raw)
+
+    @app.post("/v1/messages", response_model=None, responses=openapi.MESSAGES_RESPONSES)
+    async def messages(req: AnthropicMessagesRequest, raw: Request):
+        """Anthropic's Messages API (errors in Anthropic's shape; `x-api-key` is accepted as the key)."""
+        return await serving_messages.create_message(req, raw)
+
+    @app.post("/v1/messages/count_tokens", response_model=None, responses=openapi.COUNT_TOKENS_RESPONSES)
+    async def count_tokens(req: AnthropicCountTokensRequest):
+        return await serving_messages.count_tokens(req)
 
     @app.post("/tokenize", response_model=None,
               responses={200: {"model": openapi.TokenizeResponse}, **openapi.SIMPLE_RESPONSES})

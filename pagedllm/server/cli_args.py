@@ -28,7 +28,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="name clients use (default: the model's name)")
     g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                   help="require this bearer key on every route but /health (and /metrics, see below)")
+                   help="require this bearer key on every route but /health (and /metrics, see below); "
+                        "/v1/messages also takes it as x-api-key")
     g.add_argument("--metrics-require-auth", action="store_true", help="with --api-key, /metrics needs the key too")
     g.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: requests in flight get this long to finish, then are ended (finish "

@@ -1,9 +1,10 @@
 """What the server's OpenAPI schema (`/openapi.json`) says about its responses and limits.
 
 FastAPI derives request bodies from the pydantic models in ``protocol``; this module adds what it cannot see: the
-response bodies (OpenAI's shapes, JSON or an SSE stream), the error statuses every route can answer with (OpenAI's
-error object, 400 where FastAPI would document 422), the numeric ranges the engine enforces
-(``sampling_params.RANGES``), that unknown request fields are refused, and the bearer-key security scheme.
+response bodies (OpenAI's shapes, Anthropic's on ``/v1/messages``; JSON or an SSE stream), the error statuses every
+route can answer with (OpenAI's error object, Anthropic's on its routes; 400 where FastAPI would document 422), the
+numeric ranges the engine enforces (``sampling_params.RANGES``), that unknown request fields are refused, and the
+key's security schemes (bearer; also ``x-api-key`` on the Anthropic routes).
 A fuzzer (`pagedllm bench reliability`) checks every response against this schema.
 """
 
@@ -13,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from pagedllm.server.protocol import HINT_FIELDS
+from pagedllm.server.errors import anthropic_route
+from pagedllm.server.protocol import ANTHROPIC_HINT_FIELDS, HINT_FIELDS
 
 
 class ErrorInfo(BaseModel):
@@ -159,6 +161,48 @@ class KVCacheState(BaseModel):
     problem: str | None = None
 
 
+class AnthropicTextContent(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicToolUseContent(BaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessageResponse(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicTextContent | AnthropicToolUseContent]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicCountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorInfo
+
+
 _ERROR_TEXT = {400: "invalid request (OpenAI error object)", 401: "missing or wrong API key",
                404: "unknown model or route", 413: "request body too large",
                429: "queue full (Retry-After header)", 500: "the engine failed on this request",
@@ -169,16 +213,33 @@ def errors(*codes: int) -> dict[int | str, dict]:
     return {c: {"model": ErrorResponse, "description": _ERROR_TEXT[c]} for c in codes}
 
 
+def anthropic_errors(*codes: int) -> dict[int | str, dict]:
+    return {c: {"model": AnthropicErrorResponse, "description": _ERROR_TEXT[c].replace("OpenAI", "Anthropic")}
+            for c in codes}
+
+
 _STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: `data: <chunk "
                                             "JSON>` lines, then `data: [DONE]`"}}}
 GENERATE_RESPONSES = {200: {"description": "JSON, or an SSE stream when `stream` is true", "content": _STREAM},
                       **errors(400, 401, 404, 413, 429, 500, 503)}
 SIMPLE_RESPONSES = errors(400, 401, 404, 413)
+_ANTHROPIC_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: "
+                                                      "`event: <type>` and `data: <event JSON>` lines (message_start, "
+                                                      "content_block_start/_delta/_stop, message_delta, message_stop; "
+                                                      "error)"}}}
+MESSAGES_RESPONSES = {200: {"model": AnthropicMessageResponse, "content": _ANTHROPIC_STREAM,
+                            "description": "the message as JSON, or an SSE stream of Anthropic's events when `stream` "
+                                           "is true"},
+                      **anthropic_errors(400, 401, 404, 413, 429, 500, 503)}
+COUNT_TOKENS_RESPONSES = {200: {"model": AnthropicCountTokensResponse}, **anthropic_errors(400, 401, 404, 413)}
+# request bodies: the hint fields each accepts besides its own (every other field is refused)
+_REQUESTS = {"CompletionRequest": HINT_FIELDS, "ChatCompletionRequest": HINT_FIELDS,
+             "AnthropicMessagesRequest": ANTHROPIC_HINT_FIELDS, "AnthropicCountTokensRequest": ANTHROPIC_HINT_FIELDS}
 
 
 def finalize(schema: dict, ranges: dict, require_key: frozenset[str] | None) -> dict:
     """Edit FastAPI's generated schema in place: 400 instead of 422, numeric ranges, closed request objects
-    (``additionalProperties: false`` plus the accepted hint fields), the bearer scheme on protected routes."""
+    (``additionalProperties: false`` plus the accepted hint fields), the key schemes on protected routes."""
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
@@ -186,10 +247,12 @@ def finalize(schema: dict, ranges: dict, require_key: frozenset[str] | None) -> 
         for op in ops.values():
             op.get("responses", {}).pop("422", None)
             if require_key is not None and path not in require_key:
-                op["security"] = [{"bearer": []}]
+                op["security"] = [{"bearer": []}] + ([{"x-api-key": []}] if anthropic_route(path) else [])
     if require_key is not None:
-        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                   "x-api-key": {"type": "apiKey", "in": "header",
+                                                                 "name": "x-api-key"}}
+    for name, hints in _REQUESTS.items():
         model = comps.get(name)
         if model is None:
             continue
@@ -200,7 +263,7 @@ def finalize(schema: dict, ranges: dict, require_key: frozenset[str] | None) -> 
                 _constrain(props[key], r.json_schema())
         if name == "ChatCompletionRequest" and "max_completion_tokens" in props:
             _constrain(props["max_completion_tokens"], ranges["max_tokens"].json_schema())
-        for hint in sorted(HINT_FIELDS):
+        for hint in sorted(hints):
             props.setdefault(hint, {"description": "accepted and ignored (a hint that does not change the output)"})
         model["additionalProperties"] = False
     return schema

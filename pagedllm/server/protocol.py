@@ -166,8 +166,10 @@ class DetokenizeRequest(BaseModel):
 
 
 # ---------------------------------------------------------------------- Anthropic's Messages API
-# accepted and ignored; ``cache_control`` on blocks and tools is accepted too (prefix caching is automatic)
-ANTHROPIC_HINT_FIELDS = frozenset({"service_tier"})
+# accepted and ignored: bookkeeping, routing and caching hints (prefix caching is automatic; ``cache_control`` on
+# blocks and tools is accepted too)
+ANTHROPIC_HINT_FIELDS = frozenset({"service_tier", "inference_geo", "speed", "cache_control", "diagnostics",
+                                   "user_profile_id", "workspace_id"})
 _CLOSED = ConfigDict(extra="forbid")
 
 
@@ -212,7 +214,7 @@ class AnthropicMessage(BaseModel):
     model_config = _CLOSED
 
     role: Literal["user", "assistant"]
-    content: str | list[AnthropicBlock]
+    content: list[AnthropicBlock] | str
 
 
 class AnthropicTool(BaseModel):
@@ -231,6 +233,22 @@ class AnthropicToolChoice(BaseModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicOutputFormat(BaseModel):
+    model_config = _CLOSED
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(BaseModel):
+    """Structured output (``format``: the answer's text follows a JSON schema); ``effort`` is accepted and ignored."""
+
+    model_config = _CLOSED
+
+    format: AnthropicOutputFormat | None = None
+    effort: str | None = None
 
 
 def _text_parts(blocks: list[AnthropicTextBlock]) -> list[dict]:
@@ -276,6 +294,7 @@ class AnthropicCountTokensRequest(BaseModel):
     system: str | list[AnthropicTextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    output_config: AnthropicOutputConfig | None = None
 
     def unsupported_fields(self) -> list[str]:
         return sorted(set(self.model_extra or {}) - ANTHROPIC_HINT_FIELDS)
@@ -305,8 +324,10 @@ class AnthropicCountTokensRequest(BaseModel):
             else:
                 tool_choice = {"auto": "auto", "any": "required", "none": "none"}[tc.type]
             parallel = not tc.disable_parallel_tool_use
+        fmt = self.output_config.format if self.output_config is not None else None
+        response_format = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_}}
         return ChatCompletionRequest(model=self.model, messages=messages, tools=tools, tool_choice=tool_choice,
-                                     parallel_tool_calls=parallel, **sampling)
+                                     parallel_tool_calls=parallel, response_format=response_format, **sampling)
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):

@@ -11,7 +11,7 @@ from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.degradation import FallbackRouter
 from pagedllm.server.errors import APIError
-from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.server.protocol import AnthropicCountTokensRequest, ChatCompletionRequest, CompletionRequest
 from pagedllm.server.streaming import close_all
 
 # encode(engine) -> the request's prompts tokenized for that engine: [(text or None, token ids)]
@@ -33,7 +33,7 @@ class OpenAIServing:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
 
     @staticmethod
-    def refuse_unsupported(req: GenerateRequest) -> None:
+    def refuse_unsupported(req: GenerateRequest | AnthropicCountTokensRequest) -> None:
         bad = req.unsupported_fields()
         if bad:
             raise APIError(400, f"unsupported field(s) {bad}: pagedllm does not implement "

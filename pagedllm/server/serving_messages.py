@@ -1,0 +1,133 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) over the chat completions
+machinery: the request becomes a chat completion request (``AnthropicCountTokensRequest.to_chat``) that the chat
+endpoint checks, renders through the chat template, constrains (``tool_choice``) and queues; this module draws the
+result as Anthropic's message, or as its SSE events (``message_start``, a ``content_block_start`` /
+``content_block_delta`` / ``content_block_stop`` run per text or ``tool_use`` block, ``message_delta``,
+``message_stop``). Errors on these routes are Anthropic's error object (``errors.error_json``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedllm.errors import EngineOverloadedError
+from pagedllm.outputs import CompletionOutput
+from pagedllm.server.errors import anthropic_error
+from pagedllm.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from pagedllm.server.serving_chat import OpenAIServingChat
+from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs, stream_line
+from pagedllm.server.tools import ToolPlan, extract_tool_calls, stream_view
+
+
+def event(obj: dict) -> str:
+    """One SSE event, named by the object's type."""
+    return f"event: {obj['type']}\n{stream_line(obj)}"
+
+
+def error_event(e: Exception) -> str:
+    return event(anthropic_error(e.status if isinstance(e, EngineOverloadedError) else 500, str(e)))
+
+
+def tool_use_blocks(calls: list[dict]) -> list[dict]:
+    """Parsed tool calls as ``tool_use`` blocks; a call whose arguments are not a JSON object (cut short by
+    max_tokens) is left out."""
+    blocks = []
+    for call in calls:
+        try:
+            args = json.loads(call["function"]["arguments"])
+        except ValueError:
+            continue
+        if isinstance(args, dict):
+            blocks.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+                           "name": call["function"]["name"], "input": args})
+    return blocks
+
+
+def stop_reason(c: CompletionOutput, tool_use: bool) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a finished output. A request the server ended early (shutdown
+    drain: finish reason ``abort``) is ``pause_turn``: sending the turn back continues it."""
+    if tool_use:
+        return "tool_use", None
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if c.finish_reason == "abort":
+        return "pause_turn", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+class AnthropicServingMessages:
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    async def count_tokens(self, req: AnthropicCountTokensRequest) -> dict:
+        """The prompt length a Messages request with this body has (its ``usage.input_tokens``)."""
+        self.chat.check_model(req.model)
+        self.chat.refuse_unsupported(req)
+        return {"input_tokens": len(self.chat.prompt(req.to_chat()).encoded[1])}
+
+    async def create_message(self, req: AnthropicMessagesRequest, raw: Request):
+        self.chat.refuse_unsupported(req)
+        plan, gens, model = await self.chat.begin(req.to_chat(), raw)
+        reply = Reply("msg", model, sep="_")
+        if req.stream:
+            return reply.stream(self._events(reply, plan, gens[0]), error_event)
+        final = (await final_outputs(gens, raw))[0]
+        c = final.outputs[0]
+        content, calls = extract_tool_calls(plan, c.text)
+        tool_use = tool_use_blocks(calls)
+        blocks = ([{"type": "text", "text": content}] if content else []) + tool_use
+        usage = {"input_tokens": len(final.prompt_token_ids), "output_tokens": len(c.token_ids)}
+        return JSONResponse(_message(reply, blocks, stop_reason(c, bool(tool_use)), usage), headers=reply.headers)
+
+    @staticmethod
+    async def _events(reply: Reply, plan: ToolPlan, gen: AsyncIterator) -> AsyncIterator[str]:
+        """The SSE events of one output stream: text streams as it comes (what may be a tool call is held back, as
+        on the chat endpoint); tool calls follow as whole ``tool_use`` blocks once the output has finished."""
+        deltas = ChoiceDeltas()
+        index = 0  # of the content block being written
+        started = text_open = False
+        try:
+            async for o in gen:
+                c = o.outputs[0]
+                if not started:
+                    started = True
+                    usage = {"input_tokens": len(o.prompt_token_ids), "output_tokens": 0}
+                    yield event({"type": "message_start", "message": _message(reply, [], (None, None), usage)})
+                    yield event({"type": "ping"})
+                shown, calls = stream_view(plan, c.text, c.finish_reason is not None)
+                d = deltas.next(0, shown, c)
+                if d is not None and d.text:
+                    if not text_open:
+                        yield event({"type": "content_block_start", "index": index,
+                                     "content_block": {"type": "text", "text": ""}})
+                        text_open = True
+                    yield event({"type": "content_block_delta", "index": index,
+                                 "delta": {"type": "text_delta", "text": d.text}})
+                if c.finish_reason is None:
+                    continue
+                if text_open:
+                    yield event({"type": "content_block_stop", "index": index})
+                    index += 1
+                blocks = tool_use_blocks(calls)
+                for b in blocks:
+                    yield event({"type": "content_block_start", "index": index, "content_block": {**b, "input": {}}})
+                    yield event({"type": "content_block_delta", "index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}})
+                    yield event({"type": "content_block_stop", "index": index})
+                    index += 1
+                reason, sequence = stop_reason(c, bool(blocks))
+                yield event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                             "usage": {"output_tokens": len(c.token_ids)}})
+                yield event({"type": "message_stop"})
+        finally:
+            await gen.aclose()  # ended early (the client went away): abort the request
+
+
+def _message(reply: Reply, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
+    return {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": content,
+            "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
