@@ -112,7 +112,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts: bool = False) -> None:
+def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts: bool = False,
+                extra: dict | None = None) -> None:
     from pagedllm.config import default_model_path
     from pagedllm.gguf_file import GGUFFile
 
@@ -134,6 +135,8 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     w.add_rope_freq_base(rope["rope_theta"])
     if kind == "gemma3":
         w.add_sliding_window(c.sliding_window)
+    for key, value in (extra or {}).items():
+        w.add_uint32(key, value)
     for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
                     ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
         fn(src.get(f"tokenizer.ggml.{key}"))
@@ -250,3 +253,45 @@ def test_quantized_experts_run_from_their_blocks(tmp_path, llm):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
         for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
             assert abs(a.logprob - b.logprob) < 0.02
+
+
+def test_unsupported_variants_are_refused_by_name(tmp_path, llm):
+    """What the layers do not implement stops the load with its name: partial rotary in a GGUF file, Qwen's
+    optional sliding window, mixture-of-experts under tensor parallelism."""
+    import json
+
+    from pagedllm.model.arch import tp_layout
+    from pagedllm.model.loader import load_gguf, load_hf_dir
+
+    model = _hf_model("qwen3", llm.engine.core.vocab_size)
+    path = str(tmp_path / "partial.gguf")
+    _write_gguf(path, "qwen3", model, extra={"qwen3.rope.dimension_count": 16})
+    with pytest.raises(ValueError, match="partial rotary"):
+        load_gguf(path)
+    d = tmp_path / "qwen3-swa"
+    model.save_pretrained(d, safe_serialization=True)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"use_sliding_window": True}))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        load_hf_dir(str(d))
+    moe = _hf_model("qwen3moe", llm.engine.core.vocab_size)
+    d = tmp_path / "moe"
+    moe.save_pretrained(d, safe_serialization=True)
+    arch, _ = load_hf_dir(str(d))
+    assert tp_layout(arch, 1).intermediate_size == arch.intermediate_size
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        tp_layout(arch, 2)
+
+
+def test_generation_config_eos_ids_stop_too(tmp_path, llm):
+    """An HF directory's generation_config.json eos list (gemma: <eos> and <end_of_turn>) adds stop tokens."""
+    import json
+
+    from pagedllm.model.loader import load_hf_dir
+
+    model = _hf_model("gemma3", llm.engine.core.vocab_size)
+    d = tmp_path / "g"
+    model.save_pretrained(d, safe_serialization=True)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 106]}))
+    cfg, _ = load_hf_dir(str(d))
+    assert cfg.eos_token_id == 2 and cfg.stop_token_ids == (106,)

@@ -31,7 +31,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 
 # D=64/128 with up to 8 query heads per KV head take the AVX-512 path; D=32 and G=9 the portable one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 128), (8, 2, 32), (9, 1, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 128), (8, 2, 32), (9, 1, 64), (4, 1, 256)])
 def test_decode_attention_matches_sdpa(ops, dtype, hq, hkv, d):
     torch.manual_seed(hq * d)
     bs, nb = 16, 64

@@ -459,13 +459,14 @@ bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t*
 }
 #endif
 
-// The vector path for head dims 64 and 128 and up to 8 query heads per KV head; false: use the portable loop.
+// The vector path for head dims 64, 128 and 256 and up to 8 query heads per KV head; false: use the portable loop.
 template <typename T>
 bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
                  int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip) {
 #if PAGEDLLM_VEC
   if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip);
   if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip);
+  if (D == 256) return attend_seq_g<T, 256 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip);  // gemma
 #endif
   (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)h0, (void)h1,
       (void)scores, (void)out, (void)skip;

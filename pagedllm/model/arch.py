@@ -94,6 +94,8 @@ def tp_layout(cfg: ModelArchConfig, world_size: int, rank: int = 0) -> TPLayout:
         raise ValueError(f"bad tensor-parallel rank {rank} of world size {world_size}")
     n, h, kv, inter = world_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     problems = []
+    if cfg.num_experts and n > 1:
+        problems.append("mixture-of-experts layers are not split over ranks yet")
     if h % n:
         problems.append(f"{h} query heads are not a multiple of {n}")
     if kv % n and n % kv:

@@ -22,8 +22,8 @@ from pagedllm.model.arch import ModelArchConfig, tp_layout
 from pagedllm.quant.formats import concat, dequantize
 from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
-LM_HEAD_DENSE_MIN_TOKENS = 2
-NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")  # with a dense copy kept (--quant-dense-min-tokens), the head uses it from 2 rows
+LM_HEAD_DENSE_MIN_TOKENS = 2  # with a dense copy kept (--quant-dense-min-tokens), the head uses it from 2 rows
+NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
 class CausalLM:
@@ -70,7 +70,8 @@ class CausalLM:
         def take(name: str) -> torch.Tensor:
             return pop(name).to(device=device, dtype=dtype).contiguous()
 
-        def linear(fused: str, parts: list[str], layer_type: str, bias: torch.Tensor | None = None):
+        def linear(fused: str, parts: list[str], layer_type: str, bias: torch.Tensor | None = None,
+                   dense: bool = True):
             if fused in weights:
                 w = pop(fused)
             else:
@@ -78,7 +79,7 @@ class CausalLM:
                 w = torch.cat(ws, dim=0) if isinstance(ws[0], torch.Tensor) else concat(ws)
             if isinstance(w, torch.Tensor) and quant is not None:
                 w = quantize_weight(w.float(), quant.scheme(layer_type), quant)
-            min_tokens = dense_min_tokens
+            min_tokens = dense_min_tokens if dense else 0
             if layer_type == "lm_head" and head_dense_min_tokens is not None:
                 min_tokens = head_dense_min_tokens
             elif layer_type == "lm_head" and dense_min_tokens > 0:
@@ -105,9 +106,12 @@ class CausalLM:
                 router = pop(p + "router")
                 layer["router"] = (router if isinstance(router, torch.Tensor) else dequantize(router)).to(
                     device=device, dtype=dtype).contiguous()
+                # no dense copies: an expert sees ~k/E of a step's rows, rarely enough for one to pay its memory
                 layer["experts"] = [
-                    (linear(f"{p}experts.{e}.gate_up", [f"{p}experts.{e}.gate", f"{p}experts.{e}.up"], "mlp"),
-                     linear(f"{p}experts.{e}.down", [f"{p}experts.{e}.down"], "mlp")) for e in range(cfg.num_experts)]
+                    (linear(f"{p}experts.{e}.gate_up", [f"{p}experts.{e}.gate", f"{p}experts.{e}.up"], "mlp",
+                            dense=False),
+                     linear(f"{p}experts.{e}.down", [f"{p}experts.{e}.down"], "mlp", dense=False))
+                    for e in range(cfg.num_experts)]
             else:
                 layer["gate_up"] = linear(p + "gate_up", [p + "gate", p + "up"], "mlp")  # (2I, H)
                 layer["down"] = linear(p + "down", [p + "down"], "mlp")

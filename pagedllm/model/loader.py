@@ -111,6 +111,7 @@ GGUF_LAYER_NAMES = {
     "ffn_gate_inp.weight": "router",  # mixture of experts: the router, and the experts stacked in one tensor each
 }
 GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+GGUF_EXPERT_OLD = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # early Mixtral files: a tensor per expert
 HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 HF_LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
@@ -212,6 +213,18 @@ def _hf_config(hf: dict, arch: str) -> dict:
     )
 
 
+def _check_gguf_rotary(meta: GGUFMeta, cfg: ModelArchConfig, path: str) -> None:
+    """Rotary variants the layers do not implement stop the load with their name, rather than run wrong."""
+    dims = meta.kv("rope.dimension_count")
+    if dims is not None and int(dims) != cfg.head_dim:
+        raise ValueError(f"{path}: partial rotary ({dims} of {cfg.head_dim} dimensions) is not supported")
+    if "rope_factors_long.weight" in meta.tensor_names:
+        raise ValueError(f"{path}: long-context rotary factors (longrope) are not supported")
+    kind = meta.kv("rope.scaling.type")
+    if kind not in (None, "none") and cfg.rope_scaling is None:
+        raise ValueError(f"{path}: rope scaling {kind!r} is not supported for {cfg.arch}")
+
+
 def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, native: bool = False,
               lazy: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """``native``: keep every tensor of a block type the block kernel runs (``quant.gguf_blocks.DECODERS``: Q4_0 ..
@@ -230,12 +243,15 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
     meta = GGUFMeta(arch, reader.get, set(by_name), lambda name: _dequantize(by_name[name].data,
                                                                             by_name[name].tensor_type))
     cfg = ModelArchConfig(**_gguf_config(meta) | spec.from_gguf(meta))
+    _check_gguf_rotary(meta, cfg, path)
     per_layer = GGUF_LAYER_NAMES | spec.gguf_names
     n_head, n_kv = cfg.num_heads, cfg.num_kv_heads
     tasks = []
     for t in reader.tensors:
         if t.name in GGUF_NAMES:
             name = GGUF_NAMES[t.name]
+        elif t.name.startswith("blk.") and (m := GGUF_EXPERT_OLD.fullmatch(t.name.split(".", 2)[2])) is not None:
+            tasks.append((f"layers.{t.name.split('.')[1]}.experts.{m[2]}.{m[1]}", t))  # older: one per expert
         elif t.name.startswith("blk.") and t.name.split(".", 2)[2] in GGUF_EXPERTS:
             _, idx, rest = t.name.split(".", 2)
             tasks += [(f"layers.{idx}.experts.{e}.{GGUF_EXPERTS[rest]}", _ExpertSlice.of(t, e, cfg.num_experts))
@@ -296,7 +312,19 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
-    hf = hf.get("text_config", hf) if hf.get("model_type") == "gemma3" else hf  # a multimodal checkpoint's text part
+    if hf.get("model_type") == "gemma3":  # a multimodal checkpoint: its text model, transformers' defaults filled in
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(path).text_config.to_dict()
+        hf = text | {"eos_token_id": text.get("eos_token_id") or hf.get("eos_token_id"), "model_type": "gemma3_text"}
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):  # its eos ids (e.g. gemma's <end_of_turn>) end generation too
+        with open(gen) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        if gen_eos is not None:
+            ids = hf_eos(hf)
+            more = [i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) if i not in (ids[0], *ids[1])]
+            hf = hf | {"eos_token_id": [i for i in (ids[0], *ids[1], *more) if i is not None]}
     model_type = hf.get("model_type")
     if model_type not in HF_TYPES:
         raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {tuple(HF_TYPES)}")
@@ -309,7 +337,9 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     weights: dict[str, torch.Tensor] = {}
     for fname in files:
         for name, t in load_file(os.path.join(path, fname)).items():
-            name = name.replace("model.language_model.", "model.")
+            # a multimodal checkpoint's text model, in either naming
+            name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
+            name = name.replace("language_model.lm_head.", "lm_head.")
             if name in HF_NAMES:
                 key = HF_NAMES[name]
             elif name.startswith("model.layers."):

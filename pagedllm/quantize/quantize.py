@@ -38,6 +38,9 @@ def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequ
         raise ValueError(f"method must be one of {METHODS}")
     t0 = time.perf_counter()
     arch, raw = load_model_files(resolve_model_path(model_path))
+    if arch.num_experts:
+        raise ValueError(f"{model_path}: pagedllm quantize does not handle mixture-of-experts models yet; "
+                         "serve the GGUF file's own blocks instead")
     model = CausalLM(arch, raw, torch.device("cpu"), torch.float32)
     del raw
     linear_names = [f"layers.{i}.{k}" for i in range(arch.num_layers) for k in LINEAR_TYPES]

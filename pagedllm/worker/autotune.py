@@ -79,9 +79,12 @@ def _time_ms(fn, x: torch.Tensor, min_s: float = 0.03, max_reps: int = 50) -> fl
 def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
     """Whether every linear of the model (and the LM head) is an integer weight the block kernel runs."""
     peek = getattr(weights, "peek", weights.get)  # a LazyWeights' value without decoding it
-    mlp = ("gate", "up", "down") if peek("layers.0.experts.0.down") is None else tuple(
+    # fused in the checkpoint (phi3: qkv, gate_up) or not; a mixture of experts: every expert's
+    attn = ("qkv", "o") if peek("layers.0.qkv") is not None else ("q", "k", "v", "o")
+    gate_up = ("gate_up",) if peek("layers.0.gate_up") is not None else ("gate", "up")
+    mlp = gate_up + ("down",) if peek("layers.0.experts.0.down") is None else tuple(
         f"experts.{e}.{n}" for e in range(_num_experts(weights)) for n in ("gate", "up", "down"))
-    names = [f"layers.{i}.{n}" for i in range(num_layers) for n in ("q", "k", "v", "o") + mlp]
+    names = [f"layers.{i}.{n}" for i in range(num_layers) for n in attn + mlp]
     names.append("lm_head" if "lm_head" in weights else "embed")
     return all(isinstance(w := peek(n), (QuantizedWeight, LazyBlocks)) and w.group_size % 16 == 0
                and w.shape[1] % 32 == 0 for n in names)
@@ -96,9 +99,10 @@ def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
     p = "layers.0."
     mlp = p if f"{p}down" in weights else f"{p}experts.0."
     return {
-        "qkv": concat([weights[p + n] for n in ("q", "k", "v")]),
+        "qkv": weights[p + "qkv"] if p + "qkv" in weights else concat([weights[p + n] for n in ("q", "k", "v")]),
         "o": weights[p + "o"],
-        "gate_up": concat([weights[mlp + "gate"], weights[mlp + "up"]]),
+        "gate_up": weights[mlp + "gate_up"] if mlp + "gate_up" in weights else concat(
+            [weights[mlp + "gate"], weights[mlp + "up"]]),
         "down": weights[mlp + "down"],
     }
 

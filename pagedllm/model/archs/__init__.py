@@ -63,6 +63,14 @@ def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None
     return theta, {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}
 
 
+def no_sliding_window(hf: dict) -> dict:
+    """Qwen's optional sliding window (``use_sliding_window``, for layers past ``max_window_layers``): refused,
+    not silently run as full attention."""
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{hf.get('model_type')}: use_sliding_window (windows on some layers) is not supported")
+    return {}
+
+
 def hf_eos(hf: dict) -> tuple[int | None, tuple[int, ...]]:
     """(eos, other stop ids) from a config's ``eos_token_id`` (an id or a list of them)."""
     eos = hf.get("eos_token_id")

@@ -19,6 +19,8 @@ def from_gguf(meta: GGUFMeta) -> dict:
     out = _common(int(meta.kv("embedding_length")), int(meta.kv("block_count")),
                   int(meta.kv("attention.sliding_window", 512)))
     out["rope_local_theta"] = 10000.0  # not in the file: llama.cpp's constant
+    if int(meta.kv("block_count")) == 62:  # Gemma 3 27B: llama.cpp's (and the config's) query scale hidden/heads
+        out["attn_scale"] = (int(meta.kv("embedding_length")) / int(meta.kv("attention.head_count"))) ** -0.5
     if meta.kv("rope.scaling.type") == "linear":
         out["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.kv("rope.scaling.factor"))}
     eot = meta.get("tokenizer.ggml.eot_token_id", None)  # the file's say, else the vocabulary's <end_of_turn>
@@ -30,10 +32,12 @@ def from_gguf(meta: GGUFMeta) -> dict:
 
 def from_hf(hf: dict) -> dict:
     layers = hf["num_hidden_layers"]
-    out = _common(hf["hidden_size"], layers, hf.get("sliding_window", 4096))
+    out = _common(hf["hidden_size"], layers, hf.get("sliding_window", 4096), hf.get("sliding_window_pattern", PATTERN))
     if hf.get("layer_types"):
         out["layer_types"] = tuple("sliding" if t == "sliding_attention" else "full" for t in hf["layer_types"])
     out["rope_theta"], out["rope_scaling"] = hf_rope(hf, "full_attention")
+    if "rope_parameters" not in hf and "rope_theta" not in hf:
+        out["rope_theta"] = 1e6  # transformers' default for Gemma 3
     out["rope_local_theta"] = hf_rope(hf, "sliding_attention")[0] if "rope_parameters" in hf else float(
         hf.get("rope_local_base_freq", 10000.0))
     out["attn_scale"] = float(hf.get("query_pre_attn_scalar", 256)) ** -0.5

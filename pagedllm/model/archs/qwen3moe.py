@@ -1,7 +1,7 @@
 """Qwen 3 mixture of experts (Qwen3-30B-A3B, ...): qwen3's attention, every layer's MLP a softmax-routed top-k
 mixture of experts (no shared expert)."""
 
-from pagedllm.model.archs import Arch, GGUFMeta
+from pagedllm.model.archs import Arch, GGUFMeta, no_sliding_window
 
 
 def from_gguf(meta: GGUFMeta) -> dict:
@@ -14,7 +14,7 @@ def from_hf(hf: dict) -> dict:
     if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
         raise ValueError("qwen3moe: dense layers between the sparse ones (decoder_sparse_step, mlp_only_layers) "
                          "are not supported")
-    return {"qk_norm": True, "num_experts": hf.get("num_experts") or hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+    return no_sliding_window(hf) | {"qk_norm": True, "num_experts": hf.get("num_experts") or hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
             "moe_intermediate_size": hf["moe_intermediate_size"],
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
             "attention_bias": bool(hf.get("attention_bias", False))}
