@@ -102,6 +102,7 @@ GGUF_LAYER = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3: fused in the checkpoint and the file
 }
 GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
@@ -198,7 +199,7 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3", "qwen3moe"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3", "qwen3moe", "phi3"])
 def test_gguf_file_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
     path = str(tmp_path / f"tiny-{kind}.gguf")
@@ -238,17 +239,22 @@ def test_end_of_turn_token_stops_generation(tmp_path, llm):
     assert out[0].outputs[0].token_ids == want
 
 
-def test_quantized_experts_run_from_their_blocks(tmp_path, llm):
-    """Experts stored as Q8_0 stacks: the default path slices each expert out of its layer's tensor and runs it in
-    the block kernel; its greedy tokens and logprobs follow the float32 path's on the same file."""
-    model = _hf_model("qwen3moe", llm.engine.core.vocab_size, gguf_conventions=True)
-    path = str(tmp_path / "moe-q8.gguf")
-    _write_gguf(path, "qwen3moe", model, q8_experts=True)
+@pytest.mark.parametrize("kind", ["qwen3moe", "phi3"])
+def test_quantized_file_runs_from_its_blocks(tmp_path, llm, kind):
+    """Every linear in Q8_0 blocks (qwen3moe: experts stacked per layer; phi3: q/k/v and gate/up fused in the
+    file): the default path runs them in the block kernel (each expert sliced out of its layer's tensor), and its
+    greedy tokens and logprobs follow the float32 path's on the same file."""
+    model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
+    path = str(tmp_path / f"{kind}-q8.gguf")
+    _write_gguf(path, kind, model, q8_experts=True)
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     ref = LLM(model=path, max_model_len=128, dtype="float32").generate(PROMPTS, sp, use_tqdm=False)
     auto = LLM(model=path, max_model_len=128, kv_cache_dtype="float32")
+    assert auto.engine.runtime["weights"] == "gguf blocks (auto)"
     lins = auto.engine.core.runner.model.linears()
-    assert {lins[f"layers.1.experts.{e}.{n}"].kind for e in range(4) for n in ("gate_up", "down")} == {"q8-block"}
+    mlp = [f"layers.1.experts.{e}.{n}" for e in range(4) for n in ("gate_up", "down")] if kind == "qwen3moe" else [
+        "layers.1.gate_up", "layers.1.down"]
+    assert {lins[n].kind for n in mlp + ["layers.1.qkv"]} == {"q8-block"}
     for g, r in zip(auto.generate(PROMPTS, sp, use_tqdm=False), ref):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
         for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
