@@ -152,8 +152,8 @@ class AsyncLLM:
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.engine.encode_text(text, add_special_tokens)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None):
-        return self.engine.encode_chat(messages, tools)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None):
+        return self.engine.encode_chat(messages, tools, template_kwargs)
 
     def generate(
         self, prompt_text: str | None, prompt_token_ids: list[int], params: SamplingParams,

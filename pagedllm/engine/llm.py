@@ -38,10 +38,11 @@ class LLM:
 
     def chat(
         self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool = True, chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([self.engine.encode_chat(c) for c in conversations], sampling_params, use_tqdm, None)
+        return self._run([self.engine.encode_chat(c, template_kwargs=chat_template_kwargs) for c in conversations],
+                         sampling_params, use_tqdm, None)
 
     def _run(self, encoded, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         n = len(encoded)

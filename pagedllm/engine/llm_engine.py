@@ -78,17 +78,25 @@ class LLMEngine:
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """``template_kwargs``: extra variables for the template (vLLM's ``chat_template_kwargs``, e.g. Qwen 3's
+        ``enable_thinking``)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
+        reserved = set(template_kwargs or ()) & {"messages", "tools", "tokenize", "add_generation_prompt",
+                                                 "conversation", "chat_template", "return_dict"}
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **(template_kwargs or {}))
         except Exception as e:  # jinja errors (a template raising on an unexpected message) are bad input
             raise ValueError(f"the chat template cannot render these messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
-        text = self.apply_chat_template(messages, tools=tools)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        text = self.apply_chat_template(messages, tools=tools, template_kwargs=template_kwargs)
         return text, self.encode_text(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ requests

@@ -17,6 +17,7 @@ from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.server.app import build_app
 from pagedllm.server.degradation import CircuitBreaker, FaultInjection
 from pagedllm.server.middleware import MAX_BODY_BYTES
+from pagedllm.server.reasoning import REASONING_PARSERS
 from pagedllm.server.tools import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("pagedllm.server")
@@ -51,6 +52,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks (Qwen2.5, "
                         "Hermes-style templates)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split <think>...</think> reasoning out of chat answers: message.reasoning_content (and "
+                        "delta.reasoning_content) on /v1/chat/completions, a thinking block on /v1/messages; "
+                        "deepseek_r1: the template opened <think> (no </think>: all reasoning); qwen3: optional "
+                        "<think> (no </think>: all content)")
     g.add_argument("--fault-injection", default=os.environ.get("PAGEDLLM_FAULT_INJECTION"),
                    help='tests only: \'{"fail_marker": "...", "stall_marker": "..."}\' makes the primary fail or '
                         "stall on prompts containing the marker")
@@ -99,7 +105,8 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, [name], api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                     metrics=metrics, fallback=fallback, fallback_name=fallback_name, breaker=breaker,
                     request_timeout_s=args.request_timeout_s, faults=faults,
-                    auto_tools=args.enable_auto_tool_choice, metrics_require_auth=args.metrics_require_auth)
+                    auto_tools=args.enable_auto_tool_choice, metrics_require_auth=args.metrics_require_auth,
+                    reasoning_parser=args.reasoning_parser)
     drain_s = args.drain_timeout_s
 
     class _Server(uvicorn.Server):

@@ -88,6 +88,8 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None  # --reasoning-parser (also as ``reasoning``)
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -166,6 +168,12 @@ class AnthropicTextContent(BaseModel):
     text: str
 
 
+class AnthropicThinkingContent(BaseModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
 class AnthropicToolUseContent(BaseModel):
     type: Literal["tool_use"]
     id: str
@@ -183,7 +191,7 @@ class AnthropicMessageResponse(BaseModel):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[AnthropicTextContent | AnthropicToolUseContent]
+    content: list[AnthropicThinkingContent | AnthropicTextContent | AnthropicToolUseContent]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn"]
     stop_sequence: str | None
     usage: AnthropicUsage

@@ -137,6 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's; e.g. enable_thinking)
     parallel_tool_calls: bool = True
 
     def _response_format(self) -> StructuredOutputsParams | None:

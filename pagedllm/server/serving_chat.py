@@ -13,6 +13,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.server.degradation import FallbackRouter
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import ChatCompletionRequest
+from pagedllm.server.reasoning import ReasoningParser
 from pagedllm.server.serving_base import OpenAIServing
 from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs
 from pagedllm.server.tools import ToolPlan, extract_tool_calls, plan_tools, stream_view, template_messages
@@ -63,9 +64,25 @@ class ChatPrompt:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, model_names: list[str], router: FallbackRouter,
-                 auto_tools: bool = False) -> None:
+                 auto_tools: bool = False, reasoning_parser: str | None = None) -> None:
         super().__init__(engine, model_names, router)
         self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
+        self._reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
+
+    def reasoning_parser(self, plan: ToolPlan) -> ReasoningParser | None:
+        """A fresh parser for one output (--reasoning-parser), or None: no parser, or a tool choice that constrains
+        the output to its JSON from the first token (there is no reasoning to read)."""
+        if self._reasoning is None or plan.mode in ("named", "required"):
+            return None
+        return self._reasoning.fresh()
+
+    def split_reasoning(self, plan: ToolPlan, text: str) -> tuple[str | None, str]:
+        """(reasoning, the content the tool parser reads) of a finished output."""
+        parser = self.reasoning_parser(plan)
+        if parser is None:
+            return None, text
+        reasoning, content = parser.split(text)
+        return reasoning, content or ""
 
     def prompt(self, req: ChatCompletionRequest) -> ChatPrompt:
         """The request's tool plan and constraint, and its messages rendered by the chat template and encoded (a
@@ -79,7 +96,8 @@ class OpenAIServingChat(OpenAIServing):
             structured = plan.structured
         tools = req.tools if plan.mode != "none" else None
         messages = _messages(req)
-        return ChatPrompt(plan, structured, messages, tools, self.engine.encode_chat(messages, tools))
+        return ChatPrompt(plan, structured, messages, tools,
+                          self.engine.encode_chat(messages, tools, req.chat_template_kwargs))
 
     async def begin(self, req: ChatCompletionRequest, raw: Request,
                     logprobs: int | None = None) -> tuple[ToolPlan, list[AsyncIterator], str]:
@@ -89,8 +107,8 @@ class OpenAIServingChat(OpenAIServing):
         p = self.prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.to_sampling_params(max_tokens, logprobs, p.structured)
-        gens, model = await self.start(lambda eng: [eng.encode_chat(p.messages, p.tools)], [p.encoded], params, req,
-                                       model, raw)
+        gens, model = await self.start(lambda eng: [eng.encode_chat(p.messages, p.tools, req.chat_template_kwargs)],
+                                       [p.encoded], params, req, model, raw)
         return p.plan, gens, model
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
@@ -103,8 +121,12 @@ class OpenAIServingChat(OpenAIServing):
             finals = await final_outputs(gens, raw)
             choices = []
             for c in finals[0].outputs:
-                content, calls = extract_tool_calls(plan, c.text)
+                reasoning, text = self.split_reasoning(plan, c.text)
+                content, calls = extract_tool_calls(plan, text)
                 message = {"role": "assistant", "content": content}
+                if reasoning is not None:  # vLLM's field, and its newer name
+                    message["reasoning_content"] = message["reasoning"] = reasoning
+                    message["content"] = content or None
                 if calls:
                     message["tool_calls"] = calls
                 choices.append({
@@ -114,16 +136,26 @@ class OpenAIServingChat(OpenAIServing):
                 })
             return reply.json("chat.completion", choices, finals)
 
+        parsers: dict[int, ReasoningParser | None] = {}
+
         def render(_prompt: int, index: int, c: CompletionOutput, deltas: ChoiceDeltas) -> dict | None:
-            shown, calls = stream_view(plan, c.text, c.finish_reason is not None)
+            finished = c.finish_reason is not None
+            if index not in parsers:
+                parsers[index] = self.reasoning_parser(plan)
+            parser, reasoning, text = parsers[index], "", c.text
+            if parser is not None:
+                reasoning, text = parser.advance(c.text, finished)
+            shown, calls = stream_view(plan, text, finished)
             d = deltas.next(index, shown, c)
-            if d is None:
+            if d is None and not reasoning:
                 return None
-            delta = {"content": d.text} if d.text else {}
+            delta = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+            if d is not None and d.text:
+                delta["content"] = d.text
             if calls:
                 delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
-            return {"index": index, "delta": delta,
-                    "logprobs": chat_logprobs(d.logprobs) if d.logprobs is not None else None,
+            lps = d.logprobs if d is not None else None
+            return {"index": index, "delta": delta, "logprobs": chat_logprobs(lps) if lps is not None else None,
                     "finish_reason": "tool_calls" if calls else c.finish_reason}
 
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

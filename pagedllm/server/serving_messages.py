@@ -2,8 +2,8 @@
 machinery: the request becomes a chat completion request (``AnthropicCountTokensRequest.to_chat``) that the chat
 endpoint checks, renders through the chat template, constrains (``tool_choice``) and queues; this module draws the
 result as Anthropic's message, or as its SSE events (``message_start``, a ``content_block_start`` /
-``content_block_delta`` / ``content_block_stop`` run per text or ``tool_use`` block, ``message_delta``,
-``message_stop``). Errors on these routes are Anthropic's error object (``errors.error_json``)."""
+``content_block_delta`` / ``content_block_stop`` run per ``thinking`` (``--reasoning-parser``), text or ``tool_use``
+block, ``message_delta``, ``message_stop``). Errors on these routes are Anthropic's error object (``errors.error_json``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pagedllm.errors import EngineOverloadedError
 from pagedllm.outputs import CompletionOutput
 from pagedllm.server.errors import anthropic_error
 from pagedllm.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from pagedllm.server.reasoning import ReasoningParser
 from pagedllm.server.serving_chat import OpenAIServingChat
 from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs, stream_line
 from pagedllm.server.tools import ToolPlan, extract_tool_calls, stream_view
@@ -44,6 +45,11 @@ def tool_use_blocks(calls: list[dict]) -> list[dict]:
             blocks.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
                            "name": call["function"]["name"], "input": args})
     return blocks
+
+
+def thinking_block(reasoning: str) -> dict:
+    """Reasoning (--reasoning-parser) as a ``thinking`` block (no signature: nothing here checks one)."""
+    return {"type": "thinking", "thinking": reasoning, "signature": ""}
 
 
 def stop_reason(c: CompletionOutput, tool_use: bool) -> tuple[str, str | None]:
@@ -75,22 +81,26 @@ class AnthropicServingMessages:
         plan, gens, model = await self.chat.begin(req.to_chat(), raw)
         reply = Reply("msg", model, sep="_")
         if req.stream:
-            return reply.stream(self._events(reply, plan, gens[0]), error_event)
+            return reply.stream(self._events(reply, plan, gens[0], self.chat.reasoning_parser(plan)), error_event)
         final = (await final_outputs(gens, raw))[0]
         c = final.outputs[0]
-        content, calls = extract_tool_calls(plan, c.text)
+        reasoning, text = self.chat.split_reasoning(plan, c.text)
+        content, calls = extract_tool_calls(plan, text)
         tool_use = tool_use_blocks(calls)
-        blocks = ([{"type": "text", "text": content}] if content else []) + tool_use
+        blocks = ([thinking_block(reasoning)] if reasoning else []) + (
+            [{"type": "text", "text": content}] if content else []) + tool_use
         usage = {"input_tokens": len(final.prompt_token_ids), "output_tokens": len(c.token_ids)}
         return JSONResponse(_message(reply, blocks, stop_reason(c, bool(tool_use)), usage), headers=reply.headers)
 
     @staticmethod
-    async def _events(reply: Reply, plan: ToolPlan, gen: AsyncIterator) -> AsyncIterator[str]:
-        """The SSE events of one output stream: text streams as it comes (what may be a tool call is held back, as
-        on the chat endpoint); tool calls follow as whole ``tool_use`` blocks once the output has finished."""
+    async def _events(reply: Reply, plan: ToolPlan, gen: AsyncIterator,
+                      parser: ReasoningParser | None) -> AsyncIterator[str]:
+        """The SSE events of one output stream: reasoning (``parser``) streams as a ``thinking`` block, then text
+        streams as it comes (what may be a tool call is held back, as on the chat endpoint); tool calls follow as
+        whole ``tool_use`` blocks once the output has finished."""
         deltas = ChoiceDeltas()
         index = 0  # of the content block being written
-        started = text_open = False
+        started = text_open = thinking_open = False
         try:
             async for o in gen:
                 c = o.outputs[0]
@@ -99,8 +109,23 @@ class AnthropicServingMessages:
                     usage = {"input_tokens": len(o.prompt_token_ids), "output_tokens": 0}
                     yield event({"type": "message_start", "message": _message(reply, [], (None, None), usage)})
                     yield event({"type": "ping"})
-                shown, calls = stream_view(plan, c.text, c.finish_reason is not None)
+                finished = c.finish_reason is not None
+                reasoning, text = parser.advance(c.text, finished) if parser is not None else ("", c.text)
+                if reasoning:
+                    if not thinking_open:
+                        yield event({"type": "content_block_start", "index": index,
+                                     "content_block": thinking_block("")})
+                        thinking_open = True
+                    yield event({"type": "content_block_delta", "index": index,
+                                 "delta": {"type": "thinking_delta", "thinking": reasoning}})
+                shown, calls = stream_view(plan, text, finished)
                 d = deltas.next(0, shown, c)
+                if thinking_open and (finished or (d is not None and d.text)):  # the reasoning is over
+                    yield event({"type": "content_block_delta", "index": index,
+                                 "delta": {"type": "signature_delta", "signature": ""}})
+                    yield event({"type": "content_block_stop", "index": index})
+                    index += 1
+                    thinking_open = False
                 if d is not None and d.text:
                     if not text_open:
                         yield event({"type": "content_block_start", "index": index,

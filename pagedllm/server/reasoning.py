@@ -1,0 +1,110 @@
+"""Reasoning parsers (``--reasoning-parser``, vLLM's names): splitting a reasoning model's output into its
+reasoning (``<think>...</think>``) and its answer, whole (``split``) or as it streams (``feed`` / ``finish``).
+
+- ``deepseek_r1``: the chat template has already opened ``<think>``, so the output starts inside the reasoning (an
+  opening tag the model writes anyway is dropped): everything up to ``</think>`` is reasoning, the rest is content;
+  an output without ``</think>`` is all reasoning.
+- ``qwen3``: thinking is optional. Whole: without ``</think>`` everything is content; with it, the part before
+  (less an opening ``<think>``) is reasoning. Streamed: an output that starts with ``<think>`` streams as reasoning
+  until ``</think>``; one that does not streams as content (a stray ``</think>`` in it is dropped), since what it
+  is cannot be known until the output ends.
+
+The tags themselves are in neither part; a tag split across two deltas is held back until it is whole (or proves
+not to be a tag)."""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` are a proper prefix of ``tag`` (held back: they may become it)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningParser:
+    """One output's parser: ``split`` a whole text, or ``feed`` its deltas and ``finish``; ``advance`` takes the
+    output's text so far (as the engine reports it) instead of deltas."""
+
+    def __init__(self, name: str) -> None:
+        if name not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {name!r}; choose from {REASONING_PARSERS}")
+        self.name = name
+        self.starts_inside = name == "deepseek_r1"  # the template opened <think>
+        self._buf = ""  # text not routed yet: a possible tag prefix
+        self._started = False  # past the output's start (where an opening <think> may be)
+        self._reasoning = False  # inside the reasoning now
+        self._ended = False  # </think> seen: everything after is content
+        self._finished = False
+        self._seen = 0  # advance(): how much of the text was fed
+        self._content = ""  # advance(): the content so far
+
+    def fresh(self) -> ReasoningParser:
+        return ReasoningParser(self.name)
+
+    # ------------------------------------------------------------------ whole text
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished output; an empty part is None."""
+        head, tag, tail = text.partition(THINK_END)
+        if not tag:
+            if self.starts_inside:
+                return text.removeprefix(THINK_START) or None, None
+            return None, text or None
+        if THINK_START in head:
+            head = head.partition(THINK_START)[2]
+        return head or None, tail or None
+
+    # ------------------------------------------------------------------ incremental
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning delta, content delta) of the next piece of output."""
+        self._buf += delta
+        if self._ended:
+            out, self._buf = self._buf, ""
+            return "", out
+        if not self._started:
+            if THINK_START.startswith(self._buf) and len(self._buf) < len(THINK_START):
+                return "", ""  # may still become the opening tag
+            self._started = True
+            opened = self._buf.startswith(THINK_START)
+            if opened:
+                self._buf = self._buf[len(THINK_START):]
+            self._reasoning = opened or self.starts_inside
+        reasoning = content = ""
+        head, tag, tail = self._buf.partition(THINK_END)
+        if tag:
+            self._ended = True
+            self._buf = ""
+            if self._reasoning:
+                reasoning = head
+            else:
+                content = head
+            return reasoning, content + tail
+        keep = _held(self._buf, THINK_END)
+        out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        return (out, "") if self._reasoning else ("", out)
+
+    def finish(self) -> tuple[str, str]:
+        """The held-back rest once the output has ended (a partial tag there was text)."""
+        if self._finished:
+            return "", ""
+        self._finished = True
+        if not self._started:
+            self._started = True
+            self._reasoning = self.starts_inside
+        out, self._buf = self._buf, ""
+        return (out, "") if self._reasoning and not self._ended else ("", out)
+
+    def advance(self, text: str, finished: bool) -> tuple[str, str]:
+        """Given the output's whole text so far: (the reasoning not returned before, all the content so far)."""
+        reasoning, content = self.feed(text[self._seen:])
+        self._seen = len(text)
+        if finished:
+            r, c = self.finish()
+            reasoning, content = reasoning + r, content + c
+        self._content += content
+        return reasoning, self._content

@@ -1,0 +1,179 @@
+"""`--reasoning-parser` (deepseek_r1, qwen3): the parsers on whole texts and on deltas split at every position (tags
+cut in two included), then a live server where a regex constraint forces the model's output to hold `</think>`:
+`reasoning_content` / `content` on the chat endpoint (official `openai` SDK, plain and streamed) and a `thinking`
+block on Anthropic's /v1/messages (plain and streamed)."""
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from pagedllm.server.reasoning import REASONING_PARSERS, ReasoningParser
+from test_server import MODEL, start_server
+
+# (text, deepseek_r1's (reasoning, content), qwen3's) of a finished output
+CASES = [
+    ("I think.</think>The answer is 4", ("I think.", "The answer is 4"), ("I think.", "The answer is 4")),
+    ("<think>I think.</think>The answer is 4", ("I think.", "The answer is 4"), ("I think.", "The answer is 4")),
+    ("<think>\nhmm\n</think>\n\nYes.", ("\nhmm\n", "\n\nYes."), ("\nhmm\n", "\n\nYes.")),
+    ("no tags at all", ("no tags at all", None), (None, "no tags at all")),
+    ("just thinking </thi", ("just thinking </thi", None), (None, "just thinking </thi")),
+    ("</think>only content", (None, "only content"), (None, "only content")),
+    ("a < b <think and </thinking> </think>x</think>y", ("a < b <think and </thinking> ", "x</think>y"),
+     ("a < b <think and </thinking> ", "x</think>y")),
+    ("", (None, None), (None, None)),
+]
+
+
+@pytest.mark.parametrize("name", REASONING_PARSERS)
+@pytest.mark.parametrize("text,ds,qw", CASES)
+def test_split_whole_text(name, text, ds, qw):
+    assert ReasoningParser(name).split(text) == (ds if name == "deepseek_r1" else qw)
+
+
+def run_feed(name: str, pieces: list[str]) -> tuple[str, str]:
+    p = ReasoningParser(name)
+    reasoning = content = ""
+    for piece in pieces:
+        r, c = p.feed(piece)
+        reasoning, content = reasoning + r, content + c
+    r, c = p.finish()
+    assert p.finish() == ("", "")  # once
+    return reasoning + r, content + c
+
+
+def streamed(name: str, text: str) -> tuple[str, str]:
+    """What streaming gives for a whole output: qwen3 streams an output that does not start with <think> as content
+    (it cannot know yet), dropping a stray </think>; otherwise the same as split."""
+    r, c = ReasoningParser(name).split(text)
+    if name == "qwen3" and not text.startswith("<think>"):
+        return "", text.replace("</think>", "", 1)
+    if name == "qwen3" and "</think>" not in text:
+        return text.removeprefix("<think>"), ""
+    return r or "", c or ""
+
+
+@pytest.mark.parametrize("name", REASONING_PARSERS)
+@pytest.mark.parametrize("text", [c[0] for c in CASES])
+def test_feed_split_at_every_position(name, text):
+    want = streamed(name, text)
+    assert run_feed(name, [text]) == want
+    for i in range(len(text) + 1):  # two deltas: every cut, tags cut in two included
+        assert run_feed(name, [text[:i], text[i:]]) == want, i
+    for i in range(len(text) + 1):  # three deltas
+        for j in range(i, len(text) + 1):
+            assert run_feed(name, [text[:i], text[i:j], text[j:]]) == want, (i, j)
+    assert run_feed(name, list(text)) == want  # one character at a time
+
+
+def test_feed_holds_back_only_tag_prefixes():
+    p = ReasoningParser("deepseek_r1")
+    assert p.feed("I think</th") == ("I think", "")  # "</th" may become </think>
+    assert p.feed("is is not it") == ("</this is not it", "")
+    assert p.feed(" </think") == (" ", "")
+    assert p.feed(">Four") == ("", "Four")
+    assert p.feed(" </think> stays") == ("", " </think> stays")  # after the reasoning: plain content
+    assert p.finish() == ("", "")
+    q = ReasoningParser("qwen3")
+    assert q.feed("<thi") == ("", "")  # may be the opening tag
+    assert q.feed("nk>why") == ("why", "")
+    q = ReasoningParser("qwen3")
+    assert q.feed("<thx") == ("", "<thx")  # not the opening tag: content
+
+
+def test_advance_takes_the_text_so_far():
+    p = ReasoningParser("deepseek_r1")
+    assert p.advance("I th", False) == ("I th", "")
+    assert p.advance("I think.</th", False) == ("ink.", "")
+    assert p.advance("I think.</think>The", False) == ("", "The")
+    assert p.advance("I think.</think>The answer", True) == ("", "The answer")
+
+
+def test_unknown_parser():
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        ReasoningParser("nope")
+
+
+# ---------------------------------------------------------------------- live server
+FORCED = r"I think\.</think>The answer is 4"  # the regex that forces the model's output
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    proc, url, _ = start_server(tmp_path_factory, "--reasoning-parser", "deepseek_r1")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+
+
+def test_chat_completion_reasoning_content(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+                                       extra_body={"guided_regex": FORCED})
+    m = r.choices[0].message
+    assert m.model_extra["reasoning_content"] == "I think." and m.model_extra["reasoning"] == "I think."
+    assert m.content == "The answer is 4"
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_chat_completion_streamed_reasoning_content(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True,
+                                            extra_body={"guided_regex": FORCED})
+    reasoning = content = ""
+    order = []
+    for chunk in stream:
+        for ch in chunk.choices:
+            r = (ch.delta.model_extra or {}).get("reasoning_content")
+            if r:
+                reasoning += r
+                order.append("r")
+            if ch.delta.content:
+                content += ch.delta.content
+                order.append("c")
+    assert reasoning == "I think." and content == "The answer is 4"
+    assert order.index("c") > max(i for i, x in enumerate(order) if x == "r")  # reasoning first, then content
+    assert len(order) > 2  # it streamed in pieces, not one chunk
+
+
+def test_no_end_tag_is_all_reasoning(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+                                       extra_body={"guided_regex": "Hmm, four"})
+    m = r.choices[0].message
+    assert m.model_extra["reasoning_content"] == "Hmm, four" and m.content is None
+
+
+def test_anthropic_thinking_block(base):
+    # Anthropic's request has no regex field: its JSON schema output format forces the (JSON string) output
+    schema = {"type": "string", "enum": ["I think.</think>The answer is 4"]}
+    c = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    body = dict(model=MODEL, max_tokens=40, messages=ASK, extra_body={"temperature": 0,
+                                                                       "output_config": {"format": {
+                                                                           "type": "json_schema", "schema": schema}}})
+    r = c.messages.create(**body)
+    assert [b.type for b in r.content] == ["thinking", "text"]
+    assert r.content[0].thinking == '"I think.' and r.content[0].signature == ""
+    assert r.content[1].text == 'The answer is 4"'
+    # streamed: a thinking block (thinking_delta events), then the text block
+    with httpx.stream("POST", base + "/v1/messages", json={"model": MODEL, "max_tokens": 40, "messages": ASK,
+                                                           "stream": True, **body["extra_body"]}, timeout=120) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    starts = [e for e in events if e["type"] == "content_block_start"]
+    assert [e["content_block"]["type"] for e in starts] == ["thinking", "text"]
+    assert [e["index"] for e in starts] == [0, 1]
+    deltas = [e for e in events if e["type"] == "content_block_delta"]
+    thinking = "".join(e["delta"]["thinking"] for e in deltas if e["delta"]["type"] == "thinking_delta")
+    text = "".join(e["delta"]["text"] for e in deltas if e["delta"]["type"] == "text_delta")
+    assert thinking == '"I think.' and text == 'The answer is 4"'
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1]
+    # the SDK's stream accumulates the same message
+    with c.messages.stream(**body) as st:
+        final = st.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
+        ("thinking", '"I think.'), ("text", 'The answer is 4"')]
