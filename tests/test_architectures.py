@@ -268,6 +268,7 @@ def test_unsupported_variants_are_refused_by_name(tmp_path, llm):
 
     from pagedllm.model.arch import tp_layout
     from pagedllm.model.loader import load_gguf, load_hf_dir
+    from pagedllm.sim.model_profile import load_model_profile
 
     model = _hf_model("qwen3", llm.engine.core.vocab_size)
     path = str(tmp_path / "partial.gguf")
@@ -287,6 +288,8 @@ def test_unsupported_variants_are_refused_by_name(tmp_path, llm):
     assert tp_layout(arch, 1).intermediate_size == arch.intermediate_size
     with pytest.raises(ValueError, match="mixture-of-experts"):
         tp_layout(arch, 2)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        load_model_profile(str(d))
 
 
 def test_generation_config_eos_ids_stop_too(tmp_path, llm):

@@ -384,6 +384,20 @@ def test_bench_serve_against_server(base, tmp_path):
     assert res["mean_ttft_ms"] <= res["mean_e2el_ms"]
 
 
+def test_chat_template_kwargs_reach_the_template(client):
+    """vLLM's ``chat_template_kwargs``: passed to the template (a reserved name is a 400 naming it), and a variable
+    the template ignores changes nothing."""
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    same = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert same.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
+                                       extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+
+
 def test_sigterm_finishes_in_flight_and_exits_cleanly(server):
     """Last in this module: SIGTERM while a stream is running; the stream ends properly, exit code 0."""
     proc, base, log = server
@@ -443,16 +457,3 @@ def test_queue_bound_and_max_delay_errors(tmp_path_factory):
         assert int(q.headers["retry-after"]) >= 1
     assert after.status_code == 200
 
-
-def test_chat_template_kwargs_reach_the_template(client):
-    """vLLM's ``chat_template_kwargs``: passed to the template (a reserved name is a 400 naming it), and a variable
-    the template ignores changes nothing."""
-    msgs = [{"role": "user", "content": "What is 2+2?"}]
-    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
-    same = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
-                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert same.usage.prompt_tokens == plain.usage.prompt_tokens
-    assert same.choices[0].message.content == plain.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
-        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
-                                       extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})

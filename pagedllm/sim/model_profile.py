@@ -206,6 +206,9 @@ def from_hf_config(path: str) -> ModelProfile:
         c = json.load(f)
     if "text_config" in c:  # multimodal wrappers keep the language model's config inside
         c = c["text_config"]
+    if c.get("num_experts") or c.get("num_local_experts"):
+        raise ValueError(f"{path}: mixture-of-experts models are not simulated yet (their active weights per token "
+                         "differ from a dense model's)")
     heads = int(c["num_attention_heads"])
     hidden = int(c["hidden_size"])
     return ModelProfile(
@@ -244,6 +247,9 @@ def from_gguf(path: str) -> ModelProfile:
     def kv(name, default=None):
         return field(f"{arch}.{name}", default)
 
+    if kv("expert_count"):
+        raise ValueError(f"{path}: mixture-of-experts models are not simulated yet (their active weights per token "
+                         "differ from a dense model's)")
     hidden = int(kv("embedding_length"))
     heads = int(kv("attention.head_count"))
     layer_bytes: dict[str, float] = {}
