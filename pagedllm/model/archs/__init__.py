@@ -63,6 +63,26 @@ def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None
     return theta, {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}
 
 
+def gguf_experts(meta: GGUFMeta) -> dict:
+    """A mixture of experts' sizes from llama.cpp's keys (none: a dense model)."""
+    if not meta.kv("expert_count"):
+        return {}
+    return {"num_experts": int(meta.kv("expert_count")), "num_experts_per_tok": int(meta.kv("expert_used_count")),
+            "moe_intermediate_size": int(meta.kv("expert_feed_forward_length", meta.kv("feed_forward_length")))}
+
+
+def gguf_linear_rope(meta: GGUFMeta) -> dict:
+    """llama.cpp's linear rotary scaling (position interpolation), where the file sets it."""
+    if meta.kv("rope.scaling.type") != "linear":
+        return {}
+    return {"rope_scaling": {"rope_type": "linear", "factor": float(meta.kv("rope.scaling.factor"))}}
+
+
+def sliding_everywhere(window: int | None, layers: int) -> dict:
+    """A sliding window on every layer (Mistral, Phi-3), or nothing without a window."""
+    return {"sliding_window": window, "layer_types": ("sliding",) * layers} if window else {}
+
+
 def no_sliding_window(hf: dict) -> dict:
     """Qwen's optional sliding window (``use_sliding_window``, for layers past ``max_window_layers``): refused,
     not silently run as full attention."""

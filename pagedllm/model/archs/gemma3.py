@@ -4,7 +4,7 @@ layers (their own rotary base, 10000) to 1 global one; ``<end_of_turn>`` ends a 
 
 import math
 
-from pagedllm.model.archs import Arch, GGUFMeta, hf_rope
+from pagedllm.model.archs import Arch, GGUFMeta, gguf_linear_rope, hf_rope
 
 PATTERN = 6  # every 6th layer is global (llama.cpp's and transformers' default for Gemma 3)
 
@@ -21,8 +21,7 @@ def from_gguf(meta: GGUFMeta) -> dict:
     out["rope_local_theta"] = 10000.0  # not in the file: llama.cpp's constant
     if int(meta.kv("block_count")) == 62:  # Gemma 3 27B: llama.cpp's (and the config's) query scale hidden/heads
         out["attn_scale"] = (int(meta.kv("embedding_length")) / int(meta.kv("attention.head_count"))) ** -0.5
-    if meta.kv("rope.scaling.type") == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.kv("rope.scaling.factor"))}
+    out |= gguf_linear_rope(meta)
     eot = meta.get("tokenizer.ggml.eot_token_id", None)  # the file's say, else the vocabulary's <end_of_turn>
     eot = meta.token_id("<end_of_turn>") if eot is None else eot
     if eot is not None:

@@ -4,24 +4,21 @@ Mixtral (llama with a mixture of experts; llama.cpp writes it as ``llama`` with 
 Llama 3.x rotary scaling: HF's ``rope_type: llama3``; llama.cpp writes the same as per-frequency divisors
 (the ``rope_freqs`` tensor)."""
 
-from pagedllm.model.archs import Arch, GGUFMeta
+from pagedllm.model.archs import Arch, GGUFMeta, gguf_experts, gguf_linear_rope, sliding_everywhere
 
 
 def from_gguf(meta: GGUFMeta) -> dict:
-    out = {}
-    if meta.kv("expert_count"):
-        out |= {"num_experts": int(meta.kv("expert_count")), "num_experts_per_tok": int(meta.kv("expert_used_count")),
-                "moe_intermediate_size": int(meta.kv("expert_feed_forward_length", meta.kv("feed_forward_length")))}
     if "rope_freqs.weight" in meta.tensor_names:
-        out["rope_scaling"] = {"rope_type": "factors", "factors": [float(f) for f in meta.tensor("rope_freqs.weight")]}
-    elif meta.kv("rope.scaling.type") == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.kv("rope.scaling.factor"))}
-    return out
+        rope = {"rope_scaling": {"rope_type": "factors",
+                                 "factors": [float(f) for f in meta.tensor("rope_freqs.weight")]}}
+    else:
+        rope = gguf_linear_rope(meta)
+    return gguf_experts(meta) | rope
 
 
 def from_hf(hf: dict) -> dict:
     window = hf.get("sliding_window") if hf.get("model_type") in ("mistral", "mixtral") else None
-    out = {"sliding_window": window, "layer_types": ("sliding",) * hf["num_hidden_layers"] if window else ()}
+    out = sliding_everywhere(window, hf["num_hidden_layers"])
     if hf.get("model_type") == "mixtral":
         out |= {"num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
                 "moe_intermediate_size": hf["intermediate_size"]}

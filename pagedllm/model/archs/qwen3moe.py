@@ -1,13 +1,14 @@
 """Qwen 3 mixture of experts (Qwen3-30B-A3B, ...): qwen3's attention, every layer's MLP a softmax-routed top-k
 mixture of experts (no shared expert)."""
 
-from pagedllm.model.archs import Arch, GGUFMeta, no_sliding_window
+from pagedllm.model.archs import Arch, GGUFMeta, gguf_experts, no_sliding_window
 
 
 def from_gguf(meta: GGUFMeta) -> dict:
-    return {"qk_norm": True, "num_experts": int(meta.kv("expert_count")),
-            "num_experts_per_tok": int(meta.kv("expert_used_count")),
-            "moe_intermediate_size": int(meta.kv("expert_feed_forward_length")), "norm_topk_prob": True}
+    experts = gguf_experts(meta)
+    if not experts:
+        raise ValueError("qwen3moe: the file gives no qwen3moe.expert_count")
+    return {"qk_norm": True, "norm_topk_prob": True} | experts
 
 
 def from_hf(hf: dict) -> dict:
