@@ -18,6 +18,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from pagedllm.sampling_params import POOLING
+
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # weight formats the engine can run (`--quantization`); None/"none": the checkpoint's own weights
@@ -50,6 +52,9 @@ class ModelConfig:
     max_model_len: int | None = option(None, "context length (default: the model's)")
     seed: int = option(0, "engine random seed (a request's own sampling seed is SamplingParams.seed)")
     served_model_name: str | None = option(None, "name clients use (default: the model's name)", cli=False)
+    pooling: str | None = option(
+        None, "embeddings: hidden states to one vector by the last token, the mean or the first (cls) token "
+              "(default: the GGUF file's pooling_type, else last)", choices=POOLING)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -136,9 +141,11 @@ class SchedulerConfig:
 
     def with_budget_for(self, max_model_len: int) -> "SchedulerConfig":
         """This config with its token budget set (unchanged when given): 2048 tokens, or without chunked prefill,
-        where a whole prompt must fit one step, at least ``max_model_len`` (as vLLM does). 512 on a CPU was
-        measured and not taken: W1's mean TTFT -22% at 32 concurrent requests, but mean TPOT +15%, p99
-        inter-token gap 94 -> 506 ms, throughput -2 to -3% (docs/benchmarks.md)."""
+        where a whole prompt must fit one step, at least ``max_model_len`` (as vLLM does). A smaller budget cuts a
+        burst's prefill into shorter steps, so the first requests stream sooner, but more steps then carry a
+        prefill: the running streams' time per token and longest gaps grow and throughput drops, so 2048 stays
+        the default and a user who weighs the first token most can pass a smaller one (the measurements:
+        docs/history.md, "Step budget 512 measured, 2048 kept")."""
         if self.max_num_batched_tokens is not None:
             return self
         budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)

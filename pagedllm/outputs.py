@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.request import FinishReason
@@ -29,6 +30,9 @@ class ScheduledRequest:
     sample: bool  # True when this chunk reaches the end of the request's tokens: sample the next one
     num_output_tokens: int  # output tokens the request has before this step (penalties, min_tokens)
     num_spec_tokens: int = 0  # the last num_spec_tokens of token_ids are draft tokens to verify
+    # prompt logprobs: the rows at positions [start, end) give the logprob of the prompt token after each
+    prompt_logprob_span: tuple[int, int] | None = None
+    pooling: bool = False  # an embedding request: pool hidden states, sample nothing
 
     @property
     def spec_token_ids(self) -> list[int]:
@@ -71,6 +75,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[SampledTokenLogprobs]] = field(default_factory=dict)
     # req_id -> draft tokens proposed for the next step
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> logprobs of the prompt tokens in its ``prompt_logprob_span`` (shifted by one), in order
+    prompt_logprobs: dict[str, list[SampledTokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # req_id -> its embedding (the last chunk)
 
 
 # ---------------------------------------------------------------- core -> front end
@@ -83,6 +90,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling; set on the first output
+    # prompt tokens 1.. (token 0 has no logprob); set on the first output of a request that asked for them
+    prompt_logprobs: list[SampledTokenLogprobs] | None = None
+    pooled: list[float] | None = None  # an embedding request's vector (its only output)
 
 
 @dataclass
@@ -193,6 +203,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # per prompt token (None for the first one): its logprob after the tokens before it, with top alternatives
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled hidden state (not normalised)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -210,3 +223,9 @@ class KVCacheSpec:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+def l2_normalize(vec: list[float]) -> list[float]:
+    """``vec`` scaled to unit length (an all-zero vector stays zero)."""
+    norm = math.sqrt(sum(x * x for x in vec))
+    return [x / norm for x in vec] if norm > 0 else list(vec)

@@ -78,6 +78,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (not in all_token_ids)
+        self.prompt_logprobs: list = []  # SampledTokenLogprobs of prompt tokens 1.. computed so far
         self.host_block_ids: list[int] | None = None  # where its KV waits while swapped out
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, in tokens (-1: not yet known)
         self.num_preemptions = 0
@@ -97,6 +98,22 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """Its prompt must be computed here, not taken from the prefix cache: mean and cls pooling read rows from its
+        start, and
+        prompt logprobs need the rows of the prompt tokens whose logprobs are still missing."""
+        sp = self.sampling_params
+        return sp.pooling in ("mean", "cls") or (sp.prompt_logprobs is not None
+                                        and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def prompt_logprob_span(self, start: int, end: int) -> tuple[int, int] | None:
+        """Rows at positions [start, end) computed now whose logprobs of the next prompt token are still missing."""
+        if self.sampling_params.prompt_logprobs is None:
+            return None
+        lo, hi = max(start, len(self.prompt_logprobs)), min(end, self.num_prompt_tokens - 1)
+        return (lo, hi) if lo < hi else None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

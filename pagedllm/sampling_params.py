@@ -51,7 +51,10 @@ RANGES: dict[str, Range] = {
     "max_tokens": Range(1, None, integer=True),
     "min_tokens": Range(0, None, integer=True),
     "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, integer=True),
 }
+
+POOLING = ("last", "mean", "cls")  # the last token's hidden state, the mean over the prompt, the first token's
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,12 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives returned per token (0: just the chosen token)
+    # logprob of each prompt token after the ones before it, and that many top alternatives (vLLM's); such a
+    # request computes its whole prompt (no prefix-cache hits)
+    prompt_logprobs: int | None = None
+    # an embedding request: no token is sampled; the model's final hidden states are pooled (``POOLING``) and
+    # returned
+    pooling: str | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None  # constrained decoding (a dict: its fields)
     guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for the same
@@ -151,7 +160,7 @@ class SamplingParams:
 
         for name, r in RANGES.items():
             v = getattr(self, name)
-            if v is None and name in ("max_tokens", "logprobs"):
+            if v is None and name in ("max_tokens", "logprobs", "prompt_logprobs"):
                 continue
             if not r.contains(v):
                 raise bad(name, r.describe(), v)
@@ -165,6 +174,12 @@ class SamplingParams:
                     raise bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.pooling is not None:
+            if self.pooling not in POOLING:
+                raise bad("pooling", f"one of {list(POOLING)}", self.pooling)
+            if self.n != 1 or self.logprobs is not None or self.structured_outputs is not None:
+                raise ValueError("an embedding (pooling) request samples nothing: n, logprobs and structured "
+                                 "outputs do not apply")
         if self.stop_token_ids is not None:
             for t in self.stop_token_ids:
                 if not isinstance(t, int) or t < 0:

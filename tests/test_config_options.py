@@ -25,7 +25,7 @@ FLAGS = {
     "--quantization", "--quant-dense-min-tokens", "--tensor-parallel-size", "--distributed-init-method",
     "--tp-threads-per-rank", "--distributed-timeout-s", "--seed", "--scheduling-policy", "--preemption-mode",
     "--swap-space", "--kv-cache-dtype", "--target-ttft-ms", "--target-tpot-ms", "--max-waiting-requests",
-    "--max-queue-delay-ms",
+    "--max-queue-delay-ms", "--pooling",
     "--speculative-config", "--speculative-disable-by-batch-size",
 }
 

@@ -177,3 +177,22 @@ def test_anthropic_thinking_block(base):
         final = st.get_final_message()
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
         ("thinking", '"I think.'), ("text", 'The answer is 4"')]
+
+
+def test_responses_reasoning_item(client):
+    """/v1/responses: the reasoning is a `reasoning` output item before the message, plain and streamed (the
+    SDK's `responses.stream` accumulates the same response)."""
+    fmt = {"format": {"type": "json_schema", "name": "answer",
+                      "schema": {"type": "string", "enum": ["I think.</think>The answer is 4"]}}}
+    r = client.responses.create(model=MODEL, input="What is 2 + 2?", max_output_tokens=40, temperature=0, text=fmt)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == '"I think.'
+    assert r.output_text == 'The answer is 4"' and r.status == "completed"
+    with client.responses.stream(model=MODEL, input="What is 2 + 2?", max_output_tokens=40, temperature=0,
+                                 text=fmt) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == '"I think.' and final.output_text == 'The answer is 4"'
+    assert kinds.index("response.output_text.delta") > kinds.index("response.reasoning_text.done")
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"

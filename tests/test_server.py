@@ -398,6 +398,147 @@ def test_chat_template_kwargs_reach_the_template(client):
                                        extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
 
 
+def test_embeddings_endpoint(client, base, llm):
+    """`/v1/embeddings` with the official client (which asks for base64 and decodes it) equals the offline vectors;
+    floats, mean pooling, token-id input, usage, and clear 400s."""
+    r = client.embeddings.create(model=MODEL, input=[PROMPTS[0], PROMPTS[3]])
+    offline = llm.embed([PROMPTS[0], PROMPTS[3]], use_tqdm=False)
+    assert [d.index for d in r.data] == [0, 1]
+    for d, o in zip(r.data, offline):
+        assert d.embedding == pytest.approx(o.embedding, abs=1e-5)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(o.prompt_token_ids) for o in offline)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    floats = httpx.post(base + "/v1/embeddings", headers=auth(), json={
+        "model": MODEL, "input": ids, "encoding_format": "float"}).json()
+    assert floats["object"] == "list" and floats["model"] == MODEL
+    assert floats["data"][0]["embedding"] == pytest.approx(offline[0].embedding, abs=1e-5)
+    mean = httpx.post(base + "/v1/embeddings", headers=auth(), json={
+        "input": PROMPTS[0], "encoding_format": "float", "pooling": "mean", "normalize": False}).json()
+    assert mean["data"][0]["embedding"] == pytest.approx(
+        llm.embed(PROMPTS[0], pooling="mean", normalize=False, use_tqdm=False)[0].embedding, abs=1e-4)
+    for payload, needle in [({"input": "hi", "dimensions": 8}, "dimensions"), ({"input": []}, "empty"),
+                            ({"input": ["a", ""]}, "empty"), ({"input": "hi", "pooling": "max"}, "pooling"),
+                            ({"input": "hi", "truncate": 3}, "truncate"), ({"input": [10**9]}, "out of range")]:
+        e = _err(httpx.post(base + "/v1/embeddings", headers=auth(), json={"model": MODEL, **payload}), 400)
+        assert needle in e["message"] or needle == e["param"], (payload, e)
+    _err(httpx.post(base + "/v1/embeddings", headers=auth(), json={"model": "nope", "input": "hi"}), 404)
+    _err(httpx.post(base + "/v1/embeddings", json={"input": "hi"}), 401)
+
+
+def test_prompt_logprobs_and_echo_logprobs(client, base, llm):
+    """vLLM's `prompt_logprobs` (completions and chat) and OpenAI's echo + logprobs, which covers the prompt's tokens
+    too, streamed or not; they agree with the offline prompt logprobs."""
+    offline = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    n_prompt = len(offline.prompt_token_ids)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == n_prompt and plp[0] is None
+    for entry, lp in zip(plp[1:], offline.prompt_logprobs[1:]):
+        assert entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+        assert entry[str(lp.token_id)]["rank"] == lp.rank
+        assert {str(t.token_id) for t in lp.top} <= set(entry) and len(entry) <= 3
+    echo = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                     logprobs=1)
+    lp = echo.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx([x.logprob for x in offline.prompt_logprobs[1:]], abs=1e-4)
+    assert echo.choices[0].text == PROMPTS[0] + offline.outputs[0].text
+    assert "".join(lp.tokens) == echo.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                       logprobs=1, stream=True)
+    tokens, values = [], []
+    for chunk in stream:
+        c = chunk.choices[0]
+        if c.logprobs is not None:
+            tokens += c.logprobs.tokens
+            values += c.logprobs.token_logprobs
+    assert tokens == lp.tokens and values[0] is None
+    assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    cplp = chat.model_extra["prompt_logprobs"]
+    assert len(cplp) == chat.usage.prompt_tokens and cplp[0] is None and all(len(e) == 1 for e in cplp[1:])
+    for path, body in [("/v1/completions", {"prompt": "hi", "stream": True, "prompt_logprobs": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                                 "prompt_logprobs": 1}),
+                       ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21})]:
+        e = _err(httpx.post(base + path, headers=auth(), json={"model": MODEL, **body}), 400)
+        assert "prompt_logprobs" in e["message"] or e["param"] == "prompt_logprobs"
+
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_responses_api(client, llm):
+    """/v1/responses with the official SDK: text equal to the chat endpoint's, usage, incomplete at
+    max_output_tokens, message items as input, a forced function call and its output sent back, text.format."""
+    r = client.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=30,
+                                temperature=0, store=False)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
+                                                                  "What is the capital of France?"}],
+                                          max_tokens=30, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content and r.output[0].type == "message"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    short = client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Tell me a long story."}]}], instructions="You are terse.",
+        max_output_tokens=3, temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.usage.output_tokens == 3 and short.instructions == "You are terse."
+    call = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER_TOOL],
+                                   tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+                                   temperature=0)
+    fc = [o for o in call.output if o.type == "function_call"]
+    assert len(fc) == 1 and fc[0].name == "get_weather" and "city" in json.loads(fc[0].arguments)
+    back = client.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "Weather in Paris?"}, fc[0].model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": fc[0].call_id, "output": "22 C and sunny"}],
+        tools=[WEATHER_TOOL], tool_choice="none", max_output_tokens=10, temperature=0)
+    assert back.output_text and back.output[0].type == "message"
+    assert back.usage.input_tokens > call.usage.input_tokens  # the call and its result were rendered
+    js = client.responses.create(model=MODEL, input="Give a city.", max_output_tokens=40, temperature=0, text={
+        "format": {"type": "json_schema", "name": "city", "schema": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}})
+    assert isinstance(json.loads(js.output_text)["city"], str)
+
+
+def test_responses_stream_matches_plain(client, base):
+    kw = dict(model=MODEL, input="Name three colors.", max_output_tokens=16, temperature=0)
+    plain = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if plain.status == "completed" else "response.incomplete"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == plain.output_text == final.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.id == events[0].response.id
+    tool = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER_TOOL], stream=True,
+                                   tool_choice="required", max_output_tokens=40, temperature=0)
+    items = [e.item for e in tool if e.type == "response.output_item.done"]
+    assert [i.type for i in items] == ["function_call"] and items[0].name == "get_weather"
+    for body, needle in [({"input": "hi", "store": True}, "store"),
+                         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"input": "hi", "tools": [{"type": "web_search"}]}, "function tools"),
+                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                          "input_image"),
+                         ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format"),
+                         ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+                         ({"input": []}, "input")]:
+        e = _err(httpx.post(base + "/v1/responses", headers=auth(), json={"model": MODEL, **body}), 400)
+        assert needle in e["message"] or needle == e["param"], (body, e)
+
+
 def test_sigterm_finishes_in_flight_and_exits_cleanly(server):
     """Last in this module: SIGTERM while a stream is running; the stream ends properly, exit code 0."""
     proc, base, log = server

@@ -290,6 +290,8 @@ class Scheduler:
                     sample=end == req.num_tokens,
                     num_output_tokens=req.num_output_tokens,
                     num_spec_tokens=len(spec),
+                    prompt_logprob_span=req.prompt_logprob_span(start, end),
+                    pooling=req.sampling_params.pooling is not None,
                 )
             )
             req.num_computed_tokens = end + len(spec)  # rejected drafts are taken back in update_from_output
@@ -312,6 +314,8 @@ class Scheduler:
         swapped = req.host_block_ids is not None
         if swapped:
             hits, num_computed = [], req.num_computed_tokens
+        elif req.needs_whole_prompt:
+            hits, num_computed = [], 0
         else:
             hits, num_computed = self.kv.get_computed_blocks(req)
             if req.num_cached_tokens < 0:
@@ -370,6 +374,12 @@ class Scheduler:
             req = self.requests.get(s.req_id)
             if req is None or req.is_finished():
                 continue  # aborted while the step ran
+            if s.prompt_logprob_span is not None:
+                req.prompt_logprobs.extend(result.prompt_logprobs.get(s.req_id, ()))
+            if s.pooling:
+                if s.sample:
+                    outputs.append(self._finish_pooled(req, result.pooled[s.req_id], now))
+                continue
             tokens = result.sampled_token_ids.get(s.req_id)
             if not tokens:
                 continue  # a prefill chunk that did not reach the end
@@ -397,6 +407,8 @@ class Scheduler:
                 finish_reason=None,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 queue_time=queue_time,
+                prompt_logprobs=list(req.prompt_logprobs) if queue_time is not None and
+                req.sampling_params.prompt_logprobs is not None else None,
             )
             if status is not None:
                 self.running.remove(req)
@@ -408,6 +420,16 @@ class Scheduler:
                 req.spec_token_ids = list(result.spec_token_ids.get(s.req_id, ()))
             outputs.append(out)
         return outputs
+
+    def _finish_pooled(self, req: Request, vector: list[float], now: float) -> EngineCoreOutput:
+        """An embedding request ends with its last prompt chunk: its vector is its one output."""
+        req.first_token_time = now
+        self.running.remove(req)
+        req.status = RequestStatus.FINISHED_STOPPED
+        self._free(req)
+        return EngineCoreOutput(req.request_id, [], None, RequestStatus.finish_reason(req.status),
+                                num_cached_tokens=max(req.num_cached_tokens, 0),
+                                queue_time=(req.first_scheduled_time or now) - req.arrival_time, pooled=vector)
 
     def _record_spec(self, num_drafts: int, num_accepted: int) -> None:
         """One verification of ``num_drafts`` drafts, of which the first ``num_accepted`` were accepted."""

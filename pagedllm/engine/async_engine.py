@@ -91,6 +91,7 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.runtime = self.engine.runtime
         self.model_path = self.engine.model_path
+        self.default_pooling = self.engine.default_pooling
 
     def _main(self, config: EngineConfig) -> None:
         try:

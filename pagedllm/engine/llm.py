@@ -1,9 +1,10 @@
-"""The offline entry point: ``LLM().generate(prompts, params)`` and ``LLM().chat(messages, params)``."""
+"""The offline entry point: ``LLM().generate(prompts, params)``, ``LLM().chat(messages, params)`` and
+``LLM().embed(prompts)``."""
 
 from __future__ import annotations
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptType, build_config
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import RequestOutput, l2_normalize
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -35,6 +36,22 @@ class LLM:
         ):
             prompts = [prompts]
         return self._run([self.engine.encode_prompt(p) for p in prompts], sampling_params, use_tqdm, priority)
+
+    def embed(self, prompts: PromptType | list[PromptType], pooling: str | None = None, normalize: bool = True,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """Embeddings: each prompt's final hidden states pooled (``last`` token, ``mean`` or ``cls``: the first
+        token; None: the engine's default), L2-normalised unless ``normalize`` is False; in each output's
+        ``embedding``."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        outs = self._run([self.engine.encode_prompt(p) for p in prompts], SamplingParams(max_tokens=1, pooling=pooling or self.engine.default_pooling),
+                         use_tqdm, None)
+        if normalize:
+            for o in outs:
+                o.embedding = l2_normalize(o.embedding)
+        return outs
 
     def chat(
         self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -42,6 +42,8 @@ class LLMEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos
+        # embeddings: --pooling, else the file's, else the last token's (a causal model's whole-prompt summary)
+        self.default_pooling = config.model.pooling or runner.arch.pooling or "last"
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, runner.arch.stop_token_ids)
         self._ids = itertools.count()
         self.last_iteration_stats = IterationStats()

@@ -41,6 +41,7 @@ class ChildState:
     stop_reason: int | str | None = None
     last_token_time: float | None = None
     queue_time: float = 0.0
+    embedding: list[float] | None = None
 
     def visible_text(self) -> str:
         """While running, hold back a tail that could still become a stop string."""
@@ -60,6 +61,7 @@ class ParentState:
     arrival_time: float
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -75,7 +77,8 @@ class ParentState:
         ]
         last = max((c.last_token_time for c in self.children if c.last_token_time is not None), default=None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             self.num_cached_tokens, RequestMetrics(self.arrival_time, self.first_token_time, last))
+                             self.num_cached_tokens, RequestMetrics(self.arrival_time, self.first_token_time, last),
+                             self.prompt_logprobs, self.children[0].embedding)
 
 
 class OutputProcessor:
@@ -140,8 +143,13 @@ class OutputProcessor:
                 continue
             parent = child.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
-            if parent.first_token_time is None and o.new_token_ids:
+            if parent.first_token_time is None and (o.new_token_ids or o.pooled is not None):
                 parent.first_token_time = now
+            if o.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None] + [self._convert_logprobs(lp) for lp in o.prompt_logprobs]
+            if o.pooled is not None:
+                child.embedding = o.pooled
+                stats.num_prompt_tokens += len(parent.prompt_token_ids)
             if o.queue_time is not None:
                 child.queue_time = o.queue_time
             if o.new_token_ids:

@@ -29,10 +29,10 @@ class DenseLinear:
         self.weight_dtype = weight.dtype  # the dtype its inputs are cast to (kept when only the packed copy is)
 
     def prepack(self, keep_weight: bool) -> "DenseLinear":
-        """bfloat16 on CPU: keep the weight in oneDNN's pre-packed (blocked) layout, so each call skips the
-        per-call weight reorder: measured 1.4x faster over the model's 121 linears per step at 1 to 64 rows on
-        this machine (20.9 vs 27.5 ms at batch 1, 23.8 vs 33.1 ms at batch 32). ``keep_weight``: also keep the
-        plain weight (a tied embedding reads its rows). A no-op where oneDNN is missing or the dtype differs."""
+        """bfloat16 on CPU: keep the weight in oneDNN's pre-packed (blocked) layout, so each call skips oneDNN's
+        per-call reorder of the weight into that layout (faster at every batch size measured; figures in
+        docs/history.md). ``keep_weight``: also keep the plain weight (a tied embedding reads its rows). A no-op
+        where oneDNN is missing or the dtype differs."""
         w = self.weight
         if (self.packed is not None or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
                 or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

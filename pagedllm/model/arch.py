@@ -39,6 +39,7 @@ class ModelArchConfig:
     rope_scaling: dict | None = field(default=None, compare=False, hash=False)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     stop_token_ids: tuple[int, ...] = ()  # end-of-generation tokens besides eos (gemma's <end_of_turn>)
+    pooling: str | None = None  # an embedding model's pooling ("mean", "cls", "last") from the GGUF metadata
     # mixture of experts (qwen3moe, mixtral): every layer's MLP is num_experts experts of moe_intermediate_size,
     # num_experts_per_tok of them per token (softmax router, top-k, renormalised with norm_topk_prob)
     num_experts: int = 0

@@ -157,6 +157,10 @@ class _ExpertSlice:
         return cls(f"{t.name}[{e}]", t.data[e], t.tensor_type, tuple(t.shape[:2]), size, int(t.data_offset) + e * size)
 
 
+# llama.cpp's ``{arch}.pooling_type`` (0: none, 4: rank are no embedding pooling)
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
 def _gguf_config(meta: GGUFMeta) -> dict:
     """The hyper-parameters every architecture's GGUF metadata holds alike (llama.cpp's key names)."""
     kv = meta.kv
@@ -181,6 +185,7 @@ def _gguf_config(meta: GGUFMeta) -> dict:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
         eos_token_id=eos,
         stop_token_ids=() if eot is None or eot == eos else (int(eot),),
+        pooling=GGUF_POOLING.get(int(kv("pooling_type", 0))),
         vocab_fingerprint=hashlib.sha256("\n".join(tokens).encode()).hexdigest() if tokens else None,
     )
 

@@ -10,9 +10,9 @@
 - ``Fp8Linear``: float8 e4m3 weights with per-channel scales through ``torch._scaled_mm`` (activations are
   quantized per token to e4m3 on the fly, as vLLM's fp8 does); native on CUDA sm89+, oneDNN on CPU.
 
-torch's kernels run with bfloat16 activations (torch's packed kernels take bf16 on CPU; they are 5-15x slower with
-float32 inputs); inputs are cast to bf16 and the output back to the model's dtype. ``layers.linear.build_linear``
-picks the kind for a weight.
+torch's kernels run with bfloat16 activations (torch's packed kernels take bf16 on CPU and are several times
+slower with float32 inputs); inputs are cast to bf16 and the output back to the model's dtype.
+``layers.linear.build_linear`` picks the kind for a weight.
 """
 
 from __future__ import annotations

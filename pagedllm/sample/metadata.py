@@ -21,6 +21,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     matcher: object | None = None  # llguidance matcher of a constrained request, fed output_token_ids[:consumed]
     consumed: int = 0
+    pool_sum: torch.Tensor | None = None  # mean pooling: the sum of the hidden rows so far; cls: the first row
 
 
 def build_sampling_metadata(states: list[CachedRequestState], extras: list[list[int]], vocab: int,

@@ -20,10 +20,13 @@ from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FallbackRout
 from pagedllm.server.errors import APIError, error_json, install_error_handlers
 from pagedllm.server.middleware import MAX_BODY_BYTES, ApiKeyMiddleware, BodyLimitMiddleware
 from pagedllm.server.protocol import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest,
-                                      CompletionRequest, DetokenizeRequest, TokenizeRequest)
+                                      CompletionRequest, DetokenizeRequest, EmbeddingRequest, ResponsesRequest,
+                                      TokenizeRequest)
 from pagedllm.server.serving_chat import OpenAIServingChat
 from pagedllm.server.serving_completion import OpenAIServingCompletion
+from pagedllm.server.serving_embedding import OpenAIServingEmbedding
 from pagedllm.server.serving_messages import AnthropicServingMessages
+from pagedllm.server.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -40,6 +43,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     serving_completion = OpenAIServingCompletion(engine, model_names, router)
     serving_chat = OpenAIServingChat(engine, model_names, router, auto_tools, reasoning_parser)
     serving_messages = AnthropicServingMessages(serving_chat)
+    serving_embedding = OpenAIServingEmbedding(engine, model_names, router)
+    serving_responses = OpenAIServingResponses(serving_chat)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -103,6 +108,16 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                                                              "model": openapi.ChatCompletionResponse}})
     async def chat(req: ChatCompletionRequest, raw: Request):
         return await serving_chat.create_chat_completion(req, raw)
+
+    @app.post("/v1/responses", response_model=None, responses=openapi.RESPONSES_RESPONSES)
+    async def responses(req: ResponsesRequest, raw: Request):
+        """OpenAI's Responses API, stateless (`store: true` and `previous_response_id` are refused)."""
+        return await serving_responses.create_response(req, raw)
+
+    @app.post("/v1/embeddings", response_model=None, responses=openapi.EMBEDDING_RESPONSES)
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        """One vector per input: the final hidden states pooled (`pooling`: last token or mean), L2-normalised."""
+        return await serving_embedding.create_embedding(req, raw)
 
     @app.post("/v1/messages", response_model=None, responses=openapi.MESSAGES_RESPONSES)
     async def messages(req: AnthropicMessagesRequest, raw: Request):

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from pagedllm.server.errors import anthropic_route
-from pagedllm.server.protocol import ANTHROPIC_HINT_FIELDS, HINT_FIELDS
+from pagedllm.server.protocol import ANTHROPIC_HINT_FIELDS, HINT_FIELDS, RESPONSES_HINT_FIELDS
 
 
 class ErrorInfo(BaseModel):
@@ -38,9 +38,15 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # None: the first prompt token of an echoed prompt
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -49,6 +55,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: CompletionLogprobs | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # when asked for (vLLM's)
 
 
 class CompletionResponse(BaseModel):
@@ -108,6 +115,25 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # when asked for (vLLM's)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # a string: base64 of little-endian float32 (encoding_format "base64")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):
@@ -231,6 +257,14 @@ _STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "se
 GENERATE_RESPONSES = {200: {"description": "JSON, or an SSE stream when `stream` is true", "content": _STREAM},
                       **errors(400, 401, 404, 413, 429, 500, 503)}
 SIMPLE_RESPONSES = errors(400, 401, 404, 413)
+_RESPONSES_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: "
+                                                       "`event: <type>` and `data: <event JSON>` lines "
+                                                       "(response.created ... response.completed; error)"}}}
+RESPONSES_RESPONSES = {200: {"description": "the response object as JSON, or an SSE stream of its events when "
+                                            "`stream` is true", "content": {"application/json": {"schema": {
+                                                "type": "object"}}, **_RESPONSES_STREAM}},
+                       **errors(400, 401, 404, 413, 429, 500, 503)}
+EMBEDDING_RESPONSES = {200: {"model": EmbeddingResponse}, **errors(400, 401, 404, 413, 429, 500, 503)}
 _ANTHROPIC_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: "
                                                       "`event: <type>` and `data: <event JSON>` lines (message_start, "
                                                       "content_block_start/_delta/_stop, message_delta, message_stop; "
@@ -241,7 +275,8 @@ MESSAGES_RESPONSES = {200: {"model": AnthropicMessageResponse, "content": _ANTHR
                       **anthropic_errors(400, 401, 404, 413, 429, 500, 503)}
 COUNT_TOKENS_RESPONSES = {200: {"model": AnthropicCountTokensResponse}, **anthropic_errors(400, 401, 404, 413)}
 # request bodies: the hint fields each accepts besides its own (every other field is refused)
-_REQUESTS = {"CompletionRequest": HINT_FIELDS, "ChatCompletionRequest": HINT_FIELDS,
+_REQUESTS = {"CompletionRequest": HINT_FIELDS, "ChatCompletionRequest": HINT_FIELDS, "EmbeddingRequest": HINT_FIELDS,
+             "ResponsesRequest": RESPONSES_HINT_FIELDS,
              "AnthropicMessagesRequest": ANTHROPIC_HINT_FIELDS, "AnthropicCountTokensRequest": ANTHROPIC_HINT_FIELDS}
 
 

@@ -49,6 +49,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     priority: int = 0
     max_queue_delay_ms: float | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many top alternatives
     # structured outputs: vLLM's extra parameters, its newer object, and (chat) OpenAI's response_format
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -81,7 +82,8 @@ class _SamplingFields(BaseModel):
         return None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                           structured: StructuredOutputsParams | None = None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         bias = None
         if self.logit_bias:
             try:
@@ -106,6 +108,7 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured,
         )
@@ -118,6 +121,26 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``: one vector per input (a text, token ids, or a list of either)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # pagedllm's / vLLM's: how hidden states become the vector, and queueing
+    pooling: Literal["last", "mean", "cls"] | None = None  # None: the server's (--pooling)
+    normalize: bool = True
+    priority: int = 0
+    max_queue_delay_ms: float | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        return sorted(set(self.model_extra or {}) - HINT_FIELDS)
 
 
 class ChatMessage(BaseModel):
@@ -345,3 +368,124 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     def to_chat(self, **sampling: Any) -> ChatCompletionRequest:
         return super().to_chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
                                top_p=self.top_p, top_k=self.top_k, stream=self.stream, **sampling)
+
+
+# Responses API: accepted and ignored (bookkeeping, or a hint that does not change what is generated)
+RESPONSES_HINT_FIELDS = HINT_FIELDS | {"truncation", "reasoning", "include", "background", "max_tool_calls"}
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` (OpenAI's Responses API), stateless: nothing is stored, so ``store: true`` and
+    ``previous_response_id`` are refused; it maps onto a chat completion request (``to_chat``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        return sorted(set(self.model_extra or {}) - RESPONSES_HINT_FIELDS)
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The same request as a chat completion request; ValueError for what has no equivalent."""
+        if self.store:
+            raise ValueError("store: pagedllm keeps no responses; send store=false (or leave it out)")
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id: pagedllm keeps no responses; send the whole conversation as "
+                             "input items")
+        messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            for item in self.input:
+                _responses_item(item, messages)
+        if not messages:
+            raise ValueError("input: at least one message is required")
+        tools = None
+        if self.tools is not None:
+            tools = []
+            for t in self.tools:
+                if t.get("type") != "function" or not isinstance(t.get("name"), str):
+                    raise ValueError(f"tools: only function tools (type 'function' with a name) are supported, got "
+                                     f"type {t.get('type')!r}")
+                tools.append({"type": "function", "function": {
+                    "name": t["name"], "description": t.get("description") or "",
+                    "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
+        tool_choice = self.tool_choice
+        if isinstance(tool_choice, dict):
+            if tool_choice.get("type") != "function" or not isinstance(tool_choice.get("name"), str):
+                raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+            tool_choice = {"type": "function", "function": {"name": tool_choice["name"]}}
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        kind = fmt.get("type")
+        if kind == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise ValueError("text.format: a json_schema format needs a schema object")
+            response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
+                                                                      "schema": fmt["schema"]}}
+        elif kind == "json_object":
+            response_format = {"type": "json_object"}
+        elif kind == "text":
+            response_format = None
+        else:
+            raise ValueError(f"text.format type must be 'text', 'json_schema' or 'json_object', got {kind!r}")
+        return ChatCompletionRequest(
+            model=self.model, messages=messages, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls, response_format=response_format,
+            max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
+            logprobs=self.top_logprobs is not None, top_logprobs=self.top_logprobs, stream=self.stream)
+
+
+def _responses_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("input: a message's content must be a string or a list of content parts")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise ValueError(f"input: content part type {kind!r} is not supported (text only)")
+        parts.append(part.get("text") or "")
+    return "".join(parts)
+
+
+def _responses_item(item: dict, messages: list[dict]) -> None:
+    """Append one Responses input item to chat ``messages``: a message, a function call (joined to the assistant
+    turn it belongs to) or a function call's output; reasoning items are not sent back to the model."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise ValueError(f"input: message role must be user, assistant, system or developer, got {role!r}")
+        messages.append({"role": "system" if role == "developer" else role,
+                         "content": _responses_text(item.get("content", ""))})
+    elif kind == "function_call":
+        if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            raise ValueError("input: a function_call item needs call_id, name and arguments (strings)")
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        if not (messages and messages[-1]["role"] == "assistant"):
+            messages.append({"role": "assistant", "content": ""})
+        messages[-1].setdefault("tool_calls", []).append(call)
+    elif kind == "function_call_output":
+        out = item.get("output")
+        if not isinstance(item.get("call_id"), str) or out is None:
+            raise ValueError("input: a function_call_output item needs call_id and output")
+        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _responses_text(out)})
+    elif kind != "reasoning":
+        raise ValueError(f"input: item type {kind!r} is not supported")

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.outputs import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.degradation import FallbackRouter
 from pagedllm.server.errors import APIError
@@ -38,6 +39,8 @@ class OpenAIServing:
         if bad:
             raise APIError(400, f"unsupported field(s) {bad}: pagedllm does not implement "
                                 f"{'it' if len(bad) == 1 else 'them'}", bad[0])
+        if getattr(req, "prompt_logprobs", None) is not None and req.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream=true (as in vLLM)", "prompt_logprobs")
 
     async def start(self, encode: EncodeFn, encoded: list[tuple[str | None, list[int]]], params: SamplingParams,
                     req: GenerateRequest, model: str, raw: Request) -> tuple[list[AsyncIterator], str]:
@@ -63,3 +66,14 @@ class OpenAIServing:
             await close_all(gens)
             raise
         return gens
+
+
+def prompt_logprobs_json(lps: list[TokenLogprobs | None]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first), token id -> logprob, rank and decoded
+    text, for the prompt token and its top alternatives."""
+    def entry(t) -> dict:
+        return {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.decoded_token}
+
+    return [None if lp is None else {str(lp.token_id): entry(lp), **{str(t.token_id): entry(t) for t in lp.top
+                                                                      if t.token_id != lp.token_id}}
+            for lp in lps]

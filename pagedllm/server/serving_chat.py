@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLM
-from pagedllm.outputs import CompletionOutput, TokenLogprobs
+from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.server.degradation import FallbackRouter
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import ChatCompletionRequest
 from pagedllm.server.reasoning import ReasoningParser
-from pagedllm.server.serving_base import OpenAIServing
+from pagedllm.server.serving_base import OpenAIServing, prompt_logprobs_json
 from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs
 from pagedllm.server.tools import ToolPlan, extract_tool_calls, plan_tools, stream_view, template_messages
 
@@ -134,11 +134,13 @@ class OpenAIServingChat(OpenAIServing):
                     "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
                     "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason,
                 })
-            return reply.json("chat.completion", choices, finals)
+            extra = {} if req.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(finals[0].prompt_logprobs)}
+            return reply.json("chat.completion", choices, finals, extra)
 
         parsers: dict[int, ReasoningParser | None] = {}
 
-        def render(_prompt: int, index: int, c: CompletionOutput, deltas: ChoiceDeltas) -> dict | None:
+        def render(_prompt: int, _output: RequestOutput, index: int, c: CompletionOutput,
+                   deltas: ChoiceDeltas) -> dict | None:
             finished = c.finish_reason is not None
             if index not in parsers:
                 parsers[index] = self.reasoning_parser(plan)

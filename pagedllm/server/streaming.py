@@ -148,6 +148,7 @@ class ChoiceDelta:
     text: str  # what the client has not seen yet
     offset: int  # where that text starts in the choice's text (what earlier chunks sent)
     logprobs: list[TokenLogprobs] | None  # the logprobs not sent yet (None: the request asked for none)
+    first: bool  # the choice's first chunk
 
 
 class ChoiceDeltas:
@@ -170,11 +171,12 @@ class ChoiceDeltas:
         self._text[index] = len(shown)
         if lps is not None:
             self._logprobs[index] = len(c.logprobs)
-        return ChoiceDelta(text, start or 0, lps)
+        return ChoiceDelta(text, start or 0, lps, start is None)
 
 
-# A choice of a chunk: (prompt index, choice index, the choice's output, the stream's deltas) -> dict or None
-RenderChoice = Callable[[int, int, CompletionOutput, ChoiceDeltas], "dict | None"]
+# A choice of a chunk: (prompt index, its output, choice index, the choice's output, the stream's deltas) -> dict
+# or None
+RenderChoice = Callable[[int, RequestOutput, int, CompletionOutput, ChoiceDeltas], "dict | None"]
 
 
 class Reply:
@@ -193,8 +195,8 @@ class Reply:
             body["usage"] = usage
         return body
 
-    def json(self, obj: str, choices: list[dict], finals: list[RequestOutput]) -> JSONResponse:
-        return JSONResponse(self.body(obj, choices, usage(finals)), headers=self.headers)
+    def json(self, obj: str, choices: list[dict], finals: list[RequestOutput], extra: dict | None = None) -> JSONResponse:
+        return JSONResponse({**self.body(obj, choices, usage(finals)), **(extra or {})}, headers=self.headers)
 
     def sse(self, obj: str, gens: list[AsyncIterator], n: int, options: StreamOptions | None,
             render: RenderChoice, opening: Sequence[dict] = ()) -> StreamingResponse:
@@ -210,7 +212,7 @@ class Reply:
                 yield stream_line(self.body(obj, [choice]))
             async for i, o in merged(gens):
                 for c in o.outputs:
-                    choice = render(i, i * n + c.index, c, deltas)
+                    choice = render(i, o, i * n + c.index, c, deltas)
                     if choice is not None:
                         yield stream_line(self.body(obj, [choice]))
                 if o.finished:

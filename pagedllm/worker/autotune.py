@@ -9,8 +9,8 @@ For a GGUF model whose weights are 4-/8-bit blocks, two ways to run a linear lay
 Each is timed on one decoder layer's linears (x number of layers) and on the LM head at batch sizes 1..256. The
 packed path serves small steps when it wins there; a dense copy is kept for steps of at least the batch size from
 which it is faster (per group: the layers and the LM head), or none when it never is. A bfloat16 copy (oneDNN,
-fast with AMX or AVX512-BF16) is not a candidate: used for prefill steps it cost 4 of the 115 business-set answers
-(``pagedllm eval``), outside the quality gate; ``--dtype bfloat16`` still runs the whole model in bf16. The plan
+fast with AMX or AVX512-BF16) is not a candidate: used for prefill steps it changed business-set answers beyond
+what ``pagedllm eval``'s quality gate allows; ``--dtype bfloat16`` still runs the whole model in bf16. The plan
 is cached per CPU, model shapes, kernel source and torch version (``autotune.json`` in ``config.cache_dir()``),
 so later starts skip the measurement; the start-up log and ``/health`` show it.
 """

@@ -20,8 +20,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, coun
     """``count`` zero-filled KV tensors of ``shape``. On CPU they are views of one calloc'd buffer, so pages are
     committed only when first written: the process's resident memory grows with the KV cache actually used, not
     with the budget. One buffer, not one per tensor: glibc serves a freed-then-requested block below its mmap
-    threshold (up to 32 MiB, raised by every free of a larger block) from the heap and must clear it, which made
-    each engine start in a process that had run one before spend ~1.5 s zeroing a 1 GiB cache."""
+    threshold (up to 32 MiB, raised by every free of a larger block) from the heap and must clear it, so a
+    per-tensor cache made every engine start after the first in a process zero the whole cache (the measured
+    cost: docs/history.md)."""
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
     nbytes = math.prod(shape) * dtype.itemsize

@@ -67,11 +67,18 @@ def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: boo
     return torch.bfloat16 if measured_plan else model_dtype
 
 
+# prompt logprobs: logits are computed this many rows at a time (a 2048-token chunk of a 150k vocabulary at once
+# would take 1.2 GB)
+PROMPT_LOGIT_ROWS = 256
+
+
 class _Forward(NamedTuple):
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    hidden: torch.Tensor  # (rows, hidden) after the final norm
     logits: torch.Tensor | None  # (rows to sample, vocab) float32
+    prompt_logprobs: list[SampledTokenLogprobs] | None  # rank 0: per prompt row (``StepInputs.prompt_rows``)
 
 
 class ModelRunner:
@@ -256,27 +263,62 @@ class ModelRunner:
             return ModelRunnerOutput()
 
         step, groups = StepInputs.from_scheduler_output(so, self.block_size)
-        fwd = self._run_step(step)
+        fwd = self._run_step(step, self._prompt_targets(groups.prompt))
         out = ModelRunnerOutput()
         if fwd is None:  # KV swaps only
             return out
-        if groups:
-            self._sample(so, fwd.logits, groups, out)
+        if groups.sample:
+            self._sample(so, fwd.logits, groups.sample, out)
+        for s, first, n in groups.prompt:
+            out.prompt_logprobs[s.req_id] = fwd.prompt_logprobs[first : first + n]
+        for s, first, n in groups.pool:
+            self._pool(s, fwd.hidden[first : first + n], out)
         if self.proposer is not None:
             self.proposer.observe(fwd.input_ids, fwd.positions, fwd.meta)
         if so.speculate and out.sampled_token_ids:
             out.spec_token_ids = self.proposer.propose(so, out.sampled_token_ids, self.requests)
         return out
 
-    def _run_step(self, step: StepInputs) -> _Forward | None:
+    def _prompt_targets(self, prompt_groups: list[tuple]) -> tuple[list[int], list[int]]:
+        """Per prompt row of the step: the prompt token whose logprob it gives, and how many top alternatives
+        its request wants."""
+        targets, ks = [], []
+        for s, _, n in prompt_groups:
+            st = self.requests[s.req_id]
+            lo = s.prompt_logprob_span[0]
+            targets.extend(st.prompt_token_ids[lo + 1 : lo + 1 + n])
+            ks.extend([st.sampling_params.prompt_logprobs] * n)
+        return targets, ks
+
+    def _pool(self, s, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """An embedding request's chunk: mean pooling sums its rows, cls pooling keeps the first; its last chunk
+        returns the vector."""
+        st = self.requests[s.req_id]
+        h = hidden.float()
+        how = st.sampling_params.pooling
+        if how == "mean":
+            part = h.sum(dim=0)
+            st.pool_sum = part if s.num_computed_tokens == 0 or st.pool_sum is None else st.pool_sum + part
+        elif how == "cls" and s.num_computed_tokens == 0:
+            st.pool_sum = h[0]
+        if s.sample:
+            if how == "last":
+                vec = h[-1]
+            elif how == "mean":
+                vec = st.pool_sum / (s.num_computed_tokens + len(s.token_ids))
+            else:
+                vec = st.pool_sum
+            out.pooled[s.req_id] = vec.tolist()
+
+    def _run_step(self, step: StepInputs, prompt_targets=None) -> _Forward | None:
         """Rank 0's part of a step that every rank runs. With tensor parallelism rank 0 first hands the step to
         the other ranks; a failure after that leaves the ranks out of step, so it is fatal for the engine."""
         if self.tp is None:
-            return self._forward_step(step)
+            return self._forward_step(step, prompt_targets)
         self.tp.check()
         try:
             self.tp.send_step(step.pack())
-            return self._forward_step(step)
+            return self._forward_step(step, prompt_targets)
         except TensorParallelError:
             raise
         except Exception as e:
@@ -284,8 +326,9 @@ class ModelRunner:
             self.tp.fail(msg)
             raise TensorParallelError(msg) from e
 
-    def _forward_step(self, step: StepInputs) -> _Forward | None:
-        """What every rank runs for a step: KV block swaps, the forward pass, the logits of the rows to sample."""
+    def _forward_step(self, step: StepInputs, prompt_targets=None) -> _Forward | None:
+        """What every rank runs for a step: KV block swaps, the forward pass, the logits of the rows to sample
+        and of the prompt rows (rank 0, which has ``prompt_targets``, turns those into prompt logprobs)."""
         if step.swap_out or step.swap_in:
             self.kv.swap(step.swap_out, step.swap_in)
         if not step.input_ids:
@@ -295,7 +338,25 @@ class ModelRunner:
         input_ids, positions, meta, rows = self._step_tensors(step)
         hidden = self.model.forward(input_ids, positions, self.kv.kv_caches, meta)
         logits = self.model.compute_logits(hidden[rows]) if step.logit_rows else None
-        return _Forward(input_ids, positions, meta, logits)
+        prompt_lps = self._prompt_logprobs(hidden, step.prompt_rows, prompt_targets) if step.prompt_rows else None
+        return _Forward(input_ids, positions, meta, hidden, logits, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[int], targets) -> list[SampledTokenLogprobs] | None:
+        """Raw logprobs (no sampling settings applied, as vLLM's prompt logprobs) of each row's target token,
+        its rank and the top alternatives; in slices of ``PROMPT_LOGIT_ROWS`` rows. Every rank computes the
+        logits (with tensor parallelism they are gathered across ranks); ranks without targets keep nothing."""
+        out = [] if targets is not None else None
+        for i in range(0, len(rows), PROMPT_LOGIT_ROWS):
+            idx = rows[i : i + PROMPT_LOGIT_ROWS]
+            lp = torch.log_softmax(self.model.compute_logits(hidden[torch.tensor(idx, device=hidden.device)]), dim=-1)
+            if out is None:
+                continue
+            toks, ks = targets[0][i : i + len(idx)], targets[1][i : i + len(idx)]
+            chosen, ranks, top_i, top_v = gather_logprobs(lp, list(range(len(idx))), toks, max(ks))
+            for j, k in enumerate(ks):
+                top = list(zip(top_i[j][:k], top_v[j][:k])) if k else []
+                out.append(SampledTokenLogprobs(toks[j], chosen[j], ranks[j], top))
+        return out
 
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor, groups, out: ModelRunnerOutput) -> None:
         """Sample every request that reached the end of its tokens; verify its drafts if it had any.

@@ -3,19 +3,30 @@ rank 0 hands the other tensor-parallel ranks (packed into one int64 tensor, no p
 
 The lists are everything a rank needs to run the step's forward pass: flat tokens and positions, the KV slot of
 each token, per decode its row, context length and block table, per prefill chunk its rows, context length and
-block table, the rows whose logits are computed, and KV block swaps to do first.
+block table, the rows whose logits are computed (to sample, and for prompt logprobs), and KV block swaps to do first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from pagedllm.outputs import SchedulerOutput
 
-_FLAT = ("input_ids", "positions", "slots", "decode_rows", "decode_lens", "logit_rows")
+_FLAT = ("input_ids", "positions", "slots", "decode_rows", "decode_lens", "logit_rows", "prompt_rows")
 _NESTED = ("decode_tables", "prefills", "prefill_tables", "swap_out", "swap_in")
+
+
+class StepGroups(NamedTuple):
+    """Rank 0's use of a step's rows, per scheduled request: ``sample``: (request, its first logit row, row
+    count); ``pool``: (embedding request, its first row, row count); ``prompt``: (request, its first prompt row,
+    row count)."""
+
+    sample: list[tuple]
+    pool: list[tuple]
+    prompt: list[tuple]
 
 
 @dataclass
@@ -26,6 +37,7 @@ class StepInputs:
     decode_rows: list[int] = field(default_factory=list)  # rows of one-token (decode) sequences
     decode_lens: list[int] = field(default_factory=list)  # their context lengths (this token included)
     logit_rows: list[int] = field(default_factory=list)  # rows whose logits are computed (sampled / verified)
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
     decode_tables: list[list[int]] = field(default_factory=list)  # per decode: the blocks its context uses
     prefills: list[list[int]] = field(default_factory=list)  # per prefill chunk: [start row, end row, context len]
     prefill_tables: list[list[int]] = field(default_factory=list)  # per prefill chunk: its context's blocks
@@ -33,11 +45,11 @@ class StepInputs:
     swap_in: list[list[int]] = field(default_factory=list)  # [host block, device block]
 
     @classmethod
-    def from_scheduler_output(cls, so: SchedulerOutput, block_size: int) -> tuple["StepInputs", list[tuple]]:
-        """The step's inputs, and the groups to sample: (scheduled request, its first logit row, row count)."""
+    def from_scheduler_output(cls, so: SchedulerOutput, block_size: int) -> tuple["StepInputs", StepGroups]:
+        """The step's inputs, and what rank 0 does with the rows it computes (``StepGroups``)."""
         bs = block_size
         st = cls(swap_out=[list(p) for p in so.swap_out], swap_in=[list(p) for p in so.swap_in])
-        groups: list[tuple] = []
+        groups = StepGroups([], [], [])
         for s in so.scheduled:
             start = len(st.input_ids)
             n = len(s.token_ids)
@@ -54,10 +66,16 @@ class StepInputs:
                 ctx = nc + n
                 st.prefills.append([start, start + n, ctx])
                 st.prefill_tables.append(table[: -(-ctx // bs)])
-            if s.sample:
-                groups.append((s, len(st.logit_rows), s.num_spec_tokens + 1))
+            if s.pooling:
+                groups.pool.append((s, start, n))
+            elif s.sample:
+                groups.sample.append((s, len(st.logit_rows), s.num_spec_tokens + 1))
                 last_real = start + n - 1 - s.num_spec_tokens
                 st.logit_rows.extend(range(last_real, start + n))
+            if s.prompt_logprob_span is not None:
+                lo, hi = s.prompt_logprob_span
+                groups.prompt.append((s, len(st.prompt_rows), hi - lo))
+                st.prompt_rows.extend(range(start + lo - nc, start + hi - nc))
         return st, groups
 
     def pack(self) -> torch.Tensor:
