@@ -26,8 +26,8 @@ def llm():
 @pytest.fixture(scope="session")
 def hf_model():
     """The HuggingFace transformers reference: transformers' own loading of the same GGUF file (its conversion
-    cached as a checkpoint folder after the first time, see ``pagedllm.bench.hf_reference``)."""
-    from pagedllm.bench.hf_reference import load_hf_reference
+    cached as a checkpoint folder after the first time, see ``pagedllm.reference.hf``)."""
+    from pagedllm.reference.hf import load_hf_reference
 
     return load_hf_reference("float32")
 

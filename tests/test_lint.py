@@ -36,6 +36,7 @@ MAY_IMPORT = {
     **{m: TIER0 for m in TIER0},
     "core": TIER0,
     "sim": TIER0 | {"core", "gguf_file"},
+    "reference": TIER0,  # transformers' own reading of a GGUF file (torch/transformers loaded on use): the HF baseline
     "gguf_file": TIER0,  # the GGUF header reader (numpy, gguf), shared by the model loader and the simulator
     "kernels": TIER0,
     "quant": TIER0 | {"kernels"},
@@ -49,8 +50,8 @@ MAY_IMPORT = {
     "engine": LOW | {"core", "worker"},
     "metrics": TIER0 | {"engine"},
     "server": LOW | {"core", "worker", "engine", "metrics"},
-    "eval": LOW | {"core", "worker", "engine"},
-    "bench": LOW | {"core", "worker", "engine", "metrics", "server", "eval", "quantize"},
+    "eval": LOW | {"core", "worker", "engine", "reference"},
+    "bench": LOW | {"core", "worker", "engine", "metrics", "server", "eval", "quantize", "reference"},
 }
 # Imports inside a function are allowed only for optional heavy third-party modules (a command that does not need
 # them starts without them), and in the two dispatchers that load a subcommand's modules on demand.

@@ -8,8 +8,9 @@ import os
 import httpx
 import pytest
 
-from pagedllm.bench import fuzz, reliability
+from pagedllm.bench import reliability
 from pagedllm.bench.compare import _free_port
+from pagedllm.bench.reliability import fuzz
 from pagedllm.config import default_model_path
 from pagedllm.model.loader import open_gguf
 

@@ -28,13 +28,13 @@ import httpx
 import numpy as np
 
 from pagedllm.bench.common import add_dtype_arg, add_workload_args
-from pagedllm.bench.hf_reference import load_hf_reference
 from pagedllm.bench.cpuinfo import cpu_info, cpu_line
 from pagedllm.bench.offline import load_prompts
 from pagedllm.bench.serve import BenchRequest, run_load
 from pagedllm.config import default_model_path
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.reference.hf import load_hf_reference
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -257,6 +257,41 @@ def _hwm(pid: int) -> int | None:
     return None
 
 
+def _completions_ready(url: str, model: str) -> bool:
+    return httpx.post(url + "/v1/completions", timeout=60, json={"model": model, "prompt": "Hi",
+                                                                  "max_tokens": 1}).status_code == 200
+
+
+@contextlib.contextmanager
+def started_peer(name: str, cmd: str, log_path: str, ready=_completions_ready, **fmt):
+    """A peer server started from ``cmd`` (``{port}`` and the ``fmt`` fields filled in), waited for until
+    /v1/models answers and ``ready(url, model)`` holds: yields (process, url, model, start-up seconds); stopped
+    on exit."""
+    port = _free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(shlex.split(cmd.format(port=port, **fmt)), stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            t0, deadline = time.monotonic(), time.monotonic() + 300
+            model = None
+            while model is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"peer {name} did not start (exit {proc.poll()}); see {log_path}")
+                try:
+                    r = httpx.get(url + "/v1/models", timeout=1)
+                    if r.status_code == 200 and ready(url, r.json()["data"][0]["id"]):
+                        model = r.json()["data"][0]["id"]
+                except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                    time.sleep(0.25)
+            yield proc, url, model, time.monotonic() - t0
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def phase_peer_cmd(name: str, cmd: str, prompts: list[str], output_len: int, concurrencies: list[int],
                    results_dir: str, extra_body: dict | None = None) -> list[dict]:
     """A peer server that this phase starts itself, once per concurrency (``cmd``: its command line, where
@@ -265,35 +300,11 @@ def phase_peer_cmd(name: str, cmd: str, prompts: list[str], output_len: int, con
     the machine while it runs: its rows get the start-up time (launch to /v1/models answering) and peak RSS."""
     rows = []
     for c in concurrencies:
-        port = _free_port()
         log_path = os.path.join(results_dir, f"peer-{name}-c{c}.log")
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(shlex.split(cmd.format(port=port, c=c, ctx=2048 * c)), stdout=log,
-                                    stderr=subprocess.STDOUT)
-            url = f"http://127.0.0.1:{port}"
-            try:
-                t0, deadline = time.monotonic(), time.monotonic() + 300
-                model = None
-                while model is None:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"peer {name} did not start (exit {proc.poll()}); see {log_path}")
-                    try:
-                        r = httpx.get(url + "/v1/models", timeout=1)
-                        if r.status_code == 200 and httpx.post(url + "/v1/completions", timeout=60, json={
-                                "model": r.json()["data"][0]["id"], "prompt": "Hi", "max_tokens": 1}).status_code == 200:
-                            model = r.json()["data"][0]["id"]
-                    except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                        time.sleep(0.25)
-                startup = time.monotonic() - t0
-                row = phase_peer(name, url, model, prompts, output_len, [c], extra_body)[0]
-                row.update(peak_rss_bytes=_hwm(proc.pid), startup_s=startup, command=cmd)
-                rows.append(row)
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        with started_peer(name, cmd, log_path, c=c, ctx=2048 * c) as (proc, url, model, startup):
+            row = phase_peer(name, url, model, prompts, output_len, [c], extra_body)[0]
+            row.update(peak_rss_bytes=_hwm(proc.pid), startup_s=startup, command=cmd)
+            rows.append(row)
     return rows
 
 

@@ -9,8 +9,8 @@ import time
 from importlib import resources
 
 from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, add_workload_args, write_json
-from pagedllm.bench.hf_reference import load_hf_reference
 from pagedllm.engine.llm import LLM
+from pagedllm.reference.hf import load_hf_reference
 from pagedllm.sampling_params import SamplingParams
 
 

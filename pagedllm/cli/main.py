@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
-    from pagedllm.bench import compare, ladder, offline, overhead, quant, reliability, roofline, serve, spec, tp
+    from pagedllm.bench import compare, embed, ladder, offline, overhead, quant, reliability, roofline, serve, spec, tp
     from pagedllm.model import fetch
 
     def add_module_command(subparsers, name: str, module, help_text: str) -> None:
@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("offline", offline, "LLM.generate vs HuggingFace one request at a time"),
         ("serve", serve, "load-test any OpenAI-compatible server"),
         ("compare", compare, "HF vs pagedllm offline vs pagedllm server, one workload"),
+        ("embed", embed, "/v1/embeddings throughput against peers, with the vectors' agreement"),
         ("ladder", ladder, "the optimization ladder, step by step: speed, memory and quality gates"),
         ("roofline", roofline, "machine matmul/bandwidth limits and the engine's fraction of them"),
         ("spec", spec, "decode speed with and without speculative decoding"),

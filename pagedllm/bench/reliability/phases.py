@@ -1,14 +1,11 @@
-"""`pagedllm bench reliability`: bad input, disconnects, overload, faults and shutdown, at volume.
-
-Each phase drives a pagedllm server over HTTP and returns its figures (requests, statuses, 5xx, crashes, leaked
-KV blocks, RSS growth, ...) with ``passed`` and the reasons it failed. The command launches the servers it needs
-(a phase that kills or restarts one gets its own); tests/test_reliability.py runs the same phases smaller.
-Results: a markdown table (docs/reliability.md holds one) and JSON.
+"""The reliability scenarios: each phase drives a pagedllm server over HTTP and returns its figures (requests,
+statuses, 5xx, crashes, leaked KV blocks, RSS growth, ...) with ``passed`` and the reasons it failed. Phases on one
+running server come first; those that start, stop or kill their own server after them. `pagedllm bench reliability`
+(``cli.py``) runs them at volume; tests/test_reliability.py runs them smaller.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -17,88 +14,15 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
 
-from pagedllm.bench import fuzz
-from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, write_json
-from pagedllm.bench.compare import _free_port, running_server, wait_healthy
-from pagedllm.bench.cpuinfo import cpu_line
-from pagedllm.config import default_model_path
+from pagedllm.bench.compare import _free_port, wait_healthy
+from pagedllm.bench.reliability import fuzz
+from pagedllm.bench.reliability.probes import (FAIL_TOKEN, GREEDY_PROMPTS, LOG_ERRORS, _gauges, _kv_clean, auth,
+                                               greedy_outputs, kv_settled, server_info)
 from pagedllm.server.errors import anthropic_route
-
-GREEDY_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
-                  "List three uses of copper:"]
-LOG_ERRORS = ("unhandled error", "Exception in ASGI application", "engine loop died")  # never expected in a log
-FAIL_TOKEN = 49150  # a valid id of the default model; the fault-injected server fails any batch holding it
-
-
-def auth(key: str | None) -> dict:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def server_info(base: str, headers: dict) -> dict:
-    card = httpx.get(base + "/v1/models", headers=headers, timeout=30).json()["data"][0]
-    return {"model": card["id"], "max_model_len": card["max_model_len"], "vocab_size": card["vocab_size"]}
-
-
-def greedy_outputs(base: str, headers: dict, model: str, max_tokens: int = 24) -> list[list[int] | str]:
-    """Each prompt alone, greedy: the text (compared token for token through its logprobs' tokens)."""
-    out = []
-    with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
-        for p in GREEDY_PROMPTS:
-            r = c.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": max_tokens,
-                                                "temperature": 0, "ignore_eos": True, "logprobs": 0})
-            r.raise_for_status()
-            out.append(r.json()["choices"][0]["logprobs"]["tokens"])
-    return out
-
-
-def kv_settled(base: str, headers: dict, timeout: float = 20.0) -> dict:
-    """Poll /debug/kv until nothing runs or waits and every block is free (or the timeout); then read the
-    Prometheus gauges too. Returns the last state with ``leaked_blocks`` and ``settle_s``."""
-    t0 = time.monotonic()
-    with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
-        while True:
-            kv = c.get("/debug/kv").json()
-            idle = kv["num_running"] == 0 and kv["num_waiting"] == 0 and kv["num_free_blocks"] == kv["num_blocks"]
-            if idle or time.monotonic() - t0 > timeout:
-                break
-            time.sleep(0.2)
-        time.sleep(1.5)  # the engine loop publishes its gauges when it next wakes
-        gauges = _gauges(c.get("/metrics").text)
-    kv["leaked_blocks"] = kv["num_blocks"] - kv["num_free_blocks"]
-    kv["settle_s"] = round(time.monotonic() - t0, 2)
-    kv["gauges"] = {k: gauges.get(k) for k in ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
-                                               "pagedllm:kv_cache_usage_perc", "pagedllm:kv_cache_free_blocks",
-                                               "pagedllm:kv_cache_total_blocks")}
-    return kv
-
-
-def _gauges(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def _kv_clean(kv: dict) -> list[str]:
-    g = kv["gauges"]
-    bad = []
-    if kv["leaked_blocks"] or not kv["consistent"]:
-        bad.append(f"KV pool: {kv['leaked_blocks']} blocks not free, consistent={kv['consistent']} "
-                   f"({kv.get('problem')})")
-    if kv["num_running"] or kv["num_waiting"]:
-        bad.append(f"{kv['num_running']} running / {kv['num_waiting']} waiting after the phase")
-    if g["pagedllm:num_requests_running"] or g["pagedllm:num_requests_waiting"] or g["pagedllm:kv_cache_usage_perc"]:
-        bad.append(f"gauges not back to 0: {g}")
-    if g["pagedllm:kv_cache_free_blocks"] != g["pagedllm:kv_cache_total_blocks"]:
-        bad.append(f"free-block gauge {g['pagedllm:kv_cache_free_blocks']} != total")
-    return bad
 
 
 # ---------------------------------------------------------------------- phases on one running server
@@ -568,159 +492,3 @@ def phase_tp_kill(server_args: list[str], workdir: str) -> dict:
     return {"phase": "tensor-parallel rank killed", "workers_killed": len(victims), "exit_code": rc,
             "exit_s": round(time.monotonic() - t0, 1), "stream_got_error_event": told,
             "last_stream_line": (lines[-1] if lines else "")[:200], "passed": not problems, "problems": problems}
-
-
-# ---------------------------------------------------------------------- command
-def write_report(results: list[dict], meta: dict) -> str:
-    lines = [f"# pagedllm reliability run ({meta['date']})", "",
-             f"CPU: {meta['cpu']}. Command: `{meta['command']}`", "",
-             "| phase | requests / events | figures | result |", "|---|---|---|---|"]
-    for r in results:
-        volume, figures = _summary(r)
-        lines.append(f"| {r['phase']} | {volume} | {figures} | {'pass' if r['passed'] else 'FAIL'} |")
-    for r in results:
-        if r["problems"]:
-            lines += ["", f"## {r['phase']}: problems", *[f"- {p}" for p in r["problems"]]]
-    return "\n".join(lines) + "\n"
-
-
-def _summary(r: dict) -> tuple[str, str]:
-    """A phase result's (volume, figures) for the table and the progress line."""
-    p, kv = r["phase"], r.get("kv", {})
-    if p == "fuzz":
-        t = r["total"]
-        return (f"{r['requests']} (schemathesis {r['schemathesis']['sent']}, hypothesis bodies "
-                f"{r['bodies']['sent']}, hostile {r['hostile']['sent']})",
-                f"4xx {t['4xx']} (OpenAI shape {t['4xx_openai_shape']}), 5xx {t['5xx']}, no response "
-                f"{t['no_response']}, schema check failures {sum(r['schemathesis']['check_failures'].values())}, "
-                f"greedy unchanged {r['greedy_unchanged']}, leaked blocks {kv['leaked_blocks']}")
-    if p == "disconnects":
-        return (str(r["requests"]),
-                f"outcomes {r['outcomes']}, leaked blocks {kv['leaked_blocks']}, settled in {kv['settle_s']} s")
-    if p == "soak":
-        return (str(r["requests"]),
-                f"{r['duration_s']:.0f} s, RSS {r['rss_first_mib']} → {r['rss_last_mib']} MiB "
-                f"({r['rss_growth']:+.1%}), leaked blocks {kv['leaked_blocks']}, "
-                f"greedy unchanged {r['greedy_unchanged']}")
-    if p == "overload":
-        return (f"burst {r['burst']}",
-                f"statuses {r['statuses']}, hung {r['hung']}, admitted {r['admitted_tok_s']} tok/s vs unloaded "
-                f"{r['unloaded_tok_s']} ({r['ratio']:.0%}), leaked blocks {kv['leaked_blocks']}")
-    if p == "auth":
-        return (f"{r['requests']} on {r['routes']} routes",
-                f"public: {', '.join(r['public'])}; everything else 401 without the right key")
-    if p == "forward fault":
-        return (f"{r['faults_injected']} faults among {r['good_requests']} good",
-                f"good outputs identical {r['good_identical']}, leaked blocks {kv['leaked_blocks']}")
-    if p == "server log":
-        return f"{r['lines']} lines", ", ".join(f"{m!r}: {n}" for m, n in r["counts"].items())
-    if p == "shutdown":
-        return (f"{r['in_flight']} in flight",
-                f"outcomes {sorted(set(r['outcomes']))}, exit {r['exit_code']} after {r['exit_s']} s "
-                f"(drain {r['drain_s']} s)")
-    if p == "corrupt model files":
-        return (f"{len(r['files'])} files",
-                "; ".join(f"{k}: exit {v['exit_code']}" for k, v in r["files"].items()))
-    return (str(r["workers_killed"]),  # tensor-parallel rank killed
-            f"exit {r['exit_code']} after {r['exit_s']} s, stream error event {r['stream_got_error_event']}")
-
-
-PHASES = ("fuzz", "disconnects", "soak", "overload", "auth", "fault", "shutdown", "corrupt", "tp")
-
-
-def main(args: argparse.Namespace) -> int:
-    phases = args.phases.split(",") if args.phases else list(PHASES)
-    unknown = set(phases) - set(PHASES)
-    if unknown:
-        raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
-    workdir = args.results_dir or tempfile.mkdtemp(prefix="pagedllm-reliability-")
-    os.makedirs(workdir, exist_ok=True)
-    extra = args.server_args.split()
-    results: list[dict] = []
-
-    def report(r: dict) -> None:
-        results.append(r)
-        print(f"[{r['phase']}] {'pass' if r['passed'] else 'FAIL'}: {_summary(r)[1]}", flush=True)
-        for p in r["problems"][:5]:
-            print(f"    {p}", flush=True)
-
-    def shared_phases(base: str, key: str | None) -> None:
-        if "auth" in phases:
-            if key:
-                report(phase_auth(base, key))
-            else:
-                print("[auth] skipped: the server at --url has no --api-key given here")
-        if "fuzz" in phases:
-            report(phase_fuzz(base, key, args.schema_examples, args.body_examples, args.seed))
-        if "disconnects" in phases:
-            report(phase_disconnects(base, key, args.disconnects, args.concurrency, args.seed))
-        if "fault" in phases:
-            if args.url and args.fault_token is None:
-                print("[forward fault] skipped: give --fault-token T for a server started with --fault-injection "
-                      "'{\"forward_fail_token\": T}'")
-            else:
-                report(phase_forward_fault(base, key, args.fault_token or FAIL_TOKEN))
-        if "overload" in phases:
-            report(phase_overload(base, key, args.max_num_seqs, args.burst))
-        if "soak" in phases:
-            report(phase_soak(base, key, args.soak_s, args.concurrency))
-
-    if args.url:  # a server someone else started: the phases that need no process control
-        skipped = [p for p in phases if p in ("shutdown", "tp")]
-        if skipped:
-            print(f"skipped with --url (they start and stop their own servers): {', '.join(skipped)}")
-            phases = [p for p in phases if p not in skipped]
-        shared_phases(args.url.rstrip("/"), args.api_key)
-    elif any(p in phases for p in ("fuzz", "disconnects", "soak", "overload", "auth", "fault")):
-        key = "reliability-key"
-        flags = (f"--api-key {key} --max-model-len {args.max_model_len} --max-num-seqs {args.max_num_seqs} "
-                 f"--max-waiting-requests {args.max_waiting_requests} --max-queue-delay-ms {args.max_queue_delay_ms} "
-                 f"--fault-injection {json.dumps({'forward_fail_token': FAIL_TOKEN}).replace(' ', '')} "
-                 + args.server_args)
-        server_log = os.path.join(workdir, "server.log")
-        with running_server(args.dtype, None, flags, server_log) as (_, base):
-            shared_phases(base, key)
-        report(phase_server_log(server_log))
-    own = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), *extra]
-    if "shutdown" in phases:
-        report(phase_shutdown(own, workdir))
-    if "corrupt" in phases:
-        report(phase_corrupt_models(workdir, default_model_path()))
-    if "tp" in phases:
-        report(phase_tp_kill(own, workdir))
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": f"{cpu_line()}, {os.cpu_count()} logical CPUs",
-            "command": "pagedllm bench reliability " + " ".join(args.argv or [])}
-    md = write_report(results, meta)
-    with open(os.path.join(workdir, "reliability.md"), "w") as f:
-        f.write(md)
-    write_json(args.result_json or os.path.join(workdir, "results.json"), {"meta": meta, "results": results}, indent=1)
-    print(md)
-    print(f"results in {workdir}")
-    return 0 if all(r["passed"] for r in results) else 1
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--phases", default=None, help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
-    p.add_argument("--url", default=None,
-                   help="run against this running server instead of starting one (fuzz, disconnects, soak, overload, "
-                        "auth with --api-key, fault with --fault-token, corrupt; not shutdown or tp); give "
-                        "--max-num-seqs as the server has it")
-    p.add_argument("--api-key", default=None, help="with --url: the server's key")
-    p.add_argument("--fault-token", type=int, default=None, help="with --url: the server's forward_fail_token")
-    add_dtype_arg(p)
-    p.add_argument("--server-args", default="", help="extra flags for every server the suite starts")
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-waiting-requests", type=int, default=32,
-                   help="the queue bound (keep >= 2 x --concurrency: the storm itself must not overload)")
-    p.add_argument("--max-queue-delay-ms", type=float, default=20000)
-    p.add_argument("--schema-examples", type=int, default=60, help="schemathesis cases per operation and mode")
-    p.add_argument("--body-examples", type=int, default=400, help="hypothesis-drawn OpenAI bodies")
-    p.add_argument("--disconnects", type=int, default=300, help="requests in the disconnect storm")
-    p.add_argument("--concurrency", type=int, default=8, help="clients in the disconnect storm and the soak")
-    p.add_argument("--burst", type=int, default=200, help="requests sent at once in the overload phase")
-    p.add_argument("--soak-s", type=float, default=600.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results-dir", default=None)
-    add_result_json_arg(p)
-    p.set_defaults(argv=sys.argv[3:])
