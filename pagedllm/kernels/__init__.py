@@ -78,6 +78,20 @@ def can_run(march: str) -> bool:
     return set(X86_LEVEL_FLAGS[march]) <= flags
 
 
+# the predefined macros that choose the kernels' vector paths (``#if defined(...)`` in cpu_ops.cpp)
+PATH_MACROS = ("__AVX2__", "__FMA__", "__F16C__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__",
+               "__AVX512BF16__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")
+
+
+def path_macros(march: str) -> frozenset[str]:
+    """Which of ``PATH_MACROS`` the compiler defines for ``-march=march``: two targets with the same set compile
+    the same kernel source."""
+    out = subprocess.run([os.environ.get("CXX", "c++"), f"-march={march}", "-dM", "-E", "-x", "c++", "/dev/null"],
+                         capture_output=True, text=True, check=True).stdout
+    defined = {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
+    return frozenset(m for m in PATH_MACROS if m in defined)
+
+
 def build_key(march: str, source: Path = SOURCE) -> str:
     """Hash of what decides the binary: source, flags, torch version, and (for ``native``) the CPU itself."""
     h = hashlib.sha256(source.read_bytes())
