@@ -1,4 +1,20 @@
-"""Shared checks for tests."""
+"""Shared checks and test infrastructure: greedy comparison against a reference, a live server subprocess, its
+metrics, and the engine's model."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "SmolLM2-135M-Instruct"  # the server's default name for the embedded model
+
+
+def model_of(llm):
+    """The model an ``LLM`` runs (its runner's ``CausalLM``)."""
+    return llm.engine.core.runner.model
 
 
 def assert_greedy_close(ours_ids, ours_top, ref_ids, ref_logprobs, name=""):
@@ -23,3 +39,43 @@ def assert_greedy_close(ours_ids, ours_top, ref_ids, ref_logprobs, name=""):
         return i
     assert len(ours_ids) == len(ref_ids), f"{name}: lengths differ: ours {len(ours_ids)}, ref {len(ref_ids)}"
     return n
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path_factory, *extra):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    fh = open(log, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
+         "--log-stats-interval", "1", *([] if "--dtype" in extra else ["--dtype", "float32"]), *extra],
+        stdout=fh, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+
+
+def scrape(base) -> dict:
+    text = httpx.get(base + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("" if "finished_reason" not in s.labels else f"[{s.labels['finished_reason']}]")
+            out[key] = s.value
+    return out

@@ -3,7 +3,6 @@
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,43 +10,12 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import PROMPTS
+from helpers import MODEL, free_port, scrape, start_server  # noqa: F401 - re-exported
 from pagedllm import SamplingParams
 
 API_KEY = "test-key-123"
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(tmp_path_factory, *extra):
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    fh = open(log, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--port", str(port),
-         "--log-stats-interval", "1", *([] if "--dtype" in extra else ["--dtype", "float32"]), *extra],
-        stdout=fh, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +39,6 @@ def client(base):
 
 def auth():
     return {"Authorization": f"Bearer {API_KEY}"}
-
-
-def scrape(base) -> dict:
-    text = httpx.get(base + "/metrics").text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name + ("" if "finished_reason" not in s.labels else f"[{s.labels['finished_reason']}]")
-            out[key] = s.value
-    return out
 
 
 # ---------------------------------------------------------------------- openai client

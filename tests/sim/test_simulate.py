@@ -21,7 +21,7 @@ from pagedllm.sim.simulator import EngineSettings, SpecDecoding, simulate
 from pagedllm.sim.trace import (W1_PROMPT_TOKENS, LengthDist, Workload, closed_loop, load_trace, save_trace, synthetic)
 from pagedllm.sim.validate import load_measured, validate
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 ROOFLINE = os.path.join(DATA, "roofline_epyc.json")
 MEASURED = os.path.join(DATA, "serve_w1_epyc.json")
 
@@ -322,7 +322,7 @@ def test_simulation_imports_no_torch():
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH"
 
 
-LADDER = os.path.join(os.path.dirname(__file__), "data", "ladder_epyc.json")
+LADDER = os.path.join(DATA, "ladder_epyc.json")
 
 
 def test_calibrated_cpu_predicts_the_measured_ladder_within_20_percent(tmp_path):

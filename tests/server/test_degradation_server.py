@@ -5,7 +5,7 @@ import time
 
 import httpx
 
-from test_server import start_server
+from helpers import start_server
 
 PRIMARY = "SmolLM2-135M-Instruct"
 FALLBACK = "SmolLM2-135M-Instruct-fallback"

@@ -20,6 +20,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.sharding import shard_weights
 from pagedllm.errors import TensorParallelError
 from pagedllm.model.arch import ModelArchConfig, tp_layout
+from helpers import model_of
 
 N = 3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -155,7 +156,7 @@ def test_three_ranks_equal_one_rank_token_for_token(engines):
 
 def test_per_rank_weights_and_kv_are_a_third(engines):
     tp, ref = engines
-    whole = ref.engine.core.runner.model.weight_bytes()
+    whole = model_of(ref).weight_bytes()
     per_rank = tp.engine.core.runner.rank_weight_bytes
     assert len(per_rank) == N
     for b in per_rank:  # embedding / LM head included; only the norms are replicated

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm.config import default_model_path
+from helpers import model_of
 
 MAX_PPL_INCREASE = 0.02
 MAX_ACC_DROP = 0.05
@@ -84,7 +85,7 @@ def test_checkpoint_reloads_to_the_same_greedy_tokens(awq_checkpoint):
     in_memory = CausalLM(arch, dict(weights), torch.device("cpu"), torch.float32)
     llm = LLM(dtype="float32", model=out)  # the checkpoint directory is recognised without --quantization
     assert llm.engine.core.runner.quantization.startswith("awq")
-    assert llm.engine.core.runner.model.layers[0]["qkv"].kind == "int4"
+    assert model_of(llm).layers[0]["qkv"].kind == "int4"
     prompts = ["The capital of France is", "def add(a, b):\n"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
@@ -105,8 +106,8 @@ def test_quantization_flag_errors(awq_checkpoint, tmp_path):
 def test_quantized_weights_are_smaller(awq_checkpoint):
     from pagedllm import LLM
 
-    fp = LLM(dtype="float32", max_model_len=256).engine.core.runner.model.weight_bytes()
-    q4 = LLM(dtype="float32", model=awq_checkpoint[0], max_model_len=256).engine.core.runner.model.weight_bytes()
+    fp = model_of(LLM(dtype="float32", max_model_len=256)).weight_bytes()
+    q4 = model_of(LLM(dtype="float32", model=awq_checkpoint[0], max_model_len=256)).weight_bytes()
     assert fp / q4 >= 3.0  # int4 body with int8 LM head: about 5.7x here
 
 
@@ -168,7 +169,7 @@ def test_server_serves_a_quantized_checkpoint(awq_checkpoint, tmp_path_factory):
     import openai
 
     from pagedllm import LLM, SamplingParams
-    from test_server import start_server
+    from helpers import start_server
 
     out = awq_checkpoint[0]
     prompt = "The three primary colors are"

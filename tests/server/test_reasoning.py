@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pagedllm.server.reasoning import REASONING_PARSERS, ReasoningParser
-from test_server import MODEL, start_server
+from helpers import MODEL, start_server
 
 # (text, deepseek_r1's (reasoning, content), qwen3's) of a finished output
 CASES = [

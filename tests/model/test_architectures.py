@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from helpers import model_of
 
 MAX_TOKENS = 16
 PROMPTS = [[5, 17, 300, 42, 9], list(range(100, 140)), [1000, 2000, 3000] * 9]
@@ -251,7 +252,7 @@ def test_quantized_file_runs_from_its_blocks(tmp_path, llm, kind):
     ref = LLM(model=path, max_model_len=128, dtype="float32").generate(PROMPTS, sp, use_tqdm=False)
     auto = LLM(model=path, max_model_len=128, kv_cache_dtype="float32")
     assert auto.engine.runtime["weights"] == "gguf blocks (auto)"
-    lins = auto.engine.core.runner.model.linears()
+    lins = model_of(auto).linears()
     mlp = [f"layers.1.experts.{e}.{n}" for e in range(4) for n in ("gate_up", "down")] if kind == "qwen3moe" else [
         "layers.1.gate_up", "layers.1.down"]
     assert {lins[n].kind for n in mlp + ["layers.1.qkv"]} == {"q8-block"}

@@ -213,7 +213,7 @@ def test_bad_grammar_is_a_value_error(llm32):
 
 # ---------------------------------------------------------------------- over HTTP
 MODEL = "SmolLM2-135M-Instruct"  # the server's default name for the embedded model
-TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "server", "templates",
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "pagedllm", "server", "templates",
                         "hermes_tools_chatml.jinja")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -223,7 +223,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
-    from test_server import start_server
+    from helpers import start_server
 
     proc, base, log = start_server(tmp_path_factory, "--chat-template", TEMPLATE, "--enable-auto-tool-choice",
                                    "--tool-call-parser", "hermes")

@@ -10,7 +10,7 @@ from pagedllm.core.sla import BudgetController, QueuedPrefill
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from test_core_scheduler import Driver, make_sched
+from test_scheduler import Driver, make_sched
 
 # "True" step time: a + b * tokens + c * sequences + d * context tokens (seconds), with +-3% noise.
 TRUTH = (0.010, 0.00005, 0.0003, 0.0000005)

@@ -742,7 +742,7 @@ def test_core_imports_without_torch():
         "assert sys.modules['torch'] is None\n"
         "print('ok')\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"

@@ -10,6 +10,7 @@ from pagedllm import SamplingParams
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.llm_engine import build_config
 from pagedllm.server.app import build_app
+from helpers import model_of
 
 POISON = 49150  # a valid token id that makes the (patched) model fail
 
@@ -17,7 +18,7 @@ POISON = 49150  # a valid token id that makes the (patched) model fail
 @pytest.fixture(scope="module")
 def app_and_engine():
     engine = AsyncLLM(build_config(dtype="float32"))
-    model = engine.engine.core.runner.model
+    model = model_of(engine)
     real_forward = model.forward
 
     def forward(input_ids, *a, **kw):

@@ -7,7 +7,7 @@ import pytest
 from pagedllm.errors import EngineOverloadedError
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from test_core_scheduler import Driver, assert_all_free, make_sched
+from test_scheduler import Driver, assert_all_free, make_sched
 
 
 def req(rid, n_prompt=8, max_tokens=6, priority=0, arrival=None, delay=None):

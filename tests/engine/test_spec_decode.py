@@ -137,7 +137,7 @@ def test_bad_speculative_configs(tmp_path):
 def test_server_with_speculation_reports_spec_metrics(tmp_path_factory, reference):
     import httpx
 
-    from test_server import start_server
+    from helpers import start_server
 
     cfg = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
     proc, base, log = start_server(tmp_path_factory, "--speculative-config", cfg)

@@ -12,6 +12,7 @@ from pagedllm.layers.attention import decode_attention, write_kv
 from pagedllm.layers.linear import DenseLinear
 from pagedllm.layers.norm import rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding
+from helpers import model_of
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -220,7 +221,7 @@ def test_engine_rows_through_the_kernel_keep_their_order():
 
     sp = SamplingParams(temperature=0.0, max_tokens=4)
     llm = LLM(dtype="float32")
-    assert llm.engine.core.runner.model.ops is not None
+    assert model_of(llm).ops is not None
     alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     assert batch == alone
@@ -234,7 +235,7 @@ def test_fused_and_torch_paths_agree():
 
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
     llm = LLM(dtype="float32", enable_prefix_caching=False)
-    model = llm.engine.core.runner.model
+    model = model_of(llm)
     fused = llm.generate(PROMPTS, sp, use_tqdm=False)
     ops, model.ops = model.ops, None
     try:

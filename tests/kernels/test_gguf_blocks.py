@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.quant.formats import concat, dequantize
 from pagedllm.quant.gguf_blocks import DECODERS, decode
+from helpers import model_of
 
 # byte offsets of each type's float16 fields in a block (set to finite random values)
 F16_FIELDS = {
@@ -172,7 +173,7 @@ def test_every_block_type_through_the_engine(tiny_gguf):
     auto = LLM(model=tiny_gguf, enable_prefix_caching=False, kv_cache_dtype="float32")
     rt = auto.engine.runtime
     assert rt["weights"] == "gguf blocks (auto)", rt
-    lins = auto.engine.core.runner.model.linears()
+    lins = model_of(auto).linears()
     assert {lin.kind for lin in lins.values()} <= {"q4-block", "q8-block"}
     assert any(getattr(lin, "sub", 1) == 2 for lin in lins.values())  # blocks of 16 (Q2_K, Q3_K, Q6_K)
     got = auto.generate(prompts, sp, use_tqdm=False)

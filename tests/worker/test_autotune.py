@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pagedllm.worker.autotune import WeightPlan, choose_plan, plan_from_timings
+from helpers import model_of
 
 
 def _t(block, f32, bf16=None):
@@ -90,7 +91,7 @@ def test_default_engine_runs_the_plan_close_to_float32():
     plan = rt["weight_plan"]
     assert plan["block_kernel"] and rt["weights"] == "gguf blocks (auto)" and rt["kv_cache_dtype"] == "bfloat16"
     assert auto.engine.core.runner.sampler.ops is not None  # greedy tokens through the argmax kernel
-    lins = auto.engine.core.runner.model.linears()
+    lins = model_of(auto).linears()
     assert {lin.kind for lin in lins.values()} == {"q4-block", "q8-block"}
     # the file's float16 block scales and offsets as they are; Q8_0's all-zero offsets not stored
     assert all(lin.scales.dtype == torch.float16 and (lin.offsets.numel() > 0) == (lin.kind == "q4-block")

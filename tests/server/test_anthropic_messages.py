@@ -12,10 +12,10 @@ import httpx
 import jsonschema
 import pytest
 
-from test_server import MODEL, scrape, start_server
+from helpers import MODEL, scrape, start_server
 
 KEY = "anthropic-key-1"
-TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "server", "templates",
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "pagedllm", "server", "templates",
                         "hermes_tools_chatml.jinja")
 GREEDY = {"temperature": 0}  # this SDK has no temperature argument: extra_body carries it
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
