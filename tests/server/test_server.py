@@ -359,8 +359,14 @@ def test_chat_template_kwargs_reach_the_template(client):
 def test_embeddings_endpoint(client, base, llm):
     """`/v1/embeddings` with the official client (which asks for base64 and decodes it) equals the offline vectors;
     floats, mean pooling, token-id input, usage, and clear 400s."""
+    before = scrape(base)
     r = client.embeddings.create(model=MODEL, input=[PROMPTS[0], PROMPTS[3]])
+    after = scrape(base)
     offline = llm.embed([PROMPTS[0], PROMPTS[3]], use_tqdm=False)
+    # the metrics count them: two finished requests, their prompt tokens, no generated token
+    assert after["pagedllm:request_success_total[stop]"] - before["pagedllm:request_success_total[stop]"] == 2
+    assert after["pagedllm:prompt_tokens_total"] - before["pagedllm:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["pagedllm:generation_tokens_total"] == before["pagedllm:generation_tokens_total"]
     assert [d.index for d in r.data] == [0, 1]
     for d, o in zip(r.data, offline):
         assert d.embedding == pytest.approx(o.embedding, abs=1e-5)

@@ -154,6 +154,21 @@ def test_three_ranks_equal_one_rank_token_for_token(engines):
     assert kv.pool.num_free_blocks == kv.num_blocks
 
 
+def test_three_ranks_prompt_logprobs_and_embeddings(engines):
+    """The ranks compute the prompt rows' logits together (gathered across their vocabulary slices) and rank 0
+    pools the hidden states: the same figures as one rank."""
+    tp, ref = engines
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for a, b in zip(tp.generate(PROMPTS[:2], sp, use_tqdm=False), ref.generate(PROMPTS[:2], sp, use_tqdm=False)):
+        assert [lp.token_id for lp in a.prompt_logprobs[1:]] == [lp.token_id for lp in b.prompt_logprobs[1:]]
+        assert [lp.logprob for lp in a.prompt_logprobs[1:]] == pytest.approx(
+            [lp.logprob for lp in b.prompt_logprobs[1:]], abs=1e-4)
+        assert [[t.token_id for t in lp.top] for lp in a.prompt_logprobs[1:]] == [
+            [t.token_id for t in lp.top] for lp in b.prompt_logprobs[1:]]
+    for a, b in zip(tp.embed(PROMPTS[:2], use_tqdm=False), ref.embed(PROMPTS[:2], use_tqdm=False)):
+        assert a.embedding == pytest.approx(b.embedding, abs=1e-4)
+
+
 def test_per_rank_weights_and_kv_are_a_third(engines):
     tp, ref = engines
     whole = model_of(ref).weight_bytes()
