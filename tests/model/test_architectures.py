@@ -229,9 +229,15 @@ def test_end_of_turn_token_stops_generation(tmp_path, llm):
     want, _ = _reference(model, PROMPTS[1])
     eot = want[3]  # the fourth token the model picks
     path = str(tmp_path / "eot.gguf")
-    _write_gguf(path, "gemma3", model, eot=eot)
+    _write_gguf(path, "gemma3", model, eot=eot, extra={"gemma3.pooling_type": 1})  # llama.cpp's 1: mean
     ours = LLM(model=path, max_model_len=128, dtype="float32")
     assert ours.engine.core.runner.arch.stop_token_ids == (eot,)
+    # the file's pooling type is the embeddings' default
+    assert ours.engine.default_pooling == "mean"
+    emb = ours.embed([PROMPTS[1]], normalize=False, use_tqdm=False)[0]
+    with torch.inference_mode():
+        hidden = model(torch.tensor([emb.prompt_token_ids]), output_hidden_states=True).hidden_states[-1][0]
+    assert torch.allclose(torch.tensor(emb.embedding), hidden.float().mean(dim=0), atol=1e-4)
     out = ours.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert out[0].outputs[0].token_ids == want[:want.index(eot) + 1]
     assert out[0].outputs[0].finish_reason == "stop"
