@@ -395,7 +395,6 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    top_logprobs: int | None = None
 
     def unsupported_fields(self) -> list[str]:
         return sorted(set(self.model_extra or {}) - RESPONSES_HINT_FIELDS)
@@ -446,8 +445,7 @@ class ResponsesRequest(BaseModel):
         return ChatCompletionRequest(
             model=self.model, messages=messages, tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=self.parallel_tool_calls, response_format=response_format,
-            max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
-            logprobs=self.top_logprobs is not None, top_logprobs=self.top_logprobs, stream=self.stream)
+            max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p, stream=self.stream)
 
 
 def _responses_text(content: Any) -> str:

@@ -498,6 +498,7 @@ def test_responses_stream_matches_plain(client, base):
                           "input_image"),
                          ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format"),
                          ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+                         ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
                          ({"input": []}, "input")]:
         e = _err(httpx.post(base + "/v1/responses", headers=auth(), json={"model": MODEL, **body}), 400)
         assert needle in e["message"] or needle == e["param"], (body, e)
