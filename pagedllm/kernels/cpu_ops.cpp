@@ -321,8 +321,11 @@ const char* vector_isa() { return VECTOR_ISA + sizeof("pagedllm-vector-path:") -
 
 // ------------------------------------------------------------------ decode attention
 
-// softmax of s[0..L) in place; returns nothing, leaves probabilities (exact: max, exp, sum, scale)
-inline void softmax_row(float* s, int64_t L) {
+// softmax of s[0..L) in place; returns nothing, leaves probabilities (exact: max, exp, sum, scale). cap > 0: the
+// scores are soft-capped first, cap * tanh(s / cap) (gemma 2's attention logits)
+inline void softmax_row(float* s, int64_t L, float cap = 0.f) {
+  if (cap > 0.f)
+    for (int64_t i = 0; i < L; ++i) s[i] = cap * std::tanh(s[i] / cap);
   int64_t t = 0;
   float m = -INFINITY, sum = 0.f;
 #if PAGEDLLM_VEC
@@ -380,7 +383,7 @@ inline void reorder_rows(float* x, int64_t rows, bool split) {  // rows of NC ve
 // qf's rows of those heads are reordered in place for a bfloat16 cache.
 template <typename T, int G, int NC>
 void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
-                int64_t h0, int64_t h1, float* scores, float* out, int64_t skip) {
+                int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, float cap) {
   constexpr int64_t D = NC * W;
   constexpr bool split = std::is_same_v<T, at::BFloat16>;
   const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS;
@@ -420,7 +423,7 @@ void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64
   if (nblocks > 0) prefetch(vc + table[0] * blk, std::min(BS, L) * tok * int64_t(sizeof(T)));
   for (int64_t r = h0 * G; r < h1 * G; ++r) {
     std::fill(scores + r * L, scores + r * L + skip, 0.f);  // outside the window: weight 0
-    softmax_row(scores + r * L + skip, L - skip);
+    softmax_row(scores + r * L + skip, L - skip, cap);
   }
   std::fill(out + h0 * G * D, out + h1 * G * D, 0.f);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
@@ -448,10 +451,10 @@ void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64
 
 template <typename T, int NC>
 bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS,
-                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip) {
+                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, float cap) {
   switch (G) {
 #define PAGEDLLM_G(n) \
-  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip); return true;
+  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap); return true;
     PAGEDLLM_G(1) PAGEDLLM_G(2) PAGEDLLM_G(3) PAGEDLLM_G(4) PAGEDLLM_G(5) PAGEDLLM_G(6) PAGEDLLM_G(7) PAGEDLLM_G(8)
 #undef PAGEDLLM_G
     default: return false;
@@ -462,14 +465,16 @@ bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t*
 // The vector path for head dims 64, 128 and 256 and up to 8 query heads per KV head; false: use the portable loop.
 template <typename T>
 bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                 int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip) {
+                 int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip,
+                 float cap) {
 #if PAGEDLLM_VEC
-  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip);
-  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip);
-  if (D == 256) return attend_seq_g<T, 256 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip);  // gemma
+  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
+  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
+  if (D == 256)  // gemma
+    return attend_seq_g<T, 256 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
 #endif
   (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)h0, (void)h1,
-      (void)scores, (void)out, (void)skip;
+      (void)scores, (void)out, (void)skip, (void)cap;
   return false;
 }
 
@@ -477,8 +482,9 @@ bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, cons
 template <typename T, typename C>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                           int64_t window) {
+                           int64_t window, double softcap) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const float cap = static_cast<float>(softcap);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv;
   const int64_t q_sb = q.stride(0), q_sh = q.stride(1);
@@ -515,7 +521,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         for (int64_t i = 0; i < D; ++i) qf[hq * D + i] = to_f(src[i]) * static_cast<float>(scale);
       }
       scores.resize(Hq * L);
-      if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data(), skip)) {
+      if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data(), skip,
+                           cap)) {
         for (int64_t h = h0; h < h1; ++h) {  // portable path: one KV head at a time
           float* sc = scores.data() + h * G * L;
           for (int64_t t = 0; t < L; ++t) {
@@ -524,7 +531,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           }
           for (int64_t g = 0; g < G; ++g) {
             std::fill(sc + g * L, sc + g * L + skip, 0.f);
-            softmax_row(sc + g * L + skip, L - skip);
+            softmax_row(sc + g * L + skip, L - skip, cap);
           }
           float* a = acc.data() + h * G * D;
           std::fill(a, a + G * D, 0.f);
@@ -546,8 +553,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t window) {
+                            int64_t window, double softcap) {
   check_cpu(q, "q");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, Hq, D) with unit stride in D");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, block_size, Hkv, D)");
@@ -561,7 +569,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   dispatch_float_bf16(q.scalar_type(), "decode_attention", [&](auto tag) {
     dispatch_float_bf16(k_cache.scalar_type(), "decode_attention (cache)", [&](auto ctag) {
       decode_attention_impl<decltype(tag), decltype(ctag)>(out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                           window);
+                                                           window, softcap);
     });
   });
   return out;
@@ -1714,8 +1722,8 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence; window > 0: its last "
-        "window keys)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, nogil);
+        "window keys; softcap > 0: scores soft-capped)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);

@@ -48,10 +48,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def tiled_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
-    q_tile: int = Q_TILE, k_tile: int = K_TILE, window: int = 0,
+    q_tile: int = Q_TILE, k_tile: int = K_TILE, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Exact causal attention of ``n`` queries at positions q_offset.. over ``L`` keys at positions 0..L-1
-    (``window`` > 0: a query at p sees only the keys p - window + 1 .. p, a sliding-window layer).
+    (``window`` > 0: a query at p sees only the keys p - window + 1 .. p, a sliding-window layer; ``softcap`` > 0:
+    scores soft-capped to softcap * tanh(score / softcap) before the softmax, gemma 2).
 
     q: (n, Hq, D); k, v: (L, Hkv, D), Hq a multiple of Hkv (grouped-query attention). Returns (n, Hq, D).
     Scores exist only one (q_tile x k_tile) tile at a time; accumulation is in float32.
@@ -79,6 +80,8 @@ def tiled_causal_attention(
         for ks in range(first_key - first_key % k_tile, last_key, k_tile):
             ke = min(ks + k_tile, last_key)
             s = torch.matmul(qt, kh[:, ks:ke].to(acc_dtype).transpose(1, 2))  # (Hkv, G*m, kt)
+            if softcap:
+                s = torch.tanh(s / softcap) * softcap
             if ke - 1 > first_masked or (window and ks <= q_offset + qe - 1 - window):
                 k_pos = torch.arange(ks, ke, device=q.device)
                 outside = k_pos[None, :] > q_pos[:, None]
@@ -101,7 +104,7 @@ def tiled_causal_attention(
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, mask: torch.Tensor, scale: float,
+    block_tables: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query per sequence over its paged context. q: (B, Hq, D) -> (B, Hq, D).
 
@@ -114,6 +117,11 @@ def decode_attention(
     flat = block_tables.view(-1)  # index_select copies whole blocks, faster than advanced indexing
     k = k_cache.index_select(0, flat).to(q.dtype).view(b, -1, hkv, d).transpose(1, 2)  # (B, Hkv, L, D), strided
     v = v_cache.index_select(0, flat).to(q.dtype).view(b, -1, hkv, d).transpose(1, 2)
+    if softcap:  # SDPA has no soft-capping: the scores by hand
+        g = hq // hkv
+        s = torch.matmul(q.view(b, hkv, g, d).float() * scale, k.float().transpose(-1, -2))  # (B, Hkv, G, L)
+        s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1), v.float()).view(b, hq, d).to(q.dtype)
     out = F.scaled_dot_product_attention(q.view(b, hq, 1, d), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.view(b, hq, d)
 
@@ -121,23 +129,24 @@ def decode_attention(
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, ops=None,
-    window: int = 0,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """q: (T, Hq, D); k, v: (T, Hkv, D) for the step's new tokens, written to the cache first (None: already
     written, e.g. by the fused rotary kernel). ``ops``: the fused CPU kernels, or None for torch operations.
-    ``window`` > 0: each query sees only its last ``window`` keys (its own included)."""
+    ``window`` > 0: each query sees only its last ``window`` keys (its own included); ``softcap`` > 0: scores
+    soft-capped (gemma 2)."""
     if k is not None:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
     def decode(qd: torch.Tensor) -> torch.Tensor:
         if ops is not None:
             return ops.decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale,
-                                        window)
+                                        window, softcap)
         mask = meta.decode_mask
         if window:  # keys before len - window are outside
             pos = torch.arange(mask.shape[-1], device=mask.device)
             mask = mask & (pos >= meta.decode_lens.view(-1, 1, 1, 1) - window)
-        return decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, mask, scale)
+        return decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, mask, scale, softcap)
 
     if meta.num_decodes and meta.decode_rows is None:  # all rows are decodes
         return decode(q)
@@ -150,6 +159,6 @@ def paged_attention(
         kc = k_cache.index_select(0, p.block_table).view(-1, hkv, d)[: p.context_len]
         vc = v_cache.index_select(0, p.block_table).view(-1, hkv, d)[: p.context_len]
         out[p.start : p.end] = tiled_causal_attention(
-            q[p.start : p.end], kc, vc, q_offset=p.context_len - (p.end - p.start), scale=scale, window=window
-        )
+            q[p.start : p.end], kc, vc, q_offset=p.context_len - (p.end - p.start), scale=scale, window=window,
+            softcap=softcap)
     return out

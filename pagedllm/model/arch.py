@@ -38,6 +38,7 @@ class ModelArchConfig:
     # {"rope_type": "linear" | "llama3" | "factors", ...}: how the (full layers') rotary frequencies are scaled
     rope_scaling: dict | None = field(default=None, compare=False, hash=False)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_softcap: float | None = None  # attention scores = cap * tanh(scores / cap), before the softmax (gemma 2)
     stop_token_ids: tuple[int, ...] = ()  # end-of-generation tokens besides eos (gemma's <end_of_turn>)
     pooling: str | None = None  # an embedding model's pooling ("mean", "cls", "last") from the GGUF metadata
     # mixture of experts (qwen3moe, mixtral): every layer's MLP is num_experts experts of moe_intermediate_size,

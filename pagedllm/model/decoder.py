@@ -194,7 +194,8 @@ class CausalLM:
             qk = layer["rotary"].apply(rots[id(layer["rotary"])], qk)  # q and k heads rotated in one pass
             q, k = qk[:, :nq], qk[:, nq:]
             v = v.reshape(t, nkv, d)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, window=layer["window"])
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, window=layer["window"],
+                                   softcap=cfg.attn_softcap or 0.0)
             o = self._reduce(layer["o"](attn.reshape(t, self.q_size)))  # row-parallel: partial sums
             h = h + (rms_norm(o, layer["attn_out_norm"], eps) if cfg.sandwich_norm else o)
             x = rms_norm(h, layer["post_norm"], eps)
@@ -222,7 +223,7 @@ class CausalLM:
             ops.rope_write_kv(qkv, positions, rot.cos32, rot.sin32, meta.slot_mapping, k_cache, v_cache, nq, nkv)
             q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
             attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale, ops,
-                                   window=layer["window"])  # (T, Hq, D)
+                                   window=layer["window"], softcap=cfg.attn_softcap or 0.0)  # (T, Hq, D)
             o = self._reduce(layer["o"](attn.reshape(t, self.q_size)))
             if cfg.sandwich_norm:
                 o = ops.rms_norm(o, layer["attn_out_norm"], eps)

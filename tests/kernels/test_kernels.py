@@ -52,6 +52,15 @@ def test_decode_attention_matches_sdpa(ops, dtype, hq, hkv, d):
         keep = mask & (torch.arange(max_blocks * bs) >= (lens - window)[:, None])[:, None, None, :]
         _close(ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5, window),
                decode_attention(q, kc, vc, tables, keep, d ** -0.5), dtype)
+    # soft-capped scores (gemma 2): large queries push the scores past the cap, so capping changes the output
+    big = q * 8
+    capped = ops.decode_attention(big, kc, vc, tables, lens, d ** -0.5, 0, 5.0)
+    _close(capped, decode_attention(big, kc, vc, tables, mask, d ** -0.5, softcap=5.0), dtype)
+    assert not torch.allclose(capped.float(), ops.decode_attention(big, kc, vc, tables, lens, d ** -0.5).float(),
+                              atol=0.05)
+    _close(ops.decode_attention(big, kc, vc, tables, lens, d ** -0.5, 12, 5.0),
+           decode_attention(big, kc, vc, tables, mask & (torch.arange(max_blocks * bs) >= (lens - 12)[:, None])[
+               :, None, None, :], d ** -0.5, softcap=5.0), dtype)
 
 
 def test_decode_attention_strided_query_and_bad_input(ops):

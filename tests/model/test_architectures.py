@@ -30,6 +30,12 @@ def _hf_model(kind: str, vocab: int, gguf_conventions: bool = False):
                                                   tie_word_embeddings=True,
                                                   query_pre_attn_scalar=32 if gguf_conventions else 24))
         model = tf.Gemma3ForCausalLM(cfg)
+    elif kind == "gemma2":  # soft-capped attention scores (the large random weights make them reach the cap)
+        cfg = tf.Gemma2Config(**common | dict(num_hidden_layers=4, head_dim=32, sliding_window=WINDOW,
+                                              tie_word_embeddings=True, attn_logit_softcapping=50.0,
+                                              final_logit_softcapping=30.0,
+                                              query_pre_attn_scalar=32 if gguf_conventions else 24))
+        model = tf.Gemma2ForCausalLM(cfg)
     elif kind == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common | dict(head_dim=32)))
     elif kind == "llama3":  # Llama 3.x rotary scaling, over all three bands of a 16-wide head
@@ -88,7 +94,7 @@ def _check(path: str, model, arch: str):
     assert sched.counters.num_preemptions > 0 and sched.kv.prefix_cache_hits > 0
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3", "mistral", "phi3", "qwen3moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "mistral", "phi3", "qwen3moe", "mixtral"])
 def test_hf_directory_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size)
     d = tmp_path / kind
@@ -135,8 +141,11 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
-    if kind == "gemma3":
+    if kind in ("gemma2", "gemma3"):
         w.add_sliding_window(c.sliding_window)
+    if kind == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     for key, value in (extra or {}).items():
         w.add_uint32(key, value)
     for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
@@ -147,8 +156,8 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     if eot is not None:
         w.add_eot_token_id(eot)
     state = {k: v.float().numpy() for k, v in model.state_dict().items()}
-    plus_one = kind == "gemma3"  # llama.cpp stores gemma's norm weights as 1 + w
-    names = GGUF_LAYER | (GEMMA_LAYER if kind == "gemma3" else {"post_attention_layernorm": "ffn_norm"})
+    plus_one = kind in ("gemma2", "gemma3")  # llama.cpp stores gemma's norm weights as 1 + w
+    names = GGUF_LAYER | (GEMMA_LAYER if plus_one else {"post_attention_layernorm": "ffn_norm"})
     if kind == "qwen3moe":  # experts stacked per layer, as llama.cpp writes them
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
@@ -200,7 +209,7 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3", "llama3", "qwen3moe", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "qwen3moe", "phi3"])
 def test_gguf_file_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
     path = str(tmp_path / f"tiny-{kind}.gguf")

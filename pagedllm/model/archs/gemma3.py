@@ -41,8 +41,7 @@ def from_hf(hf: dict) -> dict:
         hf.get("rope_local_base_freq", 10000.0))
     out["attn_scale"] = float(hf.get("query_pre_attn_scalar", 256)) ** -0.5
     out["final_logit_softcap"] = hf.get("final_logit_softcapping")
-    if hf.get("attn_logit_softcapping"):
-        raise ValueError("gemma3: attention logit soft-capping is not supported")
+    out["attn_softcap"] = hf.get("attn_logit_softcapping")
     return out
 
 
