@@ -66,17 +66,19 @@ def main(args: argparse.Namespace) -> int:
                         os.path.join(args.results_dir, "server.log")) as (proc, base):
         n_tokens = sum(len(httpx.post(base + "/tokenize", json={"prompt": p}).json()["tokens"]) for p in inputs)
         rows, ours = _rows("pagedllm", base, None, inputs, n_tokens, args.batch_sizes, args.concurrency)
+        rss = _hwm(proc.pid)
         for r in rows:
-            r.update(peak_rss_bytes=_hwm(proc.pid), startup_s=proc.startup_s)
+            r.update(peak_rss_bytes=rss, startup_s=proc.startup_s)
     ours /= np.linalg.norm(ours, axis=1, keepdims=True)
     for name, cmd in args.peer_cmd:
         log = os.path.join(args.results_dir, f"peer-{name}.log")
         with started_peer(name, cmd, log, _ready) as (proc, url, model, startup):
             prow, theirs = _rows(f"peer {name}", url, model, inputs, n_tokens, args.batch_sizes, args.concurrency)
+            rss = _hwm(proc.pid)  # while it runs
         theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
         cos = (ours * theirs).sum(axis=1)
         for r in prow:
-            r.update(peak_rss_bytes=_hwm(proc.pid), startup_s=startup, command=cmd,
+            r.update(peak_rss_bytes=rss, startup_s=startup, command=cmd,
                      cosine_mean=float(cos.mean()), cosine_min=float(cos.min()))
         rows += prow
     meta = {"cpu": cpu_info(), "num_inputs": len(inputs), "prompt_tokens": n_tokens, "pooling": args.pooling,
