@@ -40,7 +40,9 @@ from pagedllm.worker.step_inputs import StepInputs
 logger = logging.getLogger(__name__)
 
 # prefill chunks with at most this much context run through the fused row kernel (see ``_step_tensors``)
-ROW_KERNEL_MAX_CONTEXT = 2048  # measured: 1 x 2000 tokens costs the same both ways; 32 x 180 is 4.6x faster here
+# (up to this context the row kernel is at least as fast as the tiled matmuls, and much faster for many short
+# prompts, which it takes without a per-sequence gather: docs/history.md)
+ROW_KERNEL_MAX_CONTEXT = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
