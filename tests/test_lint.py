@@ -49,7 +49,7 @@ MAY_IMPORT = {
     "quantize": LOW | {"worker", "engine"},
     "engine": LOW | {"core", "worker"},
     "metrics": TIER0 | {"engine"},
-    "server": LOW | {"core", "worker", "engine", "metrics"},
+    "server": TIER0 | {"engine", "metrics"},  # HTTP over the engine's API: no model, layers, quant, worker or core
     "eval": LOW | {"core", "worker", "engine", "reference"},
     "bench": LOW | {"core", "worker", "engine", "metrics", "server", "eval", "quantize", "reference"},
 }
