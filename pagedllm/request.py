@@ -102,11 +102,10 @@ class Request:
     @property
     def needs_whole_prompt(self) -> bool:
         """Its prompt must be computed here, not taken from the prefix cache: mean and cls pooling read rows from its
-        start, and
-        prompt logprobs need the rows of the prompt tokens whose logprobs are still missing."""
+        start, and prompt logprobs need the rows of the prompt tokens whose logprobs are still missing."""
         sp = self.sampling_params
-        return sp.pooling in ("mean", "cls") or (sp.prompt_logprobs is not None
-                                        and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+        return sp.pooling in ("mean", "cls") or (
+            sp.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     def prompt_logprob_span(self, start: int, end: int) -> tuple[int, int] | None:
         """Rows at positions [start, end) computed now whose logprobs of the next prompt token are still missing."""

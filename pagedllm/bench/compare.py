@@ -161,6 +161,15 @@ def wait_healthy(proc: subprocess.Popen, base: str, log_path: str, timeout: floa
     raise RuntimeError(f"server did not become healthy within {timeout:.0f} s; see {log_path}")
 
 
+def stop(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @contextlib.contextmanager
 def running_server(dtype: str, quantization: str | None, extra: str, log_path: str):
     """A pagedllm server subprocess on a free port, healthy: yields (process, base URL); stopped on exit."""
@@ -178,11 +187,7 @@ def running_server(dtype: str, quantization: str | None, extra: str, log_path: s
         proc.startup_s = time.monotonic() - t0  # launch to healthy: imports, load, kernels, KV cache
         yield proc, base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 60)
         log.close()
 
 
@@ -285,11 +290,7 @@ def started_peer(name: str, cmd: str, log_path: str, ready=_completions_ready, *
                     time.sleep(0.25)
             yield proc, url, model, time.monotonic() - t0
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, 30)
 
 
 def phase_peer_cmd(name: str, cmd: str, prompts: list[str], output_len: int, concurrencies: list[int],

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pagedllm.engine.llm_engine import LLMEngine, PromptType, build_config
+from pagedllm.engine.llm_engine import LLMEngine, PromptType, as_prompt_list, build_config
 from pagedllm.outputs import RequestOutput, l2_normalize
 from pagedllm.sampling_params import SamplingParams
 
@@ -31,23 +31,16 @@ class LLM:
         self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True, priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        return self._run([self.engine.encode_prompt(p) for p in prompts], sampling_params, use_tqdm, priority)
+        return self._run([self.engine.encode_prompt(p) for p in as_prompt_list(prompts)], sampling_params, use_tqdm,
+                         priority)
 
     def embed(self, prompts: PromptType | list[PromptType], pooling: str | None = None, normalize: bool = True,
               use_tqdm: bool = True) -> list[RequestOutput]:
         """Embeddings: each prompt's final hidden states pooled (``last`` token, ``mean`` or ``cls``: the first
         token; None: the engine's default), L2-normalised unless ``normalize`` is False; in each output's
         ``embedding``."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        outs = self._run([self.engine.encode_prompt(p) for p in prompts], SamplingParams(max_tokens=1, pooling=pooling or self.engine.default_pooling),
-                         use_tqdm, None)
+        params = SamplingParams(max_tokens=1, pooling=pooling or self.engine.default_pooling)
+        outs = self._run([self.engine.encode_prompt(p) for p in as_prompt_list(prompts)], params, use_tqdm, None)
         if normalize:
             for o in outs:
                 o.embedding = l2_normalize(o.embedding)

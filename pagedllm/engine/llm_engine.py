@@ -17,6 +17,15 @@ from pagedllm.worker.model_runner import ModelRunner
 PromptType = str | list[int] | dict
 
 
+def as_prompt_list(prompts: PromptType | list[PromptType]) -> list[PromptType]:
+    """One prompt (a text, a list of token ids, a dict) as a list of one; a list of prompts as a list."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
 def build_config(model: str | None = None, **options) -> EngineConfig:
     """An ``EngineConfig`` from options by name: the fields of the config dataclasses (``pagedllm.config``), e.g.
     ``dtype``, ``max_model_len``, ``block_size``, ``kv_cache_memory``, ``enable_prefix_caching``,

@@ -134,7 +134,8 @@ class OpenAIServingChat(OpenAIServing):
                     "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
                     "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason,
                 })
-            extra = {} if req.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(finals[0].prompt_logprobs)}
+            extra = {} if req.prompt_logprobs is None else {
+                "prompt_logprobs": prompt_logprobs_json(finals[0].prompt_logprobs)}
             return reply.json("chat.completion", choices, finals, extra)
 
         parsers: dict[int, ReasoningParser | None] = {}

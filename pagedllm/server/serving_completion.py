@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from fastapi import Request
 
+from pagedllm.engine.llm_engine import as_prompt_list
 from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import CompletionRequest
@@ -43,13 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of other than n is not supported", "best_of")
-        p = req.prompt
-        if isinstance(p, str):
-            prompts = [p]
-        elif p and all(isinstance(t, int) for t in p):
-            prompts = [p]
-        else:
-            prompts = list(p)
+        prompts = as_prompt_list(req.prompt)
         if not prompts:
             raise APIError(400, "prompt must not be empty", "prompt")
         self.refuse_unsupported(req)

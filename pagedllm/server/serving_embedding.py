@@ -11,6 +11,7 @@ import struct
 
 from fastapi import Request
 
+from pagedllm.engine.llm_engine import as_prompt_list
 from pagedllm.outputs import l2_normalize
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.server.errors import APIError
@@ -31,8 +32,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.refuse_unsupported(req)
         if req.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the vector has the model's hidden size", "dimensions")
-        x = req.input
-        inputs = [x] if isinstance(x, str) or (x and all(isinstance(t, int) for t in x)) else list(x)
+        inputs = as_prompt_list(req.input)
         if not inputs:
             raise APIError(400, "input must not be empty", "input")
         engine = self.engine if model == self.model_names[0] else self.router.fallback

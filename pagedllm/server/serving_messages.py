@@ -13,23 +13,17 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedllm.errors import EngineOverloadedError
 from pagedllm.outputs import CompletionOutput
 from pagedllm.server.errors import anthropic_error
 from pagedllm.server.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from pagedllm.server.reasoning import ReasoningParser
 from pagedllm.server.serving_chat import OpenAIServingChat
-from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs, stream_line
+from pagedllm.server.streaming import ChoiceDeltas, Reply, error_status, final_outputs, named_event
 from pagedllm.server.tools import ToolPlan, extract_tool_calls, stream_view
 
 
-def event(obj: dict) -> str:
-    """One SSE event, named by the object's type."""
-    return f"event: {obj['type']}\n{stream_line(obj)}"
-
-
 def error_event(e: Exception) -> str:
-    return event(anthropic_error(e.status if isinstance(e, EngineOverloadedError) else 500, str(e)))
+    return named_event(anthropic_error(error_status(e), str(e)))
 
 
 def tool_use_blocks(calls: list[dict]) -> list[dict]:
@@ -107,48 +101,49 @@ class AnthropicServingMessages:
                 if not started:
                     started = True
                     usage = {"input_tokens": len(o.prompt_token_ids), "output_tokens": 0}
-                    yield event({"type": "message_start", "message": _message(reply, [], (None, None), usage)})
-                    yield event({"type": "ping"})
+                    yield named_event({"type": "message_start", "message": _message(reply, [], (None, None), usage)})
+                    yield named_event({"type": "ping"})
                 finished = c.finish_reason is not None
                 reasoning, text = parser.advance(c.text, finished) if parser is not None else ("", c.text)
                 if reasoning:
                     if not thinking_open:
-                        yield event({"type": "content_block_start", "index": index,
+                        yield named_event({"type": "content_block_start", "index": index,
                                      "content_block": thinking_block("")})
                         thinking_open = True
-                    yield event({"type": "content_block_delta", "index": index,
+                    yield named_event({"type": "content_block_delta", "index": index,
                                  "delta": {"type": "thinking_delta", "thinking": reasoning}})
                 shown, calls = stream_view(plan, text, finished)
                 d = deltas.next(0, shown, c)
                 if thinking_open and (finished or (d is not None and d.text)):  # the reasoning is over
-                    yield event({"type": "content_block_delta", "index": index,
+                    yield named_event({"type": "content_block_delta", "index": index,
                                  "delta": {"type": "signature_delta", "signature": ""}})
-                    yield event({"type": "content_block_stop", "index": index})
+                    yield named_event({"type": "content_block_stop", "index": index})
                     index += 1
                     thinking_open = False
                 if d is not None and d.text:
                     if not text_open:
-                        yield event({"type": "content_block_start", "index": index,
+                        yield named_event({"type": "content_block_start", "index": index,
                                      "content_block": {"type": "text", "text": ""}})
                         text_open = True
-                    yield event({"type": "content_block_delta", "index": index,
+                    yield named_event({"type": "content_block_delta", "index": index,
                                  "delta": {"type": "text_delta", "text": d.text}})
                 if c.finish_reason is None:
                     continue
                 if text_open:
-                    yield event({"type": "content_block_stop", "index": index})
+                    yield named_event({"type": "content_block_stop", "index": index})
                     index += 1
                 blocks = tool_use_blocks(calls)
                 for b in blocks:
-                    yield event({"type": "content_block_start", "index": index, "content_block": {**b, "input": {}}})
-                    yield event({"type": "content_block_delta", "index": index, "delta": {
+                    yield named_event({"type": "content_block_start", "index": index,
+                                       "content_block": {**b, "input": {}}})
+                    yield named_event({"type": "content_block_delta", "index": index, "delta": {
                         "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}})
-                    yield event({"type": "content_block_stop", "index": index})
+                    yield named_event({"type": "content_block_stop", "index": index})
                     index += 1
                 reason, sequence = stop_reason(c, bool(blocks))
-                yield event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                yield named_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                              "usage": {"output_tokens": len(c.token_ids)}})
-                yield event({"type": "message_stop"})
+                yield named_event({"type": "message_stop"})
         finally:
             await gen.aclose()  # ended early (the client went away): abort the request
 

@@ -15,11 +15,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedllm.errors import EngineOverloadedError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.protocol import ResponsesRequest
 from pagedllm.server.serving_chat import OpenAIServingChat
-from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs, stream_line
+from pagedllm.server.streaming import ChoiceDeltas, Reply, error_status, final_outputs, named_event
 from pagedllm.server.tools import ToolPlan, extract_tool_calls, stream_view
 
 
@@ -59,8 +58,9 @@ class OpenAIServingResponses:
         base = self._base(req, reply)
         if req.stream:
             events = self._events(base, plan, gens[0])
-            return reply.stream(events, lambda e: _sse({"type": "error", "code": str(_status(e)), "message": str(e),
-                                                        "param": None, "sequence_number": 0}))
+            return reply.stream(events, lambda e: named_event({"type": "error", "code": str(error_status(e)),
+                                                               "message": str(e), "param": None,
+                                                               "sequence_number": 0}))
         final = (await final_outputs(gens, raw))[0]
         c = final.outputs[0]
         reasoning, text = self.chat.split_reasoning(plan, c.text)
@@ -94,7 +94,7 @@ class OpenAIServingResponses:
         item_id, acc = "", ""
 
         def ev(obj: dict) -> str:
-            return _sse({**obj, "sequence_number": next(seq)})
+            return named_event({**obj, "sequence_number": next(seq)})
 
         def close() -> list[str]:
             nonlocal open_kind
@@ -182,11 +182,3 @@ def _finish(base: dict, output: list[dict], final: RequestOutput, c: CompletionO
                       "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": n_in + n_out}}
 
-
-def _status(e: Exception) -> int:
-    return e.status if isinstance(e, EngineOverloadedError) else 500
-
-
-def _sse(obj: dict) -> str:
-    """One SSE event, named by the object's type."""
-    return f"event: {obj['type']}\n{stream_line(obj)}"

@@ -28,10 +28,19 @@ def stream_line(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def named_event(obj: dict) -> str:
+    """One SSE event named by the object's type (Anthropic's and the Responses API's streams)."""
+    return f"event: {obj['type']}\n{stream_line(obj)}"
+
+
+def error_status(e: Exception) -> int:
+    """The HTTP status an engine failure inside a started stream stands for."""
+    return e.status if isinstance(e, EngineOverloadedError) else 500
+
+
 def stream_error(e: Exception) -> str:
-    status = e.status if isinstance(e, EngineOverloadedError) else 500
     kind = "overloaded" if isinstance(e, EngineOverloadedError) else "internal_server_error"
-    return stream_line({"error": {"message": str(e), "type": kind, "param": None, "code": status}})
+    return stream_line({"error": {"message": str(e), "type": kind, "param": None, "code": error_status(e)}})
 
 
 # ---------------------------------------------------------------------- waiting on streams
@@ -195,7 +204,8 @@ class Reply:
             body["usage"] = usage
         return body
 
-    def json(self, obj: str, choices: list[dict], finals: list[RequestOutput], extra: dict | None = None) -> JSONResponse:
+    def json(self, obj: str, choices: list[dict], finals: list[RequestOutput],
+             extra: dict | None = None) -> JSONResponse:
         return JSONResponse({**self.body(obj, choices, usage(finals)), **(extra or {})}, headers=self.headers)
 
     def sse(self, obj: str, gens: list[AsyncIterator], n: int, options: StreamOptions | None,
