@@ -60,13 +60,18 @@ POOLING = ("last", "mean", "cls")  # the last token's hidden state, the mean ove
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """A constraint on the generated text (exactly one of the fields): a JSON schema, any JSON object, a regular
-    expression, one of several strings, or a grammar (Lark, or llama.cpp's GBNF / EBNF)."""
+    expression, one of several strings, or a grammar (Lark, or llama.cpp's GBNF / EBNF).
+
+    ``after``: the constraint applies only to the output that follows the first occurrence of this text in it (a
+    reasoning model's ``</think>``: the reasoning before it is free); the token that completes it is the last free
+    one. Set by the server's reasoning parser, not a client field."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    after: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -88,6 +93,8 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured outputs choice must be a non-empty list of strings")
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            raise ValueError("structured outputs after must be a non-empty string")
 
     @staticmethod
     def from_dict(d: "dict | StructuredOutputsParams") -> "StructuredOutputsParams":

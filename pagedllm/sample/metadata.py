@@ -19,8 +19,10 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
-    matcher: object | None = None  # llguidance matcher of a constrained request, fed output_token_ids[:consumed]
+    matcher: object | None = None  # llguidance matcher of a constrained request, fed output_token_ids[from:consumed]
     consumed: int = 0
+    grammar_from: int | None = None  # the first output token the grammar constrains (None: not reached yet)
+    scanned: int = 0  # a constraint with ``after``: output tokens searched for that text so far
     pool_sum: torch.Tensor | None = None  # mean pooling: the sum of the hidden rows so far; cls: the first row
 
 

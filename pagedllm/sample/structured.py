@@ -9,6 +9,11 @@ verifying speculative drafts: one row per draft, each masked by the grammar's st
 and the sampler masks those rows' logits in one batched operation. Drafts are proposed only as far as the grammar
 accepts them.
 
+A constraint with ``after`` (a reasoning model's ``</think>``, set by the server's reasoning parser) leaves the output
+free until that text has appeared in it: the runner decodes each new token's bytes and looks for it, and the grammar
+starts at the token after the one that completes it. While it waits, a request's drafts stop before one that would
+complete the text, so that every row after it in a step is masked.
+
 llguidance was chosen over xgrammar here: it has no torch (or triton) dependency, ships a CPU wheel for every
 platform, and computes a mask for this 49,152-token vocabulary in tens of microseconds (``bench serve
 --structured`` measures the end-to-end cost).
@@ -60,6 +65,18 @@ class StructuredOutputs:
             self._grammars.popitem(last=False)
         return g
 
+    def find_after(self, tokens: list[int], text: str, start: int) -> int | None:
+        """One past the token that completes the first ``text`` in the bytes of ``tokens`` (None: no token does),
+        given that none of ``tokens[:start]`` does. A token holds at least one byte, so the text's beginning lies
+        in the last ``len(text)`` tokens before ``start`` or later."""
+        tag = text.encode()
+        buf = self.tokenizer.decode_bytes(tokens[max(0, start - len(tag)):start])
+        for i in range(start, len(tokens)):
+            buf += self.tokenizer.decode_bytes(tokens[i:i + 1])
+            if tag in buf:
+                return i + 1
+        return None
+
     def matcher(self, so: StructuredOutputsParams) -> "llguidance.LLMatcher":
         m = llguidance.LLMatcher(self.tokenizer, self.grammar(so), log_level=0)
         if m.is_error():
@@ -90,12 +107,31 @@ def unpack_bitmasks(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.bool().reshape(masks.shape[0], -1)[:, :vocab_size]
 
 
+def grammar_start(st: CachedRequestState, structured: StructuredOutputs) -> int | None:
+    """The first output token the request's grammar constrains: 0, or for a constraint with ``after`` the token
+    after the one that completes that text (None while none has)."""
+    after = st.sampling_params.structured_outputs.after
+    if after is None:
+        return 0
+    out = st.output_token_ids
+    if st.grammar_from is not None and st.grammar_from > len(out):  # the tokens that completed it were dropped
+        st.grammar_from, st.matcher = None, None
+    if st.grammar_from is None:
+        st.grammar_from = structured.find_after(out, after, min(st.scanned, len(out)))
+        st.scanned = len(out)
+    return st.grammar_from
+
+
 def sync_matcher(st: CachedRequestState, structured: StructuredOutputs):
     """The request's grammar matcher, made on first use and brought in step with its output tokens (new ones
-    consumed; ones the scheduler dropped, e.g. rejected drafts, rolled back)."""
+    consumed; ones the scheduler dropped, e.g. rejected drafts, rolled back); None while its constraint waits for
+    its ``after`` text."""
+    start = grammar_start(st, structured)
+    if start is None:
+        return None
     if st.matcher is None:
         st.matcher = structured.matcher(st.sampling_params.structured_outputs)
-        st.consumed = 0
+        st.consumed = start
     n = len(st.output_token_ids)
     if st.consumed > n:
         st.matcher.rollback(st.consumed - n)
@@ -109,6 +145,25 @@ def sync_matcher(st: CachedRequestState, structured: StructuredOutputs):
     return st.matcher
 
 
+def constrain_drafts(st: CachedRequestState, drafts: list[int], structured: StructuredOutputs) -> None:
+    """Cut a constrained request's ``drafts`` (in place) to those its grammar accepts; while the grammar waits for
+    its ``after`` text, to those before the draft that would complete it (the row after that one must be masked,
+    and its grammar state is not known yet)."""
+    so = st.sampling_params.structured_outputs
+    if so is None or not drafts:
+        return
+    m = sync_matcher(st, structured)
+    if m is None:
+        n = len(st.output_token_ids)
+        end = structured.find_after(st.output_token_ids + drafts, so.after, n)
+        if end is not None:
+            del drafts[end - 1 - n:]
+        return
+    ok = m.try_consume_tokens(drafts)
+    m.rollback(ok)
+    del drafts[ok:]
+
+
 def grammar_masks(groups, requests: dict[str, CachedRequestState], structured: StructuredOutputs, vocab: int,
                   device: torch.device):
     """(rows, allowed) for the step's constrained requests, or None. A request verifying k drafts has k+1
@@ -120,6 +175,8 @@ def grammar_masks(groups, requests: dict[str, CachedRequestState], structured: S
         if st.sampling_params.structured_outputs is None:
             continue
         m = sync_matcher(st, structured)
+        if m is None:  # free until its ``after`` text (its drafts stop before completing it)
+            continue
         spec = s.spec_token_ids
         consumed = 0
         for i in range(n):

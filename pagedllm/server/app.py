@@ -38,10 +38,12 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               fallback: AsyncLLM | None = None, fallback_name: str | None = None,
               breaker: CircuitBreaker | None = None, request_timeout_s: float | None = None,
               faults: FaultInjection | None = None, auto_tools: bool = False,
-              metrics_require_auth: bool = False, reasoning_parser: str | None = None) -> FastAPI:
+              metrics_require_auth: bool = False, reasoning_parser: str | None = None,
+              structured_in_reasoning: bool = False) -> FastAPI:
     router = FallbackRouter(engine, model_names[0], fallback, fallback_name, breaker, request_timeout_s, faults)
     serving_completion = OpenAIServingCompletion(engine, model_names, router)
-    serving_chat = OpenAIServingChat(engine, model_names, router, auto_tools, reasoning_parser)
+    serving_chat = OpenAIServingChat(engine, model_names, router, auto_tools, reasoning_parser,
+                                     structured_in_reasoning)
     serving_messages = AnthropicServingMessages(serving_chat)
     serving_embedding = OpenAIServingEmbedding(engine, model_names, router)
     serving_responses = OpenAIServingResponses(serving_chat)

@@ -57,6 +57,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "delta.reasoning_content) on /v1/chat/completions, a thinking block on /v1/messages; "
                         "deepseek_r1: the template opened <think> (no </think>: all reasoning); qwen3: optional "
                         "<think> (no </think>: all content)")
+    g.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                   help="with --reasoning-parser: a structured-output constraint (response_format, guided_*, a "
+                        "required or named tool choice) covers the whole output, reasoning included; by default it "
+                        "applies to the answer after </think> (vLLM's enable_in_reasoning)")
     g.add_argument("--fault-injection", default=os.environ.get("PAGEDLLM_FAULT_INJECTION"),
                    help='tests only: \'{"fail_marker": "...", "stall_marker": "..."}\' makes the primary fail or '
                         "stall on prompts containing the marker")
@@ -106,7 +110,8 @@ def run_server(args: argparse.Namespace) -> int:
                     metrics=metrics, fallback=fallback, fallback_name=fallback_name, breaker=breaker,
                     request_timeout_s=args.request_timeout_s, faults=faults,
                     auto_tools=args.enable_auto_tool_choice, metrics_require_auth=args.metrics_require_auth,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    structured_in_reasoning=args.structured_outputs_in_reasoning)
     drain_s = args.drain_timeout_s
 
     class _Server(uvicorn.Server):

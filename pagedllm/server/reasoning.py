@@ -31,7 +31,7 @@ class ReasoningParser:
     """One output's parser: ``split`` a whole text, or ``feed`` its deltas and ``finish``; ``advance`` takes the
     output's text so far (as the engine reports it) instead of deltas."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, closed: bool = False) -> None:
         if name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; choose from {REASONING_PARSERS}")
         self.name = name
@@ -39,17 +39,20 @@ class ReasoningParser:
         self._buf = ""  # text not routed yet: a possible tag prefix
         self._started = False  # past the output's start (where an opening <think> may be)
         self._reasoning = False  # inside the reasoning now
-        self._ended = False  # </think> seen: everything after is content
+        self._ended = closed  # </think> seen (or the prompt closed the reasoning): everything after is content
         self._finished = False
         self._seen = 0  # advance(): how much of the text was fed
         self._content = ""  # advance(): the content so far
 
-    def fresh(self) -> ReasoningParser:
-        return ReasoningParser(self.name)
+    def fresh(self, closed: bool = False) -> ReasoningParser:
+        """A parser for one output; ``closed``: the prompt has closed the reasoning, the output is all content."""
+        return ReasoningParser(self.name, closed)
 
     # ------------------------------------------------------------------ whole text
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished output; an empty part is None."""
+        if self._ended:
+            return None, text or None
         head, tag, tail = text.partition(THINK_END)
         if not tag:
             if self.starts_inside:

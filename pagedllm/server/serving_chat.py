@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 
@@ -13,7 +13,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.server.degradation import FallbackRouter
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import ChatCompletionRequest
-from pagedllm.server.reasoning import ReasoningParser
+from pagedllm.server.reasoning import THINK_END, ReasoningParser
 from pagedllm.server.serving_base import OpenAIServing, prompt_logprobs_json
 from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs
 from pagedllm.server.tools import ToolPlan, extract_tool_calls, plan_tools, stream_view, template_messages
@@ -53,32 +53,39 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
 @dataclass(frozen=True)
 class ChatPrompt:
     """A chat request's prompt: its tool plan, its output constraint, the messages and tools the chat template renders,
-    and their encoding for the primary engine."""
+    their encoding for the primary engine, and whether the output is read for reasoning (--reasoning-parser) and
+    starts inside it (the prompt has not closed it already, as Qwen 3's template does with enable_thinking off)."""
 
     plan: ToolPlan
     structured: StructuredOutputsParams | None
     messages: list[dict]
     tools: list[dict] | None
     encoded: tuple[str, list[int]]
+    reasoning: bool = False
+    thinking: bool = False
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, model_names: list[str], router: FallbackRouter,
-                 auto_tools: bool = False, reasoning_parser: str | None = None) -> None:
+                 auto_tools: bool = False, reasoning_parser: str | None = None,
+                 structured_in_reasoning: bool = False) -> None:
         super().__init__(engine, model_names, router)
         self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
         self._reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
+        # --structured-outputs-in-reasoning: a constraint covers the whole output, reasoning included (by default it
+        # applies to the answer after the reasoning)
+        self.structured_in_reasoning = structured_in_reasoning
 
-    def reasoning_parser(self, plan: ToolPlan) -> ReasoningParser | None:
+    def reasoning_parser(self, p: ChatPrompt) -> ReasoningParser | None:
         """A fresh parser for one output (--reasoning-parser), or None: no parser, or a tool choice that constrains
-        the output to its JSON from the first token (there is no reasoning to read)."""
-        if self._reasoning is None or plan.mode in ("named", "required"):
+        the whole output to its JSON (there is no reasoning to read)."""
+        if not p.reasoning:
             return None
-        return self._reasoning.fresh()
+        return self._reasoning.fresh(closed=not p.thinking)
 
-    def split_reasoning(self, plan: ToolPlan, text: str) -> tuple[str | None, str]:
+    def split_reasoning(self, p: ChatPrompt, text: str) -> tuple[str | None, str]:
         """(reasoning, the content the tool parser reads) of a finished output."""
-        parser = self.reasoning_parser(plan)
+        parser = self.reasoning_parser(p)
         if parser is None:
             return None, text
         reasoning, content = parser.split(text)
@@ -96,12 +103,20 @@ class OpenAIServingChat(OpenAIServing):
             structured = plan.structured
         tools = req.tools if plan.mode != "none" else None
         messages = _messages(req)
-        return ChatPrompt(plan, structured, messages, tools,
-                          self.engine.encode_chat(messages, tools, req.chat_template_kwargs))
+        encoded = self.engine.encode_chat(messages, tools, req.chat_template_kwargs)
+        # with a reasoning parser, a constraint applies to the answer: from the token after the output's </think>
+        # (or from the start where the prompt has closed the reasoning itself)
+        reasoning = self._reasoning is not None and not (
+            self.structured_in_reasoning and plan.mode in ("named", "required"))
+        thinking = reasoning and not encoded[0].rstrip().endswith(THINK_END)
+        if thinking and structured is not None and not self.structured_in_reasoning:
+            structured = replace(structured, after=THINK_END)
+        return ChatPrompt(plan, structured, messages, tools, encoded, reasoning, thinking)
 
     async def begin(self, req: ChatCompletionRequest, raw: Request,
-                    logprobs: int | None = None) -> tuple[ToolPlan, list[AsyncIterator], str]:
-        """Check, render and queue a chat request: its tool plan, its output streams and the model serving them."""
+                    logprobs: int | None = None) -> tuple[ChatPrompt, list[AsyncIterator], str]:
+        """Check, render and queue a chat request: its prompt (tool plan, reasoning), its output streams and the
+        model serving them."""
         model = self.check_model(req.model)
         self.refuse_unsupported(req)
         p = self.prompt(req)
@@ -109,19 +124,20 @@ class OpenAIServingChat(OpenAIServing):
         params = req.to_sampling_params(max_tokens, logprobs, p.structured)
         gens, model = await self.start(lambda eng: [eng.encode_chat(p.messages, p.tools, req.chat_template_kwargs)],
                                        [p.encoded], params, req, model, raw)
-        return p.plan, gens, model
+        return p, gens, model
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
-        plan, gens, model = await self.begin(req, raw, (req.top_logprobs or 0) if req.logprobs else None)
+        p, gens, model = await self.begin(req, raw, (req.top_logprobs or 0) if req.logprobs else None)
+        plan = p.plan
         reply = Reply("chatcmpl", model)
 
         if not req.stream:
             finals = await final_outputs(gens, raw)
             choices = []
             for c in finals[0].outputs:
-                reasoning, text = self.split_reasoning(plan, c.text)
+                reasoning, text = self.split_reasoning(p, c.text)
                 content, calls = extract_tool_calls(plan, text)
                 message = {"role": "assistant", "content": content}
                 if reasoning is not None:  # vLLM's field, and its newer name
@@ -144,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
                    deltas: ChoiceDeltas) -> dict | None:
             finished = c.finish_reason is not None
             if index not in parsers:
-                parsers[index] = self.reasoning_parser(plan)
+                parsers[index] = self.reasoning_parser(p)
             parser, reasoning, text = parsers[index], "", c.text
             if parser is not None:
                 reasoning, text = parser.advance(c.text, finished)

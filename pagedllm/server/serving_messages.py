@@ -72,14 +72,14 @@ class AnthropicServingMessages:
 
     async def create_message(self, req: AnthropicMessagesRequest, raw: Request):
         self.chat.refuse_unsupported(req)
-        plan, gens, model = await self.chat.begin(req.to_chat(), raw)
+        p, gens, model = await self.chat.begin(req.to_chat(), raw)
         reply = Reply("msg", model, sep="_")
         if req.stream:
-            return reply.stream(self._events(reply, plan, gens[0], self.chat.reasoning_parser(plan)), error_event)
+            return reply.stream(self._events(reply, p.plan, gens[0], self.chat.reasoning_parser(p)), error_event)
         final = (await final_outputs(gens, raw))[0]
         c = final.outputs[0]
-        reasoning, text = self.chat.split_reasoning(plan, c.text)
-        content, calls = extract_tool_calls(plan, text)
+        reasoning, text = self.chat.split_reasoning(p, c.text)
+        content, calls = extract_tool_calls(p.plan, text)
         tool_use = tool_use_blocks(calls)
         blocks = ([thinking_block(reasoning)] if reasoning else []) + (
             [{"type": "text", "text": content}] if content else []) + tool_use

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.protocol import ResponsesRequest
-from pagedllm.server.serving_chat import OpenAIServingChat
+from pagedllm.server.serving_chat import ChatPrompt, OpenAIServingChat
 from pagedllm.server.streaming import ChoiceDeltas, Reply, error_status, final_outputs, named_event
-from pagedllm.server.tools import ToolPlan, extract_tool_calls, stream_view
+from pagedllm.server.tools import extract_tool_calls, stream_view
 
 
 def _id(prefix: str) -> str:
@@ -53,18 +53,18 @@ class OpenAIServingResponses:
     async def create_response(self, req: ResponsesRequest, raw: Request):
         self.chat.refuse_unsupported(req)
         chat_req = req.to_chat()
-        plan, gens, model = await self.chat.begin(chat_req, raw)
+        p, gens, model = await self.chat.begin(chat_req, raw)
         reply = Reply("resp", model, sep="_")
         base = self._base(req, reply)
         if req.stream:
-            events = self._events(base, plan, gens[0])
+            events = self._events(base, p, gens[0])
             return reply.stream(events, lambda e: named_event({"type": "error", "code": str(error_status(e)),
                                                                "message": str(e), "param": None,
                                                                "sequence_number": 0}))
         final = (await final_outputs(gens, raw))[0]
         c = final.outputs[0]
-        reasoning, text = self.chat.split_reasoning(plan, c.text)
-        content, calls = extract_tool_calls(plan, text)
+        reasoning, text = self.chat.split_reasoning(p, c.text)
+        content, calls = extract_tool_calls(p.plan, text)
         output = ([reasoning_item(_id("rs"), reasoning)] if reasoning else []) + (
             [message_item(_id("msg"), content)] if content else []) + call_items(calls)
         return JSONResponse(_finish(base, output, final, c), headers=reply.headers)
@@ -82,12 +82,12 @@ class OpenAIServingResponses:
                 "text": {"format": fmt}, "store": False, "previous_response_id": None,
                 "metadata": req.metadata or {}, "truncation": "disabled", "usage": None}
 
-    async def _events(self, base: dict, plan: ToolPlan, gen: AsyncIterator) -> AsyncIterator[str]:
+    async def _events(self, base: dict, p: ChatPrompt, gen: AsyncIterator) -> AsyncIterator[str]:
         """The SSE events of one output stream: reasoning streams as a reasoning item, text as a message's output
         text (what may be a tool call held back, as on the chat endpoint), tool calls as whole function_call
         items once the output has finished."""
         seq = iter(range(1 << 62))
-        parser = self.chat.reasoning_parser(plan)
+        plan, parser = p.plan, self.chat.reasoning_parser(p)
         deltas = ChoiceDeltas()
         items: list[dict] = []  # finished output items
         open_kind: str | None = None  # "reasoning" | "message": the item being streamed

@@ -22,6 +22,7 @@ from pagedllm.model.decoder import CausalLM
 from pagedllm.model.loader import load_model_files
 from pagedllm.outputs import SchedulerOutput
 from pagedllm.sample.metadata import CachedRequestState
+from pagedllm.sample.structured import StructuredOutputs, constrain_drafts
 from pagedllm.spec.ngram import propose_ngram
 
 
@@ -51,8 +52,8 @@ class Proposer:
     def observe(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Called with every forward pass of the target (its tokens, positions and attention metadata)."""
 
-    def propose(self, so: SchedulerOutput, req_ids: Iterable[str],
-                requests: dict[str, CachedRequestState]) -> dict[str, list[int]]:
+    def propose(self, so: SchedulerOutput, req_ids: Iterable[str], requests: dict[str, CachedRequestState],
+                structured: StructuredOutputs | None = None) -> dict[str, list[int]]:
         """Drafts for ``req_ids`` (the requests that sampled a token this step): at most k each, fitting the
         context; a constrained request keeps only those its grammar accepts."""
         k = self.cfg.num_speculative_tokens
@@ -63,11 +64,8 @@ class Proposer:
             budget[rid] = min(k, self.max_model_len - n_tok - 1)  # drafts must fit the context
         res = self._drafts(budget, requests, so)
         for rid, drafts in res.items():  # a constrained request keeps only the drafts its grammar accepts
-            m = requests[rid].matcher
-            if m is not None and drafts:
-                ok = m.try_consume_tokens(drafts)
-                m.rollback(ok)
-                del drafts[ok:]
+            if structured is not None:
+                constrain_drafts(requests[rid], drafts, structured)
         return res
 
     def _drafts(self, budget: dict[str, int], requests: dict[str, CachedRequestState],

@@ -278,7 +278,8 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.observe(fwd.input_ids, fwd.positions, fwd.meta)
         if so.speculate and out.sampled_token_ids:
-            out.spec_token_ids = self.proposer.propose(so, out.sampled_token_ids, self.requests)
+            out.spec_token_ids = self.proposer.propose(so, out.sampled_token_ids, self.requests,
+                                                       self.structured)
         return out
 
     def _prompt_targets(self, prompt_groups: list[tuple]) -> tuple[list[int], list[int]]:
@@ -387,7 +388,7 @@ class ModelRunner:
             st = self.requests[s.req_id]
             new = new_tokens[s.req_id]
             st.output_token_ids.extend(new)
-            if st.matcher is not None:
+            if st.sampling_params.structured_outputs is not None:
                 sync_matcher(st, self.structured)
             out.sampled_token_ids[s.req_id] = new
             if st.sampling_params.logprobs is not None:

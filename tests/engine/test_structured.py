@@ -182,17 +182,22 @@ def test_constrained_request_beside_free_ones_and_after_preemption(llm32):
         assert o.outputs[0].text == ref  # greedy: identical to the request run alone
 
 
-def test_constrained_with_speculation_and_n(llm32):
+@pytest.fixture(scope="module")
+def spec_llm():
+    from pagedllm import LLM
+
+    return LLM(dtype="float32", enable_prefix_caching=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+
+
+def test_constrained_with_speculation_and_n(llm32, spec_llm):
     """n-gram speculation: drafts are cut to what the grammar accepts and each verified row is masked by the
     grammar's state after the drafts before it, so greedy output is the non-speculative one; n > 1 samples each
     follow the constraint."""
-    from pagedllm import LLM
-
     cons = [{"json": s} for s in SCHEMAS[:6]] + [{"regex": r} for r in REGEXES[:2]]
     params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=c) for c in cons]
     ref = [o.outputs[0].text for o in llm32.generate([PROMPT] * len(cons), params, use_tqdm=False)]
-    spec = LLM(dtype="float32", enable_prefix_caching=False,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    spec = spec_llm
     got = spec.generate([PROMPT] * len(cons), params, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == ref
     assert spec.engine.stats().spec_num_draft_tokens > 0  # drafts were proposed and verified
@@ -202,6 +207,58 @@ def test_constrained_with_speculation_and_n(llm32):
     for c in many.outputs:
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(c.text), SCHEMAS[0])
+
+
+def test_constraint_after_its_text(llm32, spec_llm):
+    """A constraint with ``after`` (what a reasoning parser sets to ``</think>``) leaves the output free until that
+    text has appeared in it, then constrains the rest: the free part is the unconstrained greedy output token for
+    token, the rest matches the constraint; the same with n-gram speculation, batched with other requests, and
+    where the text never comes (the whole output is the free one)."""
+    free = llm32.generate(PROMPT, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    ids = list(free.token_ids)
+    k = 6  # the free part: the first k tokens; their text is the ``after`` text (it first completes at token k)
+    tag = llm32.get_tokenizer().decode(ids[:k])
+    assert tag and free.text.startswith(tag)
+    regex = "The answer is 4"
+    params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(
+                  regex=regex, after=tag)),
+              SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(
+                  json=SCHEMAS[1], after=tag)),
+              SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(
+                  regex=regex, after="</think>")),
+              SamplingParams(temperature=0, max_tokens=32)]
+    for llm in (llm32, spec_llm):
+        outs = [o.outputs[0] for o in llm.generate([PROMPT] * 4, params, use_tqdm=False)]
+        assert list(outs[0].token_ids[:k]) == ids[:k] and outs[0].text == tag + regex
+        assert outs[0].finish_reason == "stop"
+        assert list(outs[1].token_ids[:k]) == ids[:k] and outs[1].text.startswith(tag)
+        jsonschema.validate(json.loads(outs[1].text[len(tag):]), SCHEMAS[1])
+        assert list(outs[2].token_ids) == ids  # "</think>" never comes: the output stays free
+        assert list(outs[3].token_ids) == ids
+
+
+def test_drafts_stop_before_completing_the_after_text(llm32):
+    """While a grammar waits for its ``after`` text, a request's drafts end before the draft that would complete it
+    (the row after that one must be masked); once the text is there, drafts are cut to what the grammar accepts."""
+    from pagedllm.sample.metadata import CachedRequestState
+    from pagedllm.sample.structured import constrain_drafts, sync_matcher
+
+    structured = llm32.engine.structured
+    enc = llm32.get_tokenizer().encode
+    think, answer = enc("I think so.</think>", add_special_tokens=False), enc('{"ok": true}', add_special_tokens=False)
+    so = StructuredOutputsParams(json=SCHEMAS[1], after="</think>")
+    st = CachedRequestState("r", [1, 2], SamplingParams(structured_outputs=so), None, output_token_ids=think[:2])
+    assert sync_matcher(st, structured) is None and st.grammar_from is None  # still free
+    drafts = think[2:] + answer
+    constrain_drafts(st, drafts, structured)
+    assert drafts == think[2:-1]  # up to, not including, the draft that completes </think>
+    st.output_token_ids = list(think)  # the model wrote it
+    assert sync_matcher(st, structured) is not None and st.grammar_from == len(think)
+    drafts = answer + enc(" trailing", add_special_tokens=False)
+    constrain_drafts(st, drafts, structured)
+    assert drafts == answer  # the grammar takes the JSON, not what follows it
+    st.output_token_ids = think[:3]  # dropped back before </think> (rejected drafts): free again
+    assert sync_matcher(st, structured) is None and st.matcher is None
 
 
 def test_bad_grammar_is_a_value_error(llm32):

@@ -1,7 +1,9 @@
 """`--reasoning-parser` (deepseek_r1, qwen3): the parsers on whole texts and on deltas split at every position (tags
-cut in two included), then a live server where a regex constraint forces the model's output to hold `</think>`:
-`reasoning_content` / `content` on the chat endpoint (official `openai` SDK, plain and streamed) and a `thinking`
-block on Anthropic's /v1/messages (plain and streamed)."""
+cut in two included), then a live server where a regex constraint forces the model's output to hold `</think>`
+(`--structured-outputs-in-reasoning`: the constraint covers the reasoning too): `reasoning_content` / `content` on
+the chat endpoint (official `openai` SDK, plain and streamed) and a `thinking` block on Anthropic's /v1/messages
+(plain and streamed); then a server with the default, where a constraint applies only to the answer after the
+reasoning."""
 
 import json
 
@@ -103,7 +105,8 @@ ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    proc, url, _ = start_server(tmp_path_factory, "--reasoning-parser", "deepseek_r1")
+    proc, url, _ = start_server(tmp_path_factory, "--reasoning-parser", "deepseek_r1",
+                                "--structured-outputs-in-reasoning")
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -196,3 +199,61 @@ def test_responses_reasoning_item(client):
     assert final.output[0].content[0].text == '"I think.' and final.output_text == 'The answer is 4"'
     assert kinds.index("response.output_text.delta") > kinds.index("response.reasoning_text.done")
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
+# ---------------------------------------------------------------------- the default: constraints after the reasoning
+# ChatML that, like Qwen 3's template, closes an empty reasoning block itself when enable_thinking is false
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def answer_client(tmp_path_factory):
+    template = tmp_path_factory.mktemp("tpl") / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    proc, url, _ = start_server(tmp_path_factory, "--reasoning-parser", "deepseek_r1", "--chat-template",
+                                str(template))
+    yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_constraint_waits_for_the_end_of_the_reasoning(answer_client):
+    """The model never closes its reasoning here: the output stays free (the unconstrained greedy text, all of it
+    reasoning), through the chat endpoint and the Responses API alike; the constraint would apply after </think>."""
+    c = answer_client
+    free = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0).choices[0].message
+    assert free.content is None and free.model_extra["reasoning_content"]
+    r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0,
+                                  extra_body={"guided_regex": "The answer is 4"})
+    assert r.choices[0].message.model_extra["reasoning_content"] == free.model_extra["reasoning_content"]
+    assert r.choices[0].message.content is None
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "integer"}}}
+    resp = c.responses.create(model=MODEL, input=ASK, max_output_tokens=24, temperature=0, text=fmt)
+    assert [o.type for o in resp.output] == ["reasoning"]
+    assert resp.output[0].content[0].text == free.model_extra["reasoning_content"]
+
+
+def test_constraint_applies_from_the_start_when_the_prompt_closed_the_reasoning(answer_client):
+    """enable_thinking false: the template closes the reasoning, so the constraint applies from the first token and
+    the whole output is content (plain, streamed, and a named tool call)."""
+    c = answer_client
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0,
+                                  extra_body={"guided_regex": "The answer is 4", **off})
+    m = r.choices[0].message
+    assert m.content == "The answer is 4" and m.model_extra.get("reasoning_content") is None
+    stream = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0, stream=True,
+                                       extra_body={"guided_regex": "The answer is 4", **off})
+    deltas = [ch.delta for chunk in stream for ch in chunk.choices]
+    assert "".join(d.content or "" for d in deltas) == "The answer is 4"
+    assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas)
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}
+    r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0, tools=[tool],
+                                  tool_choice={"type": "function", "function": {"name": "add"}}, extra_body=off)
+    assert r.choices[0].message.tool_calls, r.choices[0].message
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "add" and isinstance(json.loads(call.function.arguments)["a"], int)
