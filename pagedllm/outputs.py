@@ -26,7 +26,7 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # computed this step: a prefill chunk or the last sampled token, then any drafts
     num_computed_tokens: int  # position of token_ids[0]
-    block_ids: list[int]  # the request's whole block table (lookahead slots included)
+    block_ids: list[list[int]]  # per KV layer group: the request's whole block table (lookahead slots included)
     sample: bool  # True when this chunk reaches the end of the request's tokens: sample the next one
     num_output_tokens: int  # output tokens the request has before this step (penalties, min_tokens)
     num_spec_tokens: int = 0  # the last num_spec_tokens of token_ids are draft tokens to verify
@@ -219,10 +219,16 @@ class KVCacheSpec:
     block_size: int
     bytes_per_block: int
     total_bytes: int
+    num_groups: int = 1  # KV layer groups: a token takes a block place in each
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens the cache holds (of sequences within the sliding windows)."""
+        return self.num_blocks * self.block_size // self.num_groups
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block * self.num_groups // self.block_size
 
 
 def l2_normalize(vec: list[float]) -> list[float]:

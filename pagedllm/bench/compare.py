@@ -108,7 +108,7 @@ def phase_offline(prompts: list[str], output_len: int, dtype: str, quantization:
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     kv = engine.kv_cache_spec()
-    bytes_per_token = kv.bytes_per_block // kv.block_size
+    bytes_per_token = kv.bytes_per_token
     return _row(
         f"pagedllm offline LLM.generate ({engine.runtime['dtype']}, KV {engine.runtime['kv_cache_dtype']}"
         f"{_qlabel(quantization)})", n_out, dt,

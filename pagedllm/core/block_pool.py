@@ -85,13 +85,17 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
+    """``reserve_null``: block 0 is the null block, the place of a block a sliding-window group does not hold; it
+    is never handed out, freed or written, and not counted in ``num_blocks``."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null: bool = False) -> None:
+        if num_blocks < 1 + reserve_null:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null}, got {num_blocks}")
+        self.num_blocks = num_blocks - reserve_null  # the blocks requests can hold
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.blocks[0] if reserve_null else None
+        self.free_queue = FreeBlockQueue(self.blocks[reserve_null:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
 
@@ -172,6 +176,8 @@ class BlockPool:
         assert len(free) == self.free_queue.num_free, "free count out of sync"
         assert len({b.block_id for b in free}) == len(free), "a block is in the free queue twice"
         in_use = [b for b in self.blocks if b.ref_cnt > 0]
+        assert self.null_block is None or (self.null_block.ref_cnt == 0 and self.null_block.block_hash is None
+                                           and self.null_block.prev_free is None), "the null block was used"
         assert all(b.ref_cnt == 0 for b in free), "a referenced block is in the free queue"
         assert len(free) + len(in_use) == self.num_blocks, (
             f"leak: free={len(free)} in_use={len(in_use)} total={self.num_blocks}"

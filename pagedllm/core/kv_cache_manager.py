@@ -11,13 +11,28 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    """Block tables per request and per layer group (``windows``: one entry per group, 0 for full attention or
+    a sliding window in tokens; see ``model.arch.KVGroups``), all drawn from one pool of equal blocks.
+
+    A sliding group's table keeps only the blocks inside its window: before each allocation, the blocks wholly
+    before the window of the first token computed next are freed (they stay in the prefix cache until evicted) and
+    their places point at the null block, a reserved block nothing writes. Prefix caching keys each group's blocks
+    apart; a hit needs every block of the full groups and, of the sliding groups, those inside the window of the
+    first token left to compute."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 windows: tuple[int, ...] = (0,)) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        # the null block: the place of a block a sliding group has freed (or never needed)
+        self.pool = BlockPool(num_blocks, enable_caching, reserve_null=any(self.windows))
+        self.null_block = self.pool.null_block
+        self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}  # per request, per group
         self.req_to_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many leading blocks of a request are registered
+        self._window_start: dict[str, int] = {}  # per request: blocks before this are freed in the sliding groups
         # Prefix cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -30,8 +45,35 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+    def get_block_ids(self, req_id: str) -> list[list[int]]:
+        """The request's block table of each group."""
+        tables = self.req_to_blocks.get(req_id)
+        if tables is None:
+            return [[] for _ in self.windows]
+        return [[b.block_id for b in t] for t in tables]
+
+    def num_held_blocks(self, req_id: str) -> int:
+        """Blocks the request holds (the null block not counted)."""
+        return sum(1 for t in self.req_to_blocks.get(req_id, ()) for b in t if b is not self.null_block)
+
+    def first_needed_block(self, group: int, num_computed: int) -> int:
+        """The group's first block that the next token computed (at position ``num_computed``) may read."""
+        w = self.windows[group]
+        return max(0, num_computed - w + 1) // self.block_size if w else 0
+
+    def computed_block_ids(self, req_id: str, num_computed: int) -> list[int]:
+        """The blocks that hold the request's first ``num_computed`` tokens and that the next token may read, group
+        after group (what a swap-out copies, and a swap-in fills after allocating the same way)."""
+        n = cdiv(num_computed, self.block_size)
+        tables = self.req_to_blocks.get(req_id, [[] for _ in self.windows])
+        return [b.block_id for g, t in enumerate(tables) for b in t[self.first_needed_block(g, num_computed):n]]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """At most how many blocks a request of ``num_tokens`` tokens holds, computed in one step."""
+        return self.num_groups * cdiv(num_tokens, self.block_size)
+
+    def _key(self, group: int, block_hash: BlockHash) -> BlockHash:
+        return block_hash if self.num_groups == 1 else group.to_bytes(2, "little") + block_hash
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
@@ -42,21 +84,33 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, toks[i * bs : (i + 1) * bs]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks at the start of the request; at least one token is left to compute."""
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+        """The longest cached prefix of the request, in whole blocks (per group; at least one token is left to
+        compute): every full group's blocks from the start, and the sliding groups' blocks inside the window of
+        the first token left to compute (before it, the null block)."""
+        empty = [[] for _ in self.windows]
         if not self.enable_caching:
-            return [], 0
+            return empty, 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         hashes = self._block_hashes(request, max_blocks)
-        hits: list[KVCacheBlock] = []
         toks = request.all_token_ids
-        for i in range(max_blocks):
-            block = self.pool.get_cached_block(hashes[i], tuple(toks[i * bs : (i + 1) * bs]))
-            if block is None:
+
+        def lookup(g: int, i: int) -> KVCacheBlock | None:
+            return self.pool.get_cached_block(self._key(g, hashes[i]), tuple(toks[i * bs : (i + 1) * bs]))
+
+        full = [g for g, w in enumerate(self.windows) if not w]
+        n = 0  # leading blocks every full group has cached
+        while n < max_blocks and all(lookup(g, n) is not None for g in full):
+            n += 1
+        sliding = [g for g, w in enumerate(self.windows) if w]
+        while n and sliding:  # the longest prefix whose window every sliding group has cached
+            if all(lookup(g, i) is not None for g in sliding for i in range(self.first_needed_block(g, n * bs), n)):
                 break
-            hits.append(block)
-        return hits, len(hits) * bs
+            n -= 1
+        hits = [[lookup(g, i) if i >= self.first_needed_block(g, n * bs) else self.null_block for i in range(n)]
+                for g in range(self.num_groups)]
+        return hits, n * bs
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted lookup (failed admissions that are retried are not counted twice)."""
@@ -69,32 +123,45 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: list[list[KVCacheBlock]] | None = None,
         num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (+ speculative lookahead) after the computed ones.
 
-        ``new_computed_blocks`` are prefix-cache hits the request takes now. Returns the newly allocated blocks,
-        or None (and changes nothing) when the pool cannot supply them.
+        ``new_computed_blocks`` are prefix-cache hits the request takes now (per group, as ``get_computed_blocks``
+        gives them). First the sliding groups free the blocks that fell out of their windows. Returns the newly
+        allocated blocks, or None (and changes nothing more) when the pool cannot supply them.
         """
-        new_computed_blocks = new_computed_blocks or []
+        rid = request.request_id
         bs = self.block_size
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        hits = new_computed_blocks or [[] for _ in self.windows]
+        num_hits = len(hits[0])
+        tables = self.req_to_blocks.setdefault(rid, [[] for _ in self.windows])
+        num_computed = request.num_computed_tokens + num_hits * bs
+        self._free_outside_windows(rid, tables, num_computed)
+        have = len(tables[0]) + num_hits
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs)
-        num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
+        # per group: (first new place, how many places are left null: before the window)
+        fresh = [(have, max(0, min(self.first_needed_block(g, num_computed), num_required) - have))
+                 for g in range(self.num_groups)]
+        num_new_blocks = sum(max(0, num_required - have - nulls) for _, nulls in fresh)
         # Hits sitting in the free queue stop being free once taken.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(1 for t in hits for b in t if b.ref_cnt == 0 and b is not self.null_block)
         if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
-            if not req_blocks:
-                del self.req_to_blocks[request.request_id]
+            if not any(tables):
+                del self.req_to_blocks[rid]
             return None
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-            self.num_cached_blocks[request.request_id] = len(req_blocks)
-        new_blocks = self.pool.get_new_blocks(max(num_new_blocks, 0))
-        req_blocks.extend(new_blocks)
+        if num_hits:
+            self.pool.touch([b for t in hits for b in t if b is not self.null_block])
+            for t, h in zip(tables, hits):
+                t.extend(h)
+            self.num_cached_blocks[rid] = len(tables[0])
+        new_blocks = []
+        for t, (_, nulls) in zip(tables, fresh):
+            t.extend([self.null_block] * nulls)
+            blocks = self.pool.get_new_blocks(max(0, num_required - len(t)))
+            t.extend(blocks)
+            new_blocks += blocks
         if self.enable_caching:
             # Register the full blocks that hold tokens computed by the end of this step (never speculative
             # ones). Content is written layer by layer before any attention reads it, so a request that hits
@@ -102,32 +169,55 @@ class KVCacheManager:
             self._cache_full_blocks(request, (num_computed + num_new_tokens) // bs)
         return new_blocks
 
+    def _free_outside_windows(self, rid: str, tables: list[list[KVCacheBlock]], num_computed: int) -> None:
+        """Free the sliding groups' blocks that the token computed next (at ``num_computed``) can no longer read."""
+        if self.null_block is None:
+            return
+        start = self._window_start.get(rid, 0)
+        for g, t in enumerate(tables):
+            end = min(self.first_needed_block(g, num_computed), len(t))
+            if end <= start:
+                continue
+            gone = [b for b in t[start:end] if b is not self.null_block]
+            t[start:end] = [self.null_block] * (end - start)
+            self.pool.free_blocks(gone)
+        self._window_start[rid] = max(start, min(self.first_needed_block(g, num_computed)
+                                                 for g, w in enumerate(self.windows) if w))
+
     def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
         rid = request.request_id
         start = self.num_cached_blocks.get(rid, 0)
         if num_full_blocks <= start:
             return
         hashes = self._block_hashes(request, num_full_blocks)
-        blocks = self.req_to_blocks[rid]
+        tables = self.req_to_blocks[rid]
         bs = self.block_size
         toks = request.all_token_ids
         for i in range(start, num_full_blocks):
-            self.pool.cache_block(blocks[i], hashes[i], tuple(toks[i * bs : (i + 1) * bs]))
+            for g, t in enumerate(tables):
+                if t[i] is not self.null_block:
+                    self.pool.cache_block(t[i], self._key(g, hashes[i]), tuple(toks[i * bs : (i + 1) * bs]))
         self.num_cached_blocks[rid] = num_full_blocks
+
+    def _held(self, rid: str) -> list[list[KVCacheBlock]]:
+        return [[b for b in t if b is not self.null_block] for t in self.req_to_blocks.get(rid, ())]
 
     def free(self, request: Request) -> None:
         """Release a request's blocks; tail blocks first, so they are evicted before shared prefix blocks."""
         rid = request.request_id
-        blocks = self.req_to_blocks.pop(rid, [])
-        self.pool.free_blocks(reversed(blocks))
+        for t in self._held(rid):
+            self.pool.free_blocks(reversed(t))
+        self.req_to_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
+        self._window_start.pop(rid, None)
 
     def uncache_private_blocks(self, request: Request) -> None:
         """A request failed mid-step: blocks only it holds may have been registered before their content was
         written, so take them out of the prefix cache."""
-        for block in self.req_to_blocks.get(request.request_id, ()):
-            if block.ref_cnt == 1:
-                self.pool.uncache(block)
+        for t in self._held(request.request_id):
+            for block in t:
+                if block.ref_cnt == 1:
+                    self.pool.uncache(block)
 
     def forget(self, request: Request) -> None:
         """Drop the cached hashes of a finished request (its token list may not change any more)."""
@@ -135,6 +225,8 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        held = sum(len(v) for v in self.req_to_blocks.values())
+        held = sum(len(t) for rid in self.req_to_blocks for t in self._held(rid))
         refs = sum(b.ref_cnt for b in self.pool.blocks)
         assert held == refs, f"block references ({refs}) != blocks held by requests ({held})"
+        for tables in self.req_to_blocks.values():
+            assert len({len(t) for t in tables}) == 1, "the groups' block tables differ in length"

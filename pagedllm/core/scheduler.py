@@ -15,7 +15,7 @@ from itertools import islice
 
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.core.block_pool import HostBlockPool
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request_queue import make_queue
 from pagedllm.core.sla import BudgetController, QueuedPrefill
 from pagedllm.errors import EngineOverloadedError
@@ -153,7 +153,7 @@ class Scheduler:
         if not self.waiting or not self.running:
             return 0
         cand = self.waiting.peek()
-        need = cdiv(cand.num_tokens + self.num_lookahead_slots, self.kv.block_size)
+        need = self.kv.blocks_needed(cand.num_tokens + self.num_lookahead_slots)
         n = 0
         while (self.kv.pool.num_free_blocks < need or len(self.running) >= self.config.max_num_seqs) and self.running:
             worst = self.running[-1]
@@ -329,7 +329,8 @@ class Scheduler:
         self.waiting.pop()
         if swapped:
             host = req.host_block_ids
-            dev = self.kv.get_block_ids(req.request_id)[: len(host)]
+            dev = self.kv.computed_block_ids(req.request_id, req.num_computed_tokens)
+            assert len(dev) == len(host), (len(dev), len(host))
             self._swap_in.extend(zip(host, dev))
             self._host_release.extend(host)
             req.host_block_ids = None
@@ -347,12 +348,13 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids = []
-        n_blocks = cdiv(req.num_computed_tokens, self.kv.block_size)
+        computed = self.kv.computed_block_ids(req.request_id, req.num_computed_tokens)
+        n_blocks = len(computed)
         c = self.counters
         if self.swap_on_preempt and 0 < n_blocks <= self.host_pool.num_free:
             # the copies run before this step's forward pass, so the freed device blocks can be reused at once
             host = self.host_pool.take(n_blocks)
-            self._swap_out.extend(zip(self.kv.get_block_ids(req.request_id)[:n_blocks], host))
+            self._swap_out.extend(zip(computed, host))
             req.host_block_ids = host
             c.num_swap_outs += 1
             c.swap_out_blocks += n_blocks
@@ -477,6 +479,7 @@ class Scheduler:
         return {"num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
                 "num_cached_blocks": len(pool.cached), "usage": pool.usage(),
                 "num_running": len(self.running), "num_waiting": len(self.waiting),
+                "blocks_per_request": {r.request_id: self.kv.num_held_blocks(r.request_id) for r in self.running},
                 "num_swapped": self.num_swapped,
                 "num_host_blocks": self.host_pool.num_blocks, "num_free_host_blocks": self.host_pool.num_free,
                 "consistent": problem is None, "problem": problem}

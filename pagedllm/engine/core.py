@@ -28,7 +28,8 @@ class EngineCore:
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.arch.vocab_size
         self.kv_cache_manager = KVCacheManager(
-            runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            windows=getattr(runner, "kv_group_windows", (0,)),  # a test's fake runner: one full-attention group
         )
         self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.max_model_len,
                                                num_host_blocks=runner.num_host_blocks)

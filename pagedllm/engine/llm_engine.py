@@ -173,8 +173,13 @@ class LLMEngine:
         return self.core.running_request_ids()
 
     def kv_state(self) -> dict:
-        """The KV block pools now (see Scheduler.kv_state)."""
-        return self.core.kv_state()
+        """The KV block pools now (see Scheduler.kv_state), with the KV bytes each running request holds (a
+        sliding-window group counts only the blocks inside its window)."""
+        state = self.core.kv_state()
+        bpb = self.runner.bytes_per_block
+        state["kv_bytes_per_request"] = {rid: n * bpb for rid, n in state.pop("blocks_per_request").items()}
+        state["kv_layer_groups"] = len(self.runner.kv_group_windows)
+        return state
 
     def drain_aborted_stats(self) -> IterationStats:
         """Statistics of aborts not yet reported (when no step runs to carry them)."""
@@ -198,7 +203,7 @@ class LLMEngine:
     def kv_cache_spec(self) -> KVCacheSpec:
         r = self.runner
         return KVCacheSpec(num_blocks=r.num_blocks, block_size=r.block_size, bytes_per_block=r.bytes_per_block,
-                           total_bytes=r.kv_cache_bytes)
+                           total_bytes=r.kv_cache_bytes, num_groups=len(r.kv_group_windows))
 
     def add_tp_failure_callback(self, callback) -> bool:
         """Call ``callback(message)`` when a tensor-parallel rank fails; False (nothing registered) without TP."""

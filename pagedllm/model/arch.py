@@ -3,6 +3,8 @@ over tensor-parallel ranks (``TPLayout``, ``tp_layout``). Pure data: no weights,
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from pagedllm.model.archs import ARCHS  # the registry: one module per architecture
@@ -70,6 +72,46 @@ class ModelArchConfig:
     def window(self, layer: int) -> int:
         """Keys layer ``layer`` attends to (0: all of the context)."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding" else 0
+
+    def kv_groups(self) -> KVGroups:
+        return kv_groups([self.window(i) for i in range(self.num_layers)])
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """How the layers share the paged KV cache (vLLM's hybrid allocator): layers that attend alike (all of the
+    context, or the same sliding window) form groups of ``slots`` layers, each group with its own block table per
+    request, so a sliding group can free the blocks that fell out of its window. Layer i keeps its K/V in cache
+    tensor ``slot[i]``, at the blocks of group ``group[i]``; a block holds ``slots`` layers. A model without
+    sliding layers (or with them everywhere) is one group of all its layers."""
+
+    group: tuple[int, ...]  # per layer
+    slot: tuple[int, ...]  # per layer
+    windows: tuple[int, ...]  # per group: 0 (full attention) or the window in tokens
+
+    @property
+    def slots(self) -> int:
+        return max(self.slot) + 1
+
+    @property
+    def hybrid(self) -> bool:
+        return any(self.windows)
+
+
+def kv_groups(windows: list[int]) -> KVGroups:
+    """Groups of equal size: the greatest common divisor of the layer counts of each kind (Gemma 3's 15 sliding
+    and 3 full layers: 6 groups of 3); full-attention groups first."""
+    kinds = sorted(set(windows))  # 0 (full) first
+    counts = [windows.count(w) for w in kinds]
+    size = math.gcd(*counts)
+    group, slot, group_windows = [0] * len(windows), [0] * len(windows), []
+    for w in kinds:
+        base = len(group_windows)
+        layers = [i for i, x in enumerate(windows) if x == w]
+        group_windows += [w] * (len(layers) // size)
+        for j, i in enumerate(layers):
+            group[i], slot[i] = base + j // size, j % size
+    return KVGroups(tuple(group), tuple(slot), tuple(group_windows))
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class CausalLM:
             return build_linear(w, bias, device, dtype, min_tokens, block_ops, dense_dtype)
 
         self.norm = take("norm")
+        self.kv_group = cfg.kv_groups().group  # per layer: its KV group (the metadata it reads, when a list)
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
@@ -174,16 +175,19 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, H)."""
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, H). ``meta``: one for all layers, or one per KV
+        layer group (``cfg.kv_groups()``), each layer reading its group's."""
+        metas = meta if isinstance(meta, list) else [meta] * (max(self.kv_group) + 1)
         if self.ops is not None:
-            return self._forward_fused(input_ids, positions, kv_caches, meta)
+            return self._forward_fused(input_ids, positions, kv_caches, metas)
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         t = input_ids.shape[0]
         h = self._embed(input_ids)  # (T, H)
         rots = {id(r): r.cos_sin(positions) for r in (self.rotary, self.rotary_local)}
         nq, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            meta = metas[self.kv_group[i]]
             x = rms_norm(h, layer["input_norm"], eps)
             qkv = layer["qkv"](x)  # (T, Q+2K)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -204,7 +208,7 @@ class CausalLM:
         return rms_norm(h, self.norm, eps)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> torch.Tensor:
         """The same layers with the fused CPU kernels: the residual add is folded into the next RMSNorm (h is
         updated in place), rotary + the K/V cache write are one pass, decode attention reads blocks in place."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
@@ -213,6 +217,7 @@ class CausalLM:
         h = self._embed(input_ids).contiguous()  # (T, H): the residual stream, added to in place
         x = ops.rms_norm(h, self.layers[0]["input_norm"], eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            meta = metas[self.kv_group[i]]
             qkv = layer["qkv"](x)  # (T, Q+2K)
             if cfg.qk_norm:  # each q and k head normalised in place, before the rotary
                 for heads, name in ((qkv[:, : self.q_size], "q_norm"),

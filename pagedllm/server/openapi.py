@@ -187,6 +187,8 @@ class KVCacheState(BaseModel):
     num_free_host_blocks: int
     consistent: bool
     problem: str | None = None
+    kv_bytes_per_request: dict[str, int] = {}  # running requests: the KV bytes their blocks hold
+    kv_layer_groups: int = 1  # block tables per request (sliding-window layers form groups of their own)
 
 
 class AnthropicTextContent(BaseModel):

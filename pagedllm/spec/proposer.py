@@ -103,7 +103,7 @@ class DraftProposer(Proposer):
         self.model.forward(input_ids, positions, self.kv_caches, meta)
 
     def _drafts(self, budget, requests, so):
-        return self._propose_draft(budget, requests, {s.req_id: s.block_ids for s in so.scheduled})
+        return self._propose_draft(budget, requests, {s.req_id: s.block_ids[0] for s in so.scheduled})
 
     @torch.inference_mode()
     def _propose_draft(self, budget: dict[str, int], requests: dict[str, CachedRequestState],

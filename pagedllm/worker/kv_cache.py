@@ -32,7 +32,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, coun
 
 class KVCache:
     """Blocks for ``model`` and ``draft_model`` (if any; each with ``cfg.num_layers``, ``cfg.head_dim`` and this
-    rank's ``num_kv_heads``). Nothing is allocated until ``allocate``."""
+    rank's ``num_kv_heads``). Nothing is allocated until ``allocate``.
+
+    The model's layers form KV groups (``cfg.kv_groups()``): a block holds ``slots`` layers, and layer i reads and
+    writes cache tensor ``slot[i]`` at its group's blocks; ``kv_caches`` has one (K, V) pair per layer, the layers
+    of one slot sharing their tensors. Without sliding-window layers: one group, a tensor pair per layer."""
 
     def __init__(self, config: CacheConfig, model, draft_model, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
@@ -42,9 +46,13 @@ class KVCache:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        self.groups = model.cfg.kv_groups()
+        if self.groups.hybrid and draft_model is not None:
+            raise ValueError("a draft model with a sliding-window target model is not supported yet "
+                             "(use ngram speculation)")
         elem = dtype.itemsize
-        # KV bytes of one block across all layers (the draft model's layers included)
-        self.bytes_per_block = sum(2 * m.cfg.num_layers * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem
+        # KV bytes of one block across its layers (the draft model's layers included)
+        self.bytes_per_block = sum(2 * self._slots(m) * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem
                                    for m in models)
         self.num_blocks = 0
         self.kv_caches: KVLayers = []  # the target model's layers
@@ -76,12 +84,16 @@ class KVCache:
         when one request of ``max_model_len`` tokens would not fit."""
         c = self.config
         self.num_blocks = num_blocks
-        needed = math.ceil(max_model_len / self.block_size)
+        per_seq = math.ceil(max_model_len / self.block_size)
+        # a sliding group holds at least its window's blocks (and one reserved null block)
+        needed = sum(min(per_seq, math.ceil(w / self.block_size) + 1) if w else per_seq
+                     for w in self.groups.windows) + self.groups.hybrid
         if needed > num_blocks:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
                 f"({num_blocks * self.block_size} tokens) but max_model_len={max_model_len} needs "
-                f"{needed} blocks for a single request: raise --kv-cache-memory / --gpu-memory-utilization "
+                f"{needed} blocks for a single request ({len(self.groups.windows)} layer groups): raise "
+                f"--kv-cache-memory / --gpu-memory-utilization "
                 f"or lower --max-model-len"
             )
         shape = self._shape(self.model)
@@ -97,7 +109,7 @@ class KVCache:
             self.host_kv_caches = [
                 tuple(torch.zeros((self.num_host_blocks, *shape[1:]), dtype=self.dtype, pin_memory=pin)
                       for _ in range(2))
-                for _ in range(self.model.cfg.num_layers)
+                for _ in range(self.groups.slots)
             ]
         if self.draft_model is not None:
             self.draft_kv_caches = self._layers(self.draft_model)
@@ -105,10 +117,22 @@ class KVCache:
     def _shape(self, model) -> tuple[int, int, int, int]:
         return (self.num_blocks, self.block_size, model.num_kv_heads, model.cfg.head_dim)
 
+    def _slots(self, model) -> int:
+        return self.groups.slots if model is self.model else model.cfg.num_layers
+
     def _layers(self, model) -> KVLayers:
-        n = model.cfg.num_layers
+        n = self._slots(model)
         t = zeros(self._shape(model), self.dtype, self.device, 2 * n)
-        return [(t[2 * i], t[2 * i + 1]) for i in range(n)]
+        slot = self.groups.slot if model is self.model else range(n)
+        return [(t[2 * j], t[2 * j + 1]) for j in slot]
+
+    @property
+    def slot_caches(self) -> KVLayers:
+        """The target model's distinct (K, V) tensors, one pair per slot."""
+        first = {}
+        for j, kv in zip(self.groups.slot, self.kv_caches):
+            first.setdefault(j, kv)
+        return [first[j] for j in sorted(first)]
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),
@@ -116,12 +140,12 @@ class KVCache:
         if swap_out:
             dev = torch.tensor([d for d, _ in swap_out], device=self.device)
             host = torch.tensor([h for _, h in swap_out])
-            for (kc, vc), (hk, hv) in zip(self.kv_caches, self.host_kv_caches):
+            for (kc, vc), (hk, hv) in zip(self.slot_caches, self.host_kv_caches):
                 hk.index_copy_(0, host, kc.index_select(0, dev).to("cpu"))
                 hv.index_copy_(0, host, vc.index_select(0, dev).to("cpu"))
         if swap_in:
             host = torch.tensor([h for h, _ in swap_in])
             dev = torch.tensor([d for _, d in swap_in], device=self.device)
-            for (kc, vc), (hk, hv) in zip(self.kv_caches, self.host_kv_caches):
+            for (kc, vc), (hk, hv) in zip(self.slot_caches, self.host_kv_caches):
                 kc.index_copy_(0, dev, hk.index_select(0, host).to(self.device))
                 vc.index_copy_(0, dev, hv.index_select(0, host).to(self.device))

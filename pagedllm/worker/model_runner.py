@@ -196,8 +196,13 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        """KV bytes of one block across all layers (the draft model's layers included)."""
+        """KV bytes of one block across its layers (the draft model's layers included)."""
         return self.kv.bytes_per_block
+
+    @property
+    def kv_group_windows(self) -> tuple[int, ...]:
+        """Per KV layer group, its sliding window (0: full attention): the block tables the scheduler keeps."""
+        return self.kv.groups.windows
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -410,10 +415,23 @@ class ModelRunner:
         With the fused CPU kernels, the query rows of short prefill chunks (context up to
         ``ROW_KERNEL_MAX_CONTEXT``) join the decode rows: each row attends over its own context length, so one
         kernel call covers them all (no per-sequence gather); longer chunks use the tiled attention's matmuls."""
+        metas = [self._group_metadata(step, g) for g in range(step.num_groups)]
         dev = self.device
-        rows, tables, lens = list(step.decode_rows), list(step.decode_tables), list(step.decode_lens)
+        return (
+            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(step.positions, dtype=torch.long, device=dev),
+            metas[0] if len(metas) == 1 else metas,  # a list: one per KV layer group
+            torch.tensor(step.logit_rows, dtype=torch.long, device=dev),
+        )
+
+    def _group_metadata(self, step: StepInputs, g: int) -> AttentionMetadata:
+        """The attention metadata of KV layer group ``g`` (its slots and block tables; rows and lengths are the
+        step's)."""
+        dev = self.device
+        slots, decode_tables, prefill_tables = step.group(g)
+        rows, tables, lens = list(step.decode_rows), list(decode_tables), list(step.decode_lens)
         prefills = []
-        for (start, end, ctx), table in zip(step.prefills, step.prefill_tables):
+        for (start, end, ctx), table in zip(step.prefills, prefill_tables):
             if self.model.ops is not None and ctx <= ROW_KERNEL_MAX_CONTEXT:
                 rows.extend(range(start, end))
                 tables.extend([table] * (end - start))
@@ -421,7 +439,7 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSeq(start, end, ctx, torch.tensor(table, dtype=torch.long, device=dev)))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             decode_rows=None, decode_block_tables=None, decode_mask=None,
             num_decodes=len(rows), prefills=prefills,
         )
@@ -430,12 +448,7 @@ class ModelRunner:
             meta.decode_block_tables, meta.decode_mask, meta.decode_lens = dm.decode_block_tables, dm.decode_mask, dm.decode_lens
             if rows != list(range(len(step.input_ids))):  # None: every row, in order
                 meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        return (
-            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(step.positions, dtype=torch.long, device=dev),
-            meta,
-            torch.tensor(step.logit_rows, dtype=torch.long, device=dev),
-        )
+        return meta
 
 
 def _decode_metadata(slots: list[int], tables: list[list[int]], lens: list[int], bs: int, dev: torch.device,

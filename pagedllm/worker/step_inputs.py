@@ -4,6 +4,8 @@ rank 0 hands the other tensor-parallel ranks (packed into one int64 tensor, no p
 The lists are everything a rank needs to run the step's forward pass: flat tokens and positions, the KV slot of
 each token, per decode its row, context length and block table, per prefill chunk its rows, context length and
 block table, the rows whose logits are computed (to sample, and for prompt logprobs), and KV block swaps to do first.
+A model whose layers form several KV groups (``model.arch.KVGroups``) has a slot and block tables per group: the
+per-group lists are stored one group after the other.
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ class StepGroups(NamedTuple):
 class StepInputs:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # flat KV cache slot of each token
+    slots: list[int] = field(default_factory=list)  # flat KV cache slot of each token (per group)
     decode_rows: list[int] = field(default_factory=list)  # rows of one-token (decode) sequences
     decode_lens: list[int] = field(default_factory=list)  # their context lengths (this token included)
     logit_rows: list[int] = field(default_factory=list)  # rows whose logits are computed (sampled / verified)
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
-    decode_tables: list[list[int]] = field(default_factory=list)  # per decode: the blocks its context uses
+    decode_tables: list[list[int]] = field(default_factory=list)  # per group, per decode: its context's blocks
     prefills: list[list[int]] = field(default_factory=list)  # per prefill chunk: [start row, end row, context len]
-    prefill_tables: list[list[int]] = field(default_factory=list)  # per prefill chunk: its context's blocks
+    prefill_tables: list[list[int]] = field(default_factory=list)  # per group, per prefill chunk: the same
     swap_out: list[list[int]] = field(default_factory=list)  # [device block, host block], before the forward
     swap_in: list[list[int]] = field(default_factory=list)  # [host block, device block]
 
@@ -50,22 +52,27 @@ class StepInputs:
         bs = block_size
         st = cls(swap_out=[list(p) for p in so.swap_out], swap_in=[list(p) for p in so.swap_in])
         groups = StepGroups([], [], [])
+        num_groups = len(so.scheduled[0].block_ids) if so.scheduled else 1
+        slots = [[] for _ in range(num_groups)]
+        dtables = [[] for _ in range(num_groups)]
+        ptables = [[] for _ in range(num_groups)]
         for s in so.scheduled:
             start = len(st.input_ids)
             n = len(s.token_ids)
             nc = s.num_computed_tokens
             st.input_ids.extend(s.token_ids)
             st.positions.extend(range(nc, nc + n))
-            table = s.block_ids
-            st.slots.extend(table[p // bs] * bs + p % bs for p in range(nc, nc + n))
+            for g, table in enumerate(s.block_ids):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(nc, nc + n))
+                if n == 1:
+                    dtables[g].append(table[: (nc + bs) // bs])
+                else:
+                    ptables[g].append(table[: -(-(nc + n) // bs)])
             if n == 1:
                 st.decode_rows.append(start)
-                st.decode_tables.append(table[: (nc + bs) // bs])
                 st.decode_lens.append(nc + 1)
             else:
-                ctx = nc + n
-                st.prefills.append([start, start + n, ctx])
-                st.prefill_tables.append(table[: -(-ctx // bs)])
+                st.prefills.append([start, start + n, nc + n])
             if s.pooling:
                 groups.pool.append((s, start, n))
             elif s.sample:
@@ -76,7 +83,21 @@ class StepInputs:
                 lo, hi = s.prompt_logprob_span
                 groups.prompt.append((s, len(st.prompt_rows), hi - lo))
                 st.prompt_rows.extend(range(start + lo - nc, start + hi - nc))
+        st.slots = [x for g in slots for x in g]
+        st.decode_tables = [t for g in dtables for t in g]
+        st.prefill_tables = [t for g in ptables for t in g]
         return st, groups
+
+    @property
+    def num_groups(self) -> int:
+        """KV groups: one slot per token and group."""
+        return len(self.slots) // len(self.input_ids) if self.input_ids else 1
+
+    def group(self, g: int) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """Group ``g``'s slots, decode tables and prefill tables."""
+        t, d, p = len(self.input_ids), len(self.decode_rows), len(self.prefills)
+        return (self.slots[g * t:(g + 1) * t], self.decode_tables[g * d:(g + 1) * d],
+                self.prefill_tables[g * p:(g + 1) * p])
 
     def pack(self) -> torch.Tensor:
         """One int64 tensor: [field lengths..., values...]; a nested field is its row lengths, then its values."""

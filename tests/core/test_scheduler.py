@@ -82,15 +82,16 @@ class FakeWorker:
             assert s.token_ids == toks[start:end], f"{s.req_id}: scheduled tokens are not the request's tokens"
             assert s.sample == (end == len(toks))
             assert s.num_output_tokens == len(toks) - self.num_prompt[s.req_id]
-            assert len(s.block_ids) >= cdiv(end, bs), f"{s.req_id}: block table too short"
-            assert len(set(s.block_ids)) == len(s.block_ids), f"{s.req_id}: a block twice in one block table"
+            (table,) = s.block_ids  # one KV group: no sliding-window layers
+            assert len(table) >= cdiv(end, bs), f"{s.req_id}: block table too short"
+            assert len(set(table)) == len(table), f"{s.req_id}: a block twice in one block table"
             for j, t in enumerate(s.token_ids):
                 p = start + j
-                self.mem[s.block_ids[p // bs]][p % bs] = t
+                self.mem[table[p // bs]][p % bs] = t
         sampled = {}
         for s in so.scheduled:
             end = s.num_computed_tokens + len(s.token_ids)
-            seen = [self.mem[s.block_ids[p // bs]][p % bs] for p in range(end)]
+            seen = [self.mem[s.block_ids[0][p // bs]][p % bs] for p in range(end)]
             assert seen == self.reqs[s.req_id][:end], f"{s.req_id}: KV memory does not hold the request's tokens"
             if s.sample:
                 tok = self.token_fn(s.req_id, s.num_output_tokens)
@@ -109,7 +110,7 @@ def check_step(sched: Scheduler, so) -> None:
     assert {r.request_id for r in sched.running} == set(kv.req_to_blocks), "blocks held by non-running requests"
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
-        assert len(kv.req_to_blocks[r.request_id]) == cdiv(r.num_computed_tokens, kv.block_size)
+        assert len(kv.req_to_blocks[r.request_id][0]) == cdiv(r.num_computed_tokens, kv.block_size)
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0
@@ -236,11 +237,11 @@ def test_no_block_leak_many_requests(enable_caching):
 def _alloc_full(kv: KVCacheManager, req: Request) -> list[int]:
     assert kv.allocate_slots(req, req.num_tokens) is not None
     req.num_computed_tokens = req.num_tokens
-    return kv.get_block_ids(req.request_id)
+    return kv.get_block_ids(req.request_id)[0]
 
 
 def _hits(kv: KVCacheManager, rid: str, prompt: list[int]) -> int:
-    blocks, n = kv.get_computed_blocks(make_req(rid, prompt))
+    (blocks,), n = kv.get_computed_blocks(make_req(rid, prompt))
     assert n == len(blocks) * kv.block_size
     return len(blocks)
 
@@ -286,7 +287,7 @@ def test_lru_cache_hit_refreshes_recency():
     assert first not in a_ids + b_ids
     a2 = make_req("A2", pa + [1, 2])
     hits, n = kv.get_computed_blocks(a2)
-    assert [h.block_id for h in hits] == a_ids and n == 16
+    assert [h.block_id for h in hits[0]] == a_ids and n == 16
     new = kv.allocate_slots(a2, 2, hits)
     assert [x.block_id for x in new] == [b_ids[-1]]  # B's tail was at the head of the free queue: evicted
     kv.check_integrity()
@@ -325,19 +326,19 @@ def test_shared_prefix_ref_counts():
     sched.add_request(r1)
     drv.step()
     assert r1.num_cached_tokens == 0
-    r1_blocks = list(kv.req_to_blocks["R1"])
+    r1_blocks = list(kv.req_to_blocks["R1"][0])
     r2 = make_req("R2", prefix + [3, 4], max_tokens=6)
     hits, n = kv.get_computed_blocks(r2)
-    assert hits == r1_blocks[:3] and n == 12  # the very block objects of R1
+    assert hits == [r1_blocks[:3]] and n == 12  # the very block objects of R1
     sched.add_request(r2)
     so, _ = drv.step()
     (s2,) = [s for s in so.scheduled if s.req_id == "R2"]
     assert s2.num_computed_tokens == 12 and s2.token_ids == [3, 4] and s2.sample
     assert r2.num_cached_tokens == 12
-    assert kv.req_to_blocks["R2"][:3] == r1_blocks[:3]
-    assert kv.req_to_blocks["R2"][3] is not r1_blocks[3]
+    assert kv.req_to_blocks["R2"][0][:3] == r1_blocks[:3]
+    assert kv.req_to_blocks["R2"][0][3] is not r1_blocks[3]
     assert [b.ref_cnt for b in r1_blocks[:3]] == [2, 2, 2]
-    assert r1_blocks[3].ref_cnt == 1 and kv.req_to_blocks["R2"][3].ref_cnt == 1
+    assert r1_blocks[3].ref_cnt == 1 and kv.req_to_blocks["R2"][0][3].ref_cnt == 1
     assert kv.prefix_cache_hits == 12 and kv.prefix_cache_queries == 14 + 14
 
     free_before = pool.num_free_blocks
@@ -369,7 +370,7 @@ def test_prefix_hit_leaves_a_token_to_compute(prompt_len):
     so, _ = drv.step()
     (s,) = so.scheduled
     assert s.num_computed_tokens == n and len(s.token_ids) == prompt_len - n and s.sample
-    assert kv.req_to_blocks["again"][: len(hits)] == hits
+    assert kv.req_to_blocks["again"][0][: len(hits[0])] == hits[0]
     drv.run()
     assert drv.tokens["again"] == [fake_token("again", i) for i in range(2)]
     assert_all_free(sched)
@@ -388,7 +389,7 @@ def test_same_step_siblings_share_prompt_blocks():
     assert [s.req_id for s in so.scheduled] == ["c0", "c1", "c2"]
     assert [(s.num_computed_tokens, len(s.token_ids)) for s in so.scheduled] == [(0, 10), (8, 2), (8, 2)]
     assert so.num_batched_tokens == 14
-    tables = [kv.req_to_blocks[f"c{i}"] for i in range(3)]
+    tables = [kv.req_to_blocks[f"c{i}"][0] for i in range(3)]
     ids = [[b.block_id for b in t] for t in tables]
     assert ids[0][:2] == ids[1][:2] == ids[2][:2]
     assert len({t[2].block_id for t in tables}) == 3  # the partial last block is private
@@ -414,12 +415,12 @@ def test_hash_collision_is_not_a_hit():
     kv = KVCacheManager(num_blocks=8, block_size=bs)
     kv.pool.cache_block(kv.pool.blocks[5], h, (9, 9, 9, 9))
     req = make_req("x", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    assert kv.get_computed_blocks(req) == ([], 0)
+    assert kv.get_computed_blocks(req) == ([[]], 0)
     # and with the right content the same lookup hits
     kv2 = KVCacheManager(num_blocks=8, block_size=bs)
     kv2.pool.cache_block(kv2.pool.blocks[5], h, toks)
     hits, n = kv2.get_computed_blocks(make_req("y", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
-    assert hits == [kv2.pool.blocks[5]] and n == 4
+    assert hits == [[kv2.pool.blocks[5]]] and n == 4
 
 
 def test_no_caching_means_no_hits():
@@ -430,7 +431,7 @@ def test_no_caching_means_no_hits():
     drv.run()
     assert sched.kv.pool.cached == {}
     again = make_req("b", prompt, max_tokens=3)
-    assert sched.kv.get_computed_blocks(again) == ([], 0)
+    assert sched.kv.get_computed_blocks(again) == ([[]], 0)
     sched.add_request(again)
     so, _ = drv.step()
     assert so.scheduled[0].num_computed_tokens == 0 and len(so.scheduled[0].token_ids) == 20
@@ -662,7 +663,7 @@ def test_abort_running_frees_blocks_and_reports_once():
     sched.add_request(make_req("B", range(200, 210), max_tokens=20))
     drv.step()
     drv.step()
-    held_a = len(sched.kv.req_to_blocks["A"])
+    held_a = len(sched.kv.req_to_blocks["A"][0])
     free_before = pool.num_free_blocks
     done = sched.finish_requests(["A"])
     assert [r.request_id for r in done] == ["A"] and done[0].status == RequestStatus.FINISHED_ABORTED

@@ -103,6 +103,36 @@ def test_hf_directory_matches_transformers(tmp_path, llm, kind):
     _check(str(d), model, {"mistral": "llama", "llama3": "llama", "mixtral": "llama"}.get(kind, kind))
 
 
+def test_sliding_layers_hold_only_their_window(tmp_path, llm):
+    """Gemma 3's sliding layers (window 12) keep only the blocks inside their window as a long request grows
+    (per-layer-group block tables): the KV bytes /debug/kv reports for the request are the full layer's whole
+    context plus two blocks per sliding layer, not seven layers' whole context; greedy tokens still equal HF's,
+    with 32-token prefill chunks crossing the window."""
+    model = _hf_model("gemma3", llm.engine.core.vocab_size)
+    d = tmp_path / "gemma3"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    ours = LLM(model=str(d), max_model_len=256, dtype="float32", max_num_batched_tokens=32,
+               enable_prefix_caching=False)
+    eng = ours.engine
+    assert eng.kv_state()["kv_layer_groups"] == 7  # 1 full + 6 sliding layers: groups of one layer
+    prompt = [(i * 37) % 900 + 50 for i in range(150)]
+    eng.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    bpb, req, tokens = eng.runner.bytes_per_block, eng.core.scheduler.requests["long"], []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            tokens = o.outputs[0].token_ids
+        if req.num_computed_tokens >= 64 and "long" in eng.kv_state()["kv_bytes_per_request"]:
+            held = eng.kv_state()["kv_bytes_per_request"]["long"] // bpb
+            full = math.ceil((req.num_computed_tokens + 1) / 16)
+            # a sliding layer: the blocks of its window (12 keys) and of a 32-token chunk, at most 4
+            assert held <= full + 6 * 4, (req.num_computed_tokens, held)
+            if req.num_computed_tokens > len(prompt):  # decoding: the window's 2 blocks (7 x 11 without freeing)
+                assert held <= full + 6 * 2, (req.num_computed_tokens, held)
+    assert tokens == _reference(model, prompt)[0]
+    assert eng.kv_state()["consistent"] and eng.kv_state()["num_free_blocks"] == eng.kv_state()["num_blocks"]
+
+
 # llama.cpp's tensor names for the HF ones (per layer)
 GGUF_LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
