@@ -141,10 +141,10 @@ class KVCacheManager:
         self._free_outside_windows(rid, tables, num_computed)
         have = len(tables[0]) + num_hits
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs)
-        # per group: (first new place, how many places are left null: before the window)
-        fresh = [(have, max(0, min(self.first_needed_block(g, num_computed), num_required) - have))
+        # per group: how many new places are left null (before the window)
+        nulls = [max(0, min(self.first_needed_block(g, num_computed), num_required) - have)
                  for g in range(self.num_groups)]
-        num_new_blocks = sum(max(0, num_required - have - nulls) for _, nulls in fresh)
+        num_new_blocks = sum(max(0, num_required - have - k) for k in nulls)
         # Hits sitting in the free queue stop being free once taken.
         num_evictable_hits = sum(1 for t in hits for b in t if b.ref_cnt == 0 and b is not self.null_block)
         if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
@@ -157,8 +157,8 @@ class KVCacheManager:
                 t.extend(h)
             self.num_cached_blocks[rid] = len(tables[0])
         new_blocks = []
-        for t, (_, nulls) in zip(tables, fresh):
-            t.extend([self.null_block] * nulls)
+        for t, k in zip(tables, nulls):
+            t.extend([self.null_block] * k)
             blocks = self.pool.get_new_blocks(max(0, num_required - len(t)))
             t.extend(blocks)
             new_blocks += blocks

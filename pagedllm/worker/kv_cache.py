@@ -56,6 +56,7 @@ class KVCache:
                                    for m in models)
         self.num_blocks = 0
         self.kv_caches: KVLayers = []  # the target model's layers
+        self.slot_caches: KVLayers = []  # its distinct (K, V) tensors, one pair per slot (what swaps copy)
         self.draft_kv_caches: KVLayers = []
         self.num_host_blocks = 0
         self.host_kv_caches: KVLayers = []
@@ -97,7 +98,8 @@ class KVCache:
                 f"or lower --max-model-len"
             )
         shape = self._shape(self.model)
-        self.kv_caches = self._layers(self.model)
+        self.slot_caches = self._slot_pairs(self.model)
+        self.kv_caches = [self.slot_caches[j] for j in self.groups.slot]
         if c.preemption_mode == "swap":
             if self.draft_model is not None:
                 raise ValueError("preemption_mode='swap' together with a draft model is not supported yet")
@@ -112,7 +114,7 @@ class KVCache:
                 for _ in range(self.groups.slots)
             ]
         if self.draft_model is not None:
-            self.draft_kv_caches = self._layers(self.draft_model)
+            self.draft_kv_caches = self._slot_pairs(self.draft_model)
 
     def _shape(self, model) -> tuple[int, int, int, int]:
         return (self.num_blocks, self.block_size, model.num_kv_heads, model.cfg.head_dim)
@@ -120,19 +122,11 @@ class KVCache:
     def _slots(self, model) -> int:
         return self.groups.slots if model is self.model else model.cfg.num_layers
 
-    def _layers(self, model) -> KVLayers:
+    def _slot_pairs(self, model) -> KVLayers:
+        """One (K, V) tensor pair per slot (the draft model: per layer)."""
         n = self._slots(model)
         t = zeros(self._shape(model), self.dtype, self.device, 2 * n)
-        slot = self.groups.slot if model is self.model else range(n)
-        return [(t[2 * j], t[2 * j + 1]) for j in slot]
-
-    @property
-    def slot_caches(self) -> KVLayers:
-        """The target model's distinct (K, V) tensors, one pair per slot."""
-        first = {}
-        for j, kv in zip(self.groups.slot, self.kv_caches):
-            first.setdefault(j, kv)
-        return [first[j] for j in sorted(first)]
+        return [(t[2 * j], t[2 * j + 1]) for j in range(n)]
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),
