@@ -1,6 +1,6 @@
 """A/B of the engine's greedy decode with two ``qlinear`` builds in one process (the machine's noise hits both).
 
-``python3 scripts/ab_engine_qlinear.py OLD.cpp`` (e.g. ``git show 6c629e0:pagedllm/kernels/cpu_ops.cpp >
+``python3 scripts/ab_engine_qlinear.py OLD.cpp`` (``git show 6c629e0:pagedllm/kernels/cpu_ops.cpp >
 /tmp/old.cpp``, the last source with float32 block scales only) loads the default engine (``LLM()``: the GGUF
 blocks through ``qlinear``), builds OLD.cpp for ``-march=native``, and times ``generate`` of BS prompts x 64 tokens
 with the layers' kernel and scales switched between the current build (the layer's own float16 scales, no Q8_0

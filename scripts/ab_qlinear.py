@@ -1,7 +1,8 @@
 """A/B of two versions of the kernels' ``qlinear`` in one process (the machine's noise hits both alike).
 
-``python3 scripts/ab_qlinear.py OLD.cpp NEW.cpp`` builds both sources (e.g. ``git show REV:pagedllm/kernels/cpu_ops.cpp
-> /tmp/old.cpp``) for ``-march=$MARCH`` (default native), then per SmolLM2-135M linear shape and row count times
+``python3 scripts/ab_qlinear.py OLD NEW`` builds both versions of the kernels (each a ``csrc`` directory, e.g.
+``git archive REV pagedllm/kernels/csrc | tar -x -C /tmp/old`` gives /tmp/old/pagedllm/kernels/csrc, or a one-file
+``cpu_ops.cpp`` of a revision before the split: ``git show REV:pagedllm/kernels/cpu_ops.cpp > /tmp/old.cpp``) for ``-march=$MARCH`` (default native), then per SmolLM2-135M linear shape and row count times
 the two builds and torch's float32 ``F.linear`` alternately (``ROUNDS`` rounds, medians), on the same random packed
 weights (cache-resident: the shapes are 0.3-28 MiB, unless ``COPIES``), and checks that both builds give the same
 bits. Environment: ``MS`` row counts (default "1 2 3 8 32 512"), ``ROUNDS`` (3), ``NOLM=1`` skips the LM head,

@@ -1,4 +1,5 @@
-"""Fused CPU kernels (``cpu_ops.cpp``), compiled on first use with torch's C++ extension loader.
+"""Fused CPU kernels (``csrc/``: ``attention.cpp``, ``qlinear.cpp``, ``qlinear_k.cpp``, ``bindings.cpp``), compiled
+on first use with torch's C++ extension loader (the sources side by side, one compiler process each).
 
 The source has four vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), NEON on 64-bit ARM (with
 the dot-product instructions of ARMv8.2 for the packed-weight kernel where the target has them), and portable
@@ -27,7 +28,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / f for f in ("qlinear.cpp", "qlinear_k.cpp", "attention.cpp", "bindings.cpp"))
+HEADERS = tuple(CSRC / f for f in ("common.h", "qlinear.h", "ops.h"))
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 
 # what each x86-64 micro-architecture level needs from /proc/cpuinfo's flags (levels 2 and up, as gcc defines them)
@@ -78,7 +81,7 @@ def can_run(march: str) -> bool:
     return set(X86_LEVEL_FLAGS[march]) <= flags
 
 
-# the predefined macros that choose the kernels' vector paths (``#if defined(...)`` in cpu_ops.cpp)
+# the predefined macros that choose the kernels' vector paths (``#if defined(...)`` in csrc/)
 PATH_MACROS = ("__AVX2__", "__FMA__", "__F16C__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__",
                "__AVX512BF16__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")
 
@@ -92,9 +95,11 @@ def path_macros(march: str) -> frozenset[str]:
     return frozenset(m for m in PATH_MACROS if m in defined)
 
 
-def build_key(march: str, source: Path = SOURCE) -> str:
-    """Hash of what decides the binary: source, flags, torch version, and (for ``native``) the CPU itself."""
-    h = hashlib.sha256(source.read_bytes())
+def build_key(march: str, sources: tuple[Path, ...] = SOURCES + HEADERS) -> str:
+    """Hash of what decides the binary: sources, flags, torch version, and (for ``native``) the CPU itself."""
+    h = hashlib.sha256()
+    for source in sources:
+        h.update(source.read_bytes())
     h.update(" ".join((*BASE_CFLAGS, f"-march={march}")).encode())
     h.update(torch.__version__.encode())
     if march == "native":
@@ -109,23 +114,33 @@ def _ident(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", s)
 
 
-def build(march: str = "native", verbose: bool = False, source: Path = SOURCE):
+def build(march: str = "native", verbose: bool = False, source: Path | None = None):
     """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build.
-    ``source``: another version of ``cpu_ops.cpp`` (the A/B scripts build an old one beside the current one: the
-    module is named by the source's hash, so both load in one process)."""
+    ``source``: another version of the kernels, a ``csrc`` directory (``git archive REV pagedllm/kernels/csrc``) or
+    the one file they were before it (``cpu_ops.cpp``); the A/B scripts build one beside the current sources: the
+    module is named by the sources' hash, so both load in one process."""
     from torch.utils.cpp_extension import load  # 0.2 s of setuptools: only where the kernels are built or loaded
 
+    if source is None:
+        sources, hashed = SOURCES, SOURCES + HEADERS
+    elif source.is_dir():
+        sources = tuple(source / s.name for s in SOURCES)
+        hashed = sources + tuple(source / h.name for h in HEADERS)
+    else:
+        sources = hashed = (source,)
     return load(
-        name=f"pagedllm_cpu_ops_{_ident(march)}_{build_key(march, source)}",  # a module name: no "-", "." or "+"
-        sources=[str(source)],
+        name=f"pagedllm_cpu_ops_{_ident(march)}_{build_key(march, hashed)}",  # a module name: no "-", "." or "+"
+        sources=[str(s) for s in sources],
         extra_cflags=[*BASE_CFLAGS, f"-march={march}"],
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
 
 
-def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None = None, openmp: bool = True) -> Path:
-    """Compiles the kernels for ``-march=march`` to an object file without loading it, with the flags of ``build``:
+def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None = None,
+                 openmp: bool = True) -> list[Path]:
+    """Compiles the kernels for ``-march=march`` to object files (one per source, side by side) without loading
+    them, with the flags of ``build``:
     for a level this CPU cannot execute (loading that build runs its instructions in the module's start-up code:
     SIGILL). ``cxx``: another compiler command (default ``$CXX`` or ``c++``), e.g. a cross compiler for another
     architecture, whose target then comes with it (``march`` None); ``openmp`` False drops ``-fopenmp`` for a
@@ -134,16 +149,18 @@ def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None =
     from torch.utils.cpp_extension import include_paths
 
     name = march or (cxx[-1] if cxx else "default")  # a cross compiler's target ends its command
-    obj = Path(out_dir) / f"cpu_ops_{_ident(name)}.o"
     cflags = [f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + ([f"-march={march}"] if march else [])
     cmd = [*(cxx or [os.environ.get("CXX", "c++")]), *cflags, "-std=c++20", "-fPIC",
            "-DTORCH_EXTENSION_NAME=pagedllm_cpu_ops", "-DTORCH_API_INCLUDE_EXTENSION_H",
-           *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]), "-c", str(SOURCE), "-o", str(obj)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+           *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]])]
+    objs = [Path(out_dir) / f"{src.stem}_{_ident(name)}.o" for src in SOURCES]
+    procs = [subprocess.Popen([*cmd, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for src, obj in zip(SOURCES, objs)]
+    errors = [err for proc in procs for _, err in [proc.communicate()] if proc.returncode != 0]
+    if errors:
         target = f"-march={march}" if march else " ".join(cxx) if cxx else "the compiler's default target"
-        raise RuntimeError(f"building the kernels for {target} failed:\n{proc.stderr[-4000:]}")
-    return obj
+        raise RuntimeError(f"building the kernels for {target} failed:\n{errors[0][-4000:]}")
+    return objs
 
 
 @functools.cache

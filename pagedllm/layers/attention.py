@@ -118,10 +118,10 @@ def decode_attention(
     k = k_cache.index_select(0, flat).to(q.dtype).view(b, -1, hkv, d).transpose(1, 2)  # (B, Hkv, L, D), strided
     v = v_cache.index_select(0, flat).to(q.dtype).view(b, -1, hkv, d).transpose(1, 2)
     if softcap:  # SDPA has no soft-capping: the scores by hand
-        g = hq // hkv
-        s = torch.matmul(q.view(b, hkv, g, d).float() * scale, k.float().transpose(-1, -2))  # (B, Hkv, G, L)
+        g, ct = hq // hkv, torch.promote_types(q.dtype, torch.float32)  # at least float32 (float64 stays)
+        s = torch.matmul(q.view(b, hkv, g, d).to(ct) * scale, k.to(ct).transpose(-1, -2))  # (B, Hkv, G, L)
         s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
-        return torch.matmul(torch.softmax(s, dim=-1), v.float()).view(b, hq, d).to(q.dtype)
+        return torch.matmul(torch.softmax(s, dim=-1), v.to(ct)).view(b, hq, d).to(q.dtype)
     out = F.scaled_dot_product_attention(q.view(b, hq, 1, d), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.view(b, hq, d)
 

@@ -124,7 +124,7 @@ class Int4Linear(_Packed):
 class BlockQuantLinear(_Packed):
     """Blocks of 32 input channels: ``w = d * u + m`` per block (``u`` 4-bit codes in [0, 16) or signed 8-bit
     codes), computed by the fused CPU kernel ``qlinear`` from the packed codes (0.5 or 1 byte per weight), output
-    rows interleaved in groups of 8 (layout: ``kernels/cpu_ops.cpp``). Weights in groups of 16 (GGUF Q2_K, Q3_K,
+    rows interleaved in groups of 8 (layout: ``kernels/csrc/qlinear.h``). Weights in groups of 16 (GGUF Q2_K, Q3_K,
     Q6_K) keep a scale and offset per half block (``sub`` 2). Scale and offset are float16 when every one of the
     layer's values is exactly a float16 (a GGUF file's own), else float32; 8-bit weights' offsets that are all zero
     (Q8_0, symmetric weights) are not stored at all.

@@ -1,0 +1,512 @@
+// The small per-layer operations of a decode step, each one pass over memory: paged decode attention, RMSNorm
+// (+ residual add), rotary + KV cache write, SiLU(gate) * up, greedy argmax.
+#include "common.h"
+#include "ops.h"
+
+namespace {
+
+// ------------------------------------------------------------------ decode attention
+
+// softmax of s[0..L) in place; returns nothing, leaves probabilities (exact: max, exp, sum, scale). cap > 0: the
+// scores are soft-capped first, cap * tanh(s / cap) (gemma 2's attention logits)
+inline void softmax_row(float* s, int64_t L, float cap = 0.f) {
+  if (cap > 0.f)
+    for (int64_t i = 0; i < L; ++i) s[i] = cap * std::tanh(s[i] / cap);
+  int64_t t = 0;
+  float m = -INFINITY, sum = 0.f;
+#if PAGEDLLM_VEC
+  vf mx = vset1(-INFINITY);
+  for (; t + W <= L; t += W) mx = vmax(mx, vload(s + t));
+  m = vhmax(mx);
+#endif
+  for (; t < L; ++t) m = std::max(m, s[t]);
+  t = 0;
+#if PAGEDLLM_VEC
+  const vf mv = vset1(m);
+  vf acc = vzero();
+  for (; t + W <= L; t += W) {
+    const vf e = vexp(vsub(vload(s + t), mv));
+    vstore(s + t, e);
+    acc = vadd(acc, e);
+  }
+  sum = vsum(acc);
+#endif
+  for (; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
+  const float inv = 1.f / sum;
+  for (t = 0; t < L; ++t) s[t] *= inv;
+}
+
+#if PAGEDLLM_VEC
+// A cached row of NC vectors. From a bfloat16 cache each pair of vectors holds its 2W values' even and odd elements
+// (vload_split: one shift or mask per vector, no widening); q and the output accumulators use the same order
+// (split and merged once per sequence), so each dot product pairs the same elements as in the natural order.
+template <int NC>
+inline void load_cached(const float* p, vf* v) {
+  for (int c = 0; c < NC; ++c) v[c] = vload(p + c * W);
+}
+template <int NC>
+inline void load_cached(const at::BFloat16* p, vf* v) {
+  static_assert(NC % 2 == 0, "bfloat16 rows load in pairs of vectors");
+  for (int c = 0; c < NC; c += 2) vload_split(p + c * W, v[c], v[c + 1]);
+}
+template <int NC>
+inline void reorder_rows(float* x, int64_t rows, bool split) {  // rows of NC vectors: natural <-> even/odd pairs
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < NC; c += 2) {
+      float* p = x + (r * NC + c) * W;
+      vf a, b;
+      if (split) vsplit(vload(p), vload(p + W), a, b);
+      else vmerge(vload(p), vload(p + W), a, b);
+      vstore(p, a);
+      vstore(p + W, b);
+    }
+}
+
+// Vector path for head dims that are a multiple of the vector width (NC chunks): the G query heads of a KV head
+// and their output accumulators stay in registers (AVX-512) or L1 (AVX2 spills some) while the context streams
+// past. Each block of 16 tokens is one contiguous run of memory (16 x Hkv x D): it is read once, head after
+// head, while the next block is prefetched. Only KV heads [h0, h1) are computed (their rows of scores and out).
+// qf's rows of those heads are reordered in place for a bfloat16 cache.
+template <typename T, int G, int NC>
+void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
+                int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, float cap) {
+  constexpr int64_t D = NC * W;
+  constexpr bool split = std::is_same_v<T, at::BFloat16>;
+  const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS;
+  if constexpr (split) reorder_rows<NC>(qf + h0 * G * D, (h1 - h0) * G, true);
+  for (int64_t bi = 0; bi < nblocks; ++bi) {
+    const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
+    if (bi + 1 < nblocks) prefetch(kc + table[bi + 1] * blk, std::min(BS, L - t0 - BS) * tok * int64_t(sizeof(T)));
+    const T* kb = kc + table[bi] * blk;
+    for (int64_t h = h0; h < h1; ++h) {
+      vf qv[G][NC];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) qv[g][c] = vload(qf + (h * G + g) * D + c * W);
+      int64_t j = 0;
+      for (; j + W <= n; j += W) {  // W tokens' dot products summed across lanes together: W scores per vector
+        vf acc[G][W];  // a token's row is read once for the G heads: G independent chains of NC steps
+        for (int i = 0; i < W; ++i) {
+          vf kv[NC];
+          load_cached<NC>(kb + (j + i) * tok + h * D, kv);
+          for (int g = 0; g < G; ++g) {
+            acc[g][i] = vmul(qv[g][0], kv[0]);
+            for (int c = 1; c < NC; ++c) acc[g][i] = vfma(qv[g][c], kv[c], acc[g][i]);
+          }
+        }
+        for (int g = 0; g < G; ++g) vstore(scores + (h * G + g) * L + t0 + j, vsumW(acc[g]));
+      }
+      for (; j < n; ++j) {
+        vf kv[NC];
+        load_cached<NC>(kb + j * tok + h * D, kv);
+        for (int g = 0; g < G; ++g) {
+          vf acc = vmul(qv[g][0], kv[0]);
+          for (int c = 1; c < NC; ++c) acc = vfma(qv[g][c], kv[c], acc);
+          scores[(h * G + g) * L + t0 + j] = vsum(acc);
+        }
+      }
+    }
+  }
+  if (nblocks > 0) prefetch(vc + table[0] * blk, std::min(BS, L) * tok * int64_t(sizeof(T)));
+  for (int64_t r = h0 * G; r < h1 * G; ++r) {
+    std::fill(scores + r * L, scores + r * L + skip, 0.f);  // outside the window: weight 0
+    softmax_row(scores + r * L + skip, L - skip, cap);
+  }
+  std::fill(out + h0 * G * D, out + h1 * G * D, 0.f);
+  for (int64_t bi = 0; bi < nblocks; ++bi) {
+    const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
+    if (bi + 1 < nblocks) prefetch(vc + table[bi + 1] * blk, std::min(BS, L - t0 - BS) * tok * int64_t(sizeof(T)));
+    const T* vb = vc + table[bi] * blk;
+    for (int64_t h = h0; h < h1; ++h) {
+      vf o[G][NC];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) o[g][c] = vload(out + (h * G + g) * D + c * W);
+      for (int64_t j = 0; j < n; ++j) {
+        vf vv[NC];
+        load_cached<NC>(vb + j * tok + h * D, vv);
+        for (int g = 0; g < G; ++g) {
+          const vf p = vset1(scores[(h * G + g) * L + t0 + j]);
+          for (int c = 0; c < NC; ++c) o[g][c] = vfma(p, vv[c], o[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) vstore(out + (h * G + g) * D + c * W, o[g][c]);
+    }
+  }
+  if constexpr (split) reorder_rows<NC>(out + h0 * G * D, (h1 - h0) * G, false);
+}
+
+template <typename T, int NC>
+bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS,
+                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, float cap) {
+  switch (G) {
+#define PAGEDLLM_G(n) \
+  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap); return true;
+    PAGEDLLM_G(1) PAGEDLLM_G(2) PAGEDLLM_G(3) PAGEDLLM_G(4) PAGEDLLM_G(5) PAGEDLLM_G(6) PAGEDLLM_G(7) PAGEDLLM_G(8)
+#undef PAGEDLLM_G
+    default: return false;
+  }
+}
+#endif
+
+// The vector path for head dims 64, 128 and 256 and up to 8 query heads per KV head; false: use the portable loop.
+template <typename T>
+bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
+                 int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip,
+                 float cap) {
+#if PAGEDLLM_VEC
+  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
+  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
+  if (D == 256)  // gemma
+    return attend_seq_g<T, 256 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
+#endif
+  (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)h0, (void)h1,
+      (void)scores, (void)out, (void)skip, (void)cap;
+  return false;
+}
+
+// T: the dtype of q and out; C: the caches' (a bfloat16 cache under float32 activations halves the bytes read)
+template <typename T, typename C>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                           int64_t window, double softcap) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const float cap = static_cast<float>(softcap);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv;
+  const int64_t q_sb = q.stride(0), q_sh = q.stride(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const C* kc = k_cache.data_ptr<C>();
+  const C* vc = v_cache.data_ptr<C>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t tok_stride = Hkv * D;  // elements between consecutive tokens of a block
+  const int64_t num_blocks = k_cache.size(0);
+  // work items: whole sequences, or with fewer sequences than twice the threads (a single decode), sequence x KV
+  // head, so that both cores work; a sequence's heads are neighbours in its blocks, so whole sequences read them
+  // in one stream
+  const int64_t split = B >= 2 * at::get_num_threads() ? 1 : Hkv, heads = Hkv / split;
+  parallel_claims(B * split, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> qf, acc, row, scores;
+    qf.resize(Hq * D);
+    acc.resize(Hq * D);
+    row.resize(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / split, h0 = item % split * heads, h1 = h0 + heads;
+      const int64_t full = lens[b];
+      TORCH_CHECK(full >= 1 && full <= max_blocks * BS, "context length ", full, " does not fit the block table");
+      // a sliding window: read from the block holding the first key inside it, the keys before it (skip) masked
+      const int64_t first = window > 0 ? std::max<int64_t>(0, full - window) : 0, b0 = first / BS;
+      const int64_t L = full - b0 * BS, skip = first - b0 * BS;
+      const int64_t* table = tables + b * max_blocks + b0;
+      for (int64_t i = 0; i < (L + BS - 1) / BS; ++i)
+        TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block ", table[i], " outside the cache");
+      for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
+        const T* src = qp + b * q_sb + hq * q_sh;
+        for (int64_t i = 0; i < D; ++i) qf[hq * D + i] = to_f(src[i]) * static_cast<float>(scale);
+      }
+      scores.resize(Hq * L);
+      if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data(), skip,
+                           cap)) {
+        for (int64_t h = h0; h < h1; ++h) {  // portable path: one KV head at a time
+          float* sc = scores.data() + h * G * L;
+          for (int64_t t = 0; t < L; ++t) {
+            load_row(kc + (table[t / BS] * BS + t % BS) * tok_stride + h * D, row.data(), D);
+            for (int64_t g = 0; g < G; ++g) sc[g * L + t] = dot(qf.data() + (h * G + g) * D, row.data(), D);
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            std::fill(sc + g * L, sc + g * L + skip, 0.f);
+            softmax_row(sc + g * L + skip, L - skip, cap);
+          }
+          float* a = acc.data() + h * G * D;
+          std::fill(a, a + G * D, 0.f);
+          for (int64_t t = 0; t < L; ++t) {
+            load_row(vc + (table[t / BS] * BS + t % BS) * tok_stride + h * D, row.data(), D);
+            for (int64_t g = 0; g < G; ++g) {
+              const float p = sc[g * L + t];
+#pragma omp simd
+              for (int64_t i = 0; i < D; ++i) a[g * D + i] += p * row[i];
+            }
+          }
+        }
+      }
+      T* dst = op + b * Hq * D;
+      for (int64_t i = h0 * G * D; i < h1 * G * D; ++i) dst[i] = from_f<T>(acc[i]);
+    }
+  });
+}
+
+// ------------------------------------------------------------------ RMSNorm (+ residual add)
+template <typename T>
+void rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t rows, int64_t n, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(n), d(n), wf(n);
+    std::vector<T> tmp(n);
+    load_row(w, wf.data(), n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* hr = h + r * n;
+      load_row(hr, x.data(), n);
+      if (delta != nullptr) {  // h += delta, rounded to the storage dtype as a separate add would round it
+        load_row(delta + r * n, d.data(), n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) x[i] += d[i];
+        store_row(x.data(), hr, n);
+        load_row(hr, x.data(), n);
+      }
+      const float ss = dot(x.data(), x.data(), n);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+      store_row(x.data(), tmp.data(), n);  // normalized, rounded to the dtype, then times the weight
+      load_row(tmp.data(), x.data(), n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) x[i] *= wf[i];
+      store_row(x.data(), out + r * n, n);
+    }
+  });
+}
+
+at::Tensor rms_norm_common(at::Tensor& h, const at::Tensor* delta, const at::Tensor& weight, double eps) {
+  check_cpu(h, "hidden");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "hidden must be contiguous (T, H)");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == h.size(1) && weight.scalar_type() == h.scalar_type(),
+              "weight must be (H,) in the hidden dtype");
+  if (delta != nullptr)
+    TORCH_CHECK(delta->is_contiguous() && delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(),
+                "the residual branch must be contiguous and shaped like hidden");
+  auto out = at::empty_like(h);
+  const int64_t rows = h.size(0), n = h.size(1);
+  dispatch_float_bf16(h.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_impl<T>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
+                     weight.data_ptr<T>(), rows, n, eps);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ rotary + KV cache write
+// T: the dtype of qkv; C: the caches' (k and v are rounded to it as they are written)
+template <typename T, typename C>
+void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache, int64_t nq, int64_t nkv) {
+  const int64_t T_ = qkv.size(0), row_stride = qkv.stride(0);
+  const int64_t D = k_cache.size(3), half = D / 2;
+  T* base = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* ct = cos.data_ptr<float>();
+  const float* st = sin.data_ptr<float>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
+  const int64_t max_pos = cos.size(0);
+  at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(D), rf(D);
+    std::vector<T> rt(D);
+    for (int64_t t = begin; t < end; ++t) {
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table");
+      const float* c = ct + pos[t] * half;
+      const float* s = st + pos[t] * half;
+      T* row = base + t * row_stride;
+      C* kdst = kc + slot[t] * nkv * D;
+      for (int64_t hd = 0; hd < nq + nkv; ++hd) {
+        T* x = row + hd * D;
+        load_row(x, xf.data(), D);
+        const float* x1 = xf.data();
+        const float* x2 = xf.data() + half;
+        float* r = rf.data();
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          r[i] = x1[i] * c[i] - x2[i] * s[i];
+          r[i + half] = x2[i] * c[i] + x1[i] * s[i];
+        }
+        if (hd < nq) {
+          store_row(r, x, D);  // q rotated in place
+        } else {  // k rotated into the cache, rounded to the activations' dtype first (as the torch path rounds it)
+          if constexpr (sizeof(T) < sizeof(C)) {  // bfloat16 activations, float32 cache (float32 -> float32: a no-op)
+            store_row(r, rt.data(), D);
+            load_row(rt.data(), r, D);
+          }
+          store_row(r, kdst + (hd - nq) * D, D);
+        }
+      }
+      C* vdst = vc + slot[t] * nkv * D;
+      const T* vsrc = row + (nq + nkv) * D;
+      if constexpr (std::is_same_v<T, C>) {
+        std::memcpy(vdst, vsrc, nkv * D * sizeof(T));
+      } else {
+        for (int64_t hv = 0; hv < nkv; ++hv) {
+          load_row(vsrc + hv * D, xf.data(), D);
+          store_row(xf.data(), vdst + hv * D, D);
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ SiLU(gate) * up
+template <typename T>
+void silu_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(n), u(n);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(gu + r * 2 * n, g.data(), n);
+      load_row(gu + r * 2 * n + n, u.data(), n);
+      int64_t i = 0;
+#if PAGEDLLM_VEC
+      for (; i + W <= n; i += W) {  // x * sigmoid(x) * up
+        const vf x = vload(g.data() + i);
+        const vf e = vexp(vsub(vzero(), x));
+        vstore(g.data() + i, vmul(vdiv(x, vadd(vset1(1.f), e)), vload(u.data() + i)));
+      }
+#endif
+      for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      store_row(g.data(), out + r * n, n);
+    }
+  });
+}
+
+// ------------------------------------------------------------------ greedy sampling: first maximum per row
+// torch.max(dim=-1).indices, which is single-threaded and ~1 ms for 32 rows of a 49k vocabulary here: the index
+// of each row's first maximum, a NaN counting as the maximum (the first NaN's index). Two passes over a row (its
+// maximum and whether it holds a NaN; then the first lane equal to it), rows split over the threads.
+int64_t argmax_row(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if PAGEDLLM_VEC
+  if (n >= W) {
+    vf vm = vload(x);
+    int nans = 0;
+    for (; i + W <= n; i += W) {
+      const vf v = vload(x + i);
+      nans |= vnan_mask(v);
+      vm = vmax(vm, v);
+    }
+    nan = nans != 0;
+    m = vhmax(vm);
+  }
+#endif
+  for (int64_t j = i; j < n; ++j) {
+    nan = nan || std::isnan(x[j]);
+    m = std::max(m, x[j]);
+  }
+  i = 0;
+#if PAGEDLLM_VEC
+  const vf vm = vset1(m);
+  for (; i + W <= n; i += W) {
+    const vf v = vload(x + i);
+    const int hit = nan ? vnan_mask(v) : veq_mask(v, vm);
+    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#endif
+  for (; i < n; ++i)
+    if (nan ? std::isnan(x[i]) : x[i] == m) return i;
+  return 0;  // n == 0 is refused by the caller
+}
+
+}  // namespace
+
+namespace pagedllm {
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window, double softcap) {
+  check_cpu(q, "q");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, Hq, D) with unit stride in D");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, block_size, Hkv, D)");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == q.size(0), "block_tables must be contiguous int64 (B, max_blocks)");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0), "context_lens must be contiguous int64 (B,)");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  dispatch_float_bf16(q.scalar_type(), "decode_attention", [&](auto tag) {
+    dispatch_float_bf16(k_cache.scalar_type(), "decode_attention (cache)", [&](auto ctag) {
+      decode_attention_impl<decltype(tag), decltype(ctag)>(out, q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                           window, softcap);
+    });
+  });
+  return out;
+}
+
+at::Tensor rms_norm(at::Tensor h, const at::Tensor& weight, double eps) {
+  return rms_norm_common(h, nullptr, weight, eps);
+}
+
+// h += delta in place; returns rms_norm(h) * weight
+at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return rms_norm_common(h, &delta, weight, eps);
+}
+
+// qkv: (T, (nq + 2 nkv) D) rows (row stride may exceed the width); rotates q in place and writes rotated k and
+// v to their slots in (blocks, block_size, nkv, D) caches. cos, sin: float32 (max_position, D/2) tables.
+void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache, int64_t nq, int64_t nkv) {
+  check_cpu(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be (T, width) with unit column stride");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.size(2) == nkv,
+              "caches must be contiguous (blocks, block_size, nkv, D)");
+  const int64_t D = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (nq + 2 * nkv) * D && D % 2 == 0, "qkv width does not match the heads");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(1) == D / 2, "cos/sin must be contiguous float32 (P, D/2)");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  slots.is_contiguous() && positions.numel() == qkv.size(0) && slots.numel() == qkv.size(0),
+              "positions and slots must be contiguous int64 (T,)");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache");
+  dispatch_float_bf16(qkv.scalar_type(), "rope_write_kv", [&](auto tag) {
+    dispatch_float_bf16(k_cache.scalar_type(), "rope_write_kv (cache)", [&](auto ctag) {
+      rope_write_kv_impl<decltype(tag), decltype(ctag)>(qkv, positions, cos, sin, slots, k_cache, v_cache, nq, nkv);
+    });
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be contiguous (T, 2I)");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = at::empty({rows, n}, gate_up.options());
+  dispatch_float_bf16(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_and_mul_impl<T>(out.data_ptr<T>(), gate_up.data_ptr<T>(), rows, n);
+  });
+  return out;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "x must be float32 (rows, n > 0) with unit column stride");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * stride, n);
+  });
+  return out;
+}
+
+std::string isa() {
+  std::string s = vector_isa();
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  s += "+vnni";
+#endif
+#endif
+#if defined(__AVX512BF16__)
+  s += "+bf16";
+#endif
+  return s;
+}
+
+}  // namespace pagedllm

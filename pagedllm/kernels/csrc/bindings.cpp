@@ -1,0 +1,35 @@
+// pagedllm's fused CPU kernels: the small per-layer operations of a decode step, each one pass over memory.
+//
+// - decode_attention: one query token per sequence over its paged K/V, read in place through the block table
+//   (no gathered copy of the context), grouped-query aware, float32 accumulation;
+// - rms_norm / add_rms_norm: RMSNorm, optionally after adding the residual branch in place;
+// - rope_write_kv: rotary embedding of q (in place) and k, with k and v written straight into their cache slots;
+// - silu_and_mul: SiLU(gate) * up of the fused gate/up projection;
+// - qlinear / qlinear_k: x W^T with W in GGUF-style blocks (qlinear.cpp); argmax_rows: greedy sampling's first maximum.
+// Float32 and bfloat16 tensors; arithmetic in float32, one rounding at the end. Rows are split over torch's
+// intra-op threads (at::parallel_for), so the kernels share the OpenMP team of the matmuls around them.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "ops.h"
+
+using namespace pagedllm;
+
+// The kernels run without the GIL (as torch's own operators do): the server's event loop thread serves HTTP and
+// streams tokens while a step computes, instead of waiting for the kernel to return. Every tensor argument is held
+// by the caller for the call.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence; window > 0: its last "
+        "window keys; softcap > 0: scores soft-capped)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
+  m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", nogil);
+  m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block)", nogil);
+  m.def("qlinear_k", &qlinear_k, "qlinear with GGUF K-quant scales: int8 sub-block scales x float16 super-block "
+        "scales", nogil);
+  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
+  m.def("isa", &isa, "the instruction set this build's vector paths use");
+}

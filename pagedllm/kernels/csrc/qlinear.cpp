@@ -1,0 +1,35 @@
+#include "qlinear.h"
+#include "ops.h"
+
+namespace pagedllm {
+
+// x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout (qlinear.h);
+// d, m: (ceil(N/8), K/32 * sub * 8), both float32 or both float16, sub 1 or 2 scales per block (2: blocks of 16);
+// m empty: every offset 0 (8-bit codes only). Returns (M, N) in x's dtype.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
+                   int64_t N) {
+  check_qlinear(x, w, bits, N);
+  const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8, nb = K / QB;
+  const bool half = d.scalar_type() == at::kHalf, offsets = m.numel() > 0;
+  const int64_t per_sub = NG * nb * 8, sub = d.numel() == 2 * per_sub ? 2 : 1;
+  TORCH_CHECK((half || d.scalar_type() == at::kFloat) && m.scalar_type() == d.scalar_type() && d.is_contiguous() &&
+                  m.is_contiguous() && d.numel() == sub * per_sub && (!offsets || m.numel() == d.numel()),
+              "qlinear: scales and offsets must be contiguous (ceil(N/8), K/32 * 8) or (ceil(N/8), K/16 * 8), both "
+              "float32 or both float16 (offsets may be empty)");
+  TORCH_CHECK(bits == 8 || offsets, "qlinear: 4-bit codes need their offsets");
+  auto y = at::empty({M, N}, x.options());
+  with_sub(sub, [&](auto sub_tag) {
+    constexpr int S = decltype(sub_tag)::value;
+    if (half && offsets)
+      qlinear_run(x, w, bits, N, QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb}, y);
+    else if (half)
+      qlinear_run(x, w, bits, N, QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb}, y);
+    else if (offsets)
+      qlinear_run(x, w, bits, N, QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb}, y);
+    else
+      qlinear_run(x, w, bits, N, QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb}, y);
+  });
+  return y;
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,844 @@
+// The block-quantized linear kernels shared by qlinear.cpp (scales per block of 32) and qlinear_k.cpp (GGUF
+// K-quant two-level scales): activation quantization, the integer dot products of each vector path, the tiling.
+#pragma once
+
+#include "common.h"
+
+namespace {
+
+// ------------------------------------------------------------------ block-quantized linear (GGUF-style weights)
+// y = x W^T with W in blocks of 32 input channels, each block with a float scale d and offset m per row:
+//   4-bit codes u in [0, 16): w = d*u + m (GGUF Q4_1 as it is; Q4_0 with m = -8d);
+//   8-bit signed codes s:     w = d*s + m (GGUF Q8_0 with m = 0).
+// Activations are quantized per row and block to two int8 levels (see QuantizedRows: x ~ s (254 q + q2)); then
+// per block  sum_i w_i x_i = d*s*sum_i(u_i (254 q_i + q2_i)) + m*s*sum_i(254 q_i + q2_i).
+//
+// Layout: output rows in groups of 8, interleaved so that one 32-byte vector holds 4 consecutive inputs of each
+// of the 8 rows ("unit" i of a block: inputs 4i..4i+3, byte 4*row + t). A unit times the 4 activation bytes
+// broadcast to every lane is one vpdpbusd (AVX512-VNNI) or vpmaddubsw + vpmaddwd (AVX2): lane `row` collects
+// that row's dot product with no horizontal sums, and the 8 rows' scales are one vector load.
+//   4-bit: per group and block 128 bytes: byte (i, row, t) = code[4i+t] | code[16+4i+t] << 4 (units i, 4+i);
+//   8-bit: per group and block 256 bytes: byte (i, row, t) = code[4i+t], i in [0, 8);
+//   d, m: (N/8, K/32, 8), float32 or float16 (QScales below); 8-bit codes may have no m (all zero).
+// A row's arithmetic does not depend on how many rows the batch has (the same operations in the same order).
+constexpr int QB = 32;
+
+// Activations in two int8 levels per block of 32: x ~ s * (254 * q + q2) with s = max|x| / (127 * 254): q is the
+// usual int8 rounding, q2 the rounding of what q leaves (|x - 254 s q| <= 127 s). That keeps about 15 bits of each
+// activation (one level, as llama.cpp's Q8 activations, cost 2.6% of the business set's answers here), for a
+// second integer dot product per block, which the memory-bound small batches barely notice.
+constexpr int LEVEL = 254;
+
+// Without VNNI (AVX2, or AVX-512 without it) the two levels travel as one int16 per activation, v = 254 q + q2
+// (|v| <= 32385), against weights widened to int16: one vpmaddwd does 16 products of the whole value, where the
+// two levels cost two vpmaddubsw + two vpmaddwd per 32. The integer sums are exactly the two levels' (254 hi + lo),
+// so the results are bitwise the same. v is stored per unit of 4 inputs a..a+3 as (a, a+2, a+1, a+3): the int16
+// pairs that the weight bytes give with a shift and a mask (below).
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define PAGEDLLM_QWIDE 1
+#endif
+
+struct QuantizedRows {
+  std::vector<int8_t> q;   // (M, K) coarse level (not with PAGEDLLM_QWIDE)
+  std::vector<int8_t> q2;  // (M, K) fine level (not with PAGEDLLM_QWIDE)
+  std::vector<int16_t> v;  // (M, K) 254 q + q2 in pair order (only with PAGEDLLM_QWIDE)
+  std::vector<float> s;    // (M, K/32) s
+  std::vector<float> ss;   // (M, K/32) s * sum(254 q + q2), ~ the block's sum of x
+  std::vector<int32_t> isum;  // (M, K/32) sum(254 q + q2): 8-bit codes run as unsigned (s + 128) and subtract it
+  std::vector<float> ss2;      // (M, K/16): ss per half block (weights with a scale per 16 inputs)
+  std::vector<int32_t> isum2;  // (M, K/16): isum per half block
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
+  const int64_t nb = K / QB;
+#if defined(PAGEDLLM_QWIDE)
+  out.v.resize(M * K);
+#else
+  out.q.resize(M * K);
+  out.q2.resize(M * K);
+#endif
+  out.s.resize(M * nb);
+  out.ss.resize(M * nb);
+  out.isum.resize(M * nb);
+  out.ss2.resize(2 * M * nb);
+  out.isum2.resize(2 * M * nb);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    float buf[QB];
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        load_row(x + r * K + b * QB, buf, QB);
+#if defined(__AVX2__) && defined(__FMA__)
+        {  // |x| max; q = round(x * 127 / max) (nearest even); q2 = round((x - q * max / 127) * 127 * 254 / max)
+          const __m256 sign = _mm256_set1_ps(-0.f);
+          __m256 v[4];
+          __m256 mx = _mm256_setzero_ps();
+          for (int j = 0; j < 4; ++j) {
+            v[j] = _mm256_loadu_ps(buf + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+          }
+          __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+          h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+          h = _mm_max_ss(h, _mm_movehdup_ps(h));
+          const float amax = _mm_cvtss_f32(h);
+          const float inv = amax > 0.f ? 127.f / amax : 0.f;
+          const __m256 vinv = _mm256_set1_ps(inv), vinv2 = _mm256_set1_ps(inv * LEVEL);
+          const __m256 vsx = _mm256_set1_ps(amax / 127.f);
+          __m256i q1i[4], q2i[4], vi[4];
+          __m256i sum = _mm256_setzero_si256(), sum_lo = sum;
+          for (int j = 0; j < 4; ++j) {
+            const __m256 q1f = _mm256_round_ps(_mm256_mul_ps(v[j], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256 rest = _mm256_fnmadd_ps(q1f, vsx, v[j]);
+            q1i[j] = _mm256_cvtps_epi32(q1f);
+            // the fine level saturates at +-127 (a rounding of x * 127 / max to exactly .5 above can ask for 128)
+            q2i[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(rest, vinv2)),
+                                                       _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+            vi[j] = _mm256_add_epi32(_mm256_mullo_epi32(q1i[j], _mm256_set1_epi32(LEVEL)), q2i[j]);
+            sum = _mm256_add_epi32(sum, vi[j]);
+            if (j == 1) sum_lo = sum;  // inputs 0-15
+          }
+#if defined(PAGEDLLM_QWIDE)
+          // int16 in input order (the 64-bit permute undoes packs' per-lane interleave), then (a, a+2, a+1, a+3)
+          const __m256i pair = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                                0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+          int16_t* vq = out.v.data() + r * K + b * QB;
+          for (int j = 0; j < 2; ++j) {
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(vi[2 * j], vi[2 * j + 1]), 0xD8);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(vq + 16 * j), _mm256_shuffle_epi8(p, pair));
+          }
+#else
+          int8_t* q = out.q.data() + r * K + b * QB;
+          int8_t* q2 = out.q2.data() + r * K + b * QB;
+          const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+          const __m256i p1 = _mm256_packs_epi16(_mm256_packs_epi32(q1i[0], q1i[1]), _mm256_packs_epi32(q1i[2], q1i[3]));
+          const __m256i p2 = _mm256_packs_epi16(_mm256_packs_epi32(q2i[0], q2i[1]), _mm256_packs_epi32(q2i[2], q2i[3]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p1, order));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2), _mm256_permutevar8x32_epi32(p2, order));
+#endif
+          auto hsum = [](__m256i x) {
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            return _mm_cvtsi128_si32(s4);
+          };
+          const float s = amax / (127.f * LEVEL);
+          out.s[r * nb + b] = s;
+          const int32_t isum = hsum(sum), isum_lo = hsum(sum_lo);
+          out.isum[r * nb + b] = isum;
+          out.ss[r * nb + b] = s * static_cast<float>(isum);
+          out.isum2[2 * (r * nb + b)] = isum_lo;
+          out.isum2[2 * (r * nb + b) + 1] = isum - isum_lo;
+          out.ss2[2 * (r * nb + b)] = s * static_cast<float>(isum_lo);
+          out.ss2[2 * (r * nb + b) + 1] = s * static_cast<float>(isum - isum_lo);
+        }
+#else
+        int8_t* q = out.q.data() + r * K + b * QB;
+        int8_t* q2 = out.q2.data() + r * K + b * QB;
+        float amax = 0.f;
+        for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(buf[i]));
+        const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0, sum_lo = 0;
+        for (int i = 0; i < QB; ++i) {
+          if (i == QB / 2) sum_lo = sum;
+          const float q1f = std::nearbyint(buf[i] * inv);
+          const int v2 = std::max(-127, std::min(127, static_cast<int>(std::nearbyint((buf[i] - q1f * sx) *
+                                                                                      (inv * LEVEL)))));
+          q[i] = static_cast<int8_t>(q1f);
+          q2[i] = static_cast<int8_t>(v2);
+          sum += static_cast<int>(q1f) * LEVEL + v2;
+        }
+        const float s = amax / (127.f * LEVEL);
+        out.s[r * nb + b] = s;
+        out.isum[r * nb + b] = sum;
+        out.ss[r * nb + b] = s * static_cast<float>(sum);
+        out.isum2[2 * (r * nb + b)] = sum_lo;
+        out.isum2[2 * (r * nb + b) + 1] = sum - sum_lo;
+        out.ss2[2 * (r * nb + b)] = s * static_cast<float>(sum_lo);
+        out.ss2[2 * (r * nb + b) + 1] = s * static_cast<float>(sum - sum_lo);
+#endif
+      }
+  });
+}
+
+// A layer's block scales d and offsets m: per group of 8 rows and block, the 8 rows' values, float32 or float16
+// (S: a GGUF file's own precision, which the layer keeps when every value converts exactly: 20 instead of 24 bytes
+// per 4-bit block of a row). No offsets (OFF false: GGUF Q8_0, symmetric 8-bit weights) skips their loads and
+// multiply-adds. A float16 value widens to exactly the float32 it stands for, so the arithmetic is that of the
+// float32 layout; the format is a template argument, so the tiles hold no run-time test of it.
+// SUB: scales (and offsets) per block, 1 or 2 (GGUF's blocks of 16: Q2_K, Q3_K, Q6_K); with 2 the integer sums of
+// each half block (inputs 0-15, 16-31) get their own float steps, against the activations' per-half sums.
+template <typename S, bool OFF, int SUB = 1>
+struct QScales {
+  static constexpr bool offsets = OFF;
+  static constexpr int sub = SUB;
+  const S* d;
+  const S* m;  // unused without OFF
+  int64_t nb;  // blocks per row
+  // index of group g's 8 values of block b (its half h)
+  int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
+  // where those 8 scales (offsets) start
+  const S* dp(int64_t g, int64_t b, int h = 0) const { return d + at(g, b, h); }
+  const S* mp(int64_t g, int64_t b, int h = 0) const { return m + at(g, b, h); }
+};
+
+// The activation sums that the float steps of half h of a block (all of it with SUB 1) take: s * sum and sum.
+template <int SUB>
+inline float act_ss(const QuantizedRows& xa, int64_t row, int h) { return SUB == 1 ? xa.ss[row] : xa.ss2[2 * row + h]; }
+template <int SUB>
+inline int32_t act_isum(const QuantizedRows& xa, int64_t row, int h) {
+  return SUB == 1 ? xa.isum[row] : xa.isum2[2 * row + h];
+}
+
+// GGUF K-quant scales as the file has them: value k of the (N/8, K/32 * SUB, 8) layout is D * s[k], with s a small
+// integer (a sub-block's 6-bit scale, or minus its min) and D the float16 scale of its super-block of 256 inputs
+// (N/8, K/256, 8): 1 byte per sub-block and row instead of 4. The product is exact in float32 (an 11-bit by
+// 8-bit integer), so the kernels' results are bitwise those of the float32 layout. A KPtr (a group's 8 values of
+// one block: their super-block scales and sub-block integers) stands where QScales gives a plain pointer (p[j],
+// p + 4, load8), so every tile runs either layout unchanged; the super-block index is found once per block from
+// (g, b), with no division in the tiles.
+struct KPtr {
+  const at::Half* D;
+  const int8_t* s;
+  KPtr operator+(int64_t k) const { return {D + k, s + k}; }  // within the 8 values (k < 8), or for a prefetch
+  float operator[](int64_t j) const { return static_cast<float>(D[j]) * static_cast<float>(s[j]); }
+};
+template <bool OFF, int SUB = 1>
+struct KScales {
+  static constexpr bool offsets = OFF;
+  static constexpr int sub = SUB;
+  const at::Half* D;
+  const int8_t* s;
+  const at::Half* Dm;  // unused without OFF
+  const int8_t* mn;
+  int64_t nb;
+  int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
+  int64_t super(int64_t g, int64_t b) const { return (g * (nb / 8) + b / 8) * 8; }
+  KPtr dp(int64_t g, int64_t b, int h = 0) const { return {D + super(g, b), s + at(g, b, h)}; }
+  KPtr mp(int64_t g, int64_t b, int h = 0) const { return {Dm + super(g, b), mn + at(g, b, h)}; }
+};
+template <typename S> inline const void* addr(const S* p) { return p; }
+inline const void* addr(const KPtr& p) { return p.s; }
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename T>
+inline void store_group(T* y, int64_t N, int64_t n0, const float* v) {  // up to 8 outputs, cut at N
+  const int64_t cnt = std::min<int64_t>(8, N - n0);
+  for (int64_t j = 0; j < cnt; ++j) y[n0 + j] = from_f<T>(v[j]);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {  // acc + 8 int32 sums of 4 u8*s8 products; u < 128
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+constexpr int64_t PREFETCH_BYTES = 2048;  // of weights (scales: a quarter) ahead of a single-row tile
+
+// 8 scales or offsets as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(p[j]);
+  return _mm256_loadu_ps(v);
+#endif
+}
+
+inline __m256 load8(const KPtr& p) {  // D * s for 8 rows: one super-block scale vector, 8 small integers
+  return _mm256_mul_ps(load8(p.D), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                        reinterpret_cast<const __m128i*>(p.s)))));
+}
+
+// A single row streams the weights from memory: ask for group g's codes (wb: its block b) PREFETCH_BYTES ahead of
+// the prefetcher, and for its scales and offsets as many values ahead as a quarter of that.
+template <typename SC>
+inline void prefetch_group(const uint8_t* wb, int64_t gbytes, const SC& sc, int64_t g, int64_t b) {
+  for (int64_t c = 0; c < gbytes; c += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH_BYTES + c), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(addr(sc.dp(g, b) + PREFETCH_BYTES / 4)), _MM_HINT_T0);
+  if constexpr (SC::offsets) _mm_prefetch(static_cast<const char*>(addr(sc.mp(g, b) + PREFETCH_BYTES / 4)), _MM_HINT_T0);
+}
+
+// The end of block b in a tile of GT groups (from g0) by MT rows (from r0): the integer sums isum(g, r) of each
+// (group, row) pair times d * s, plus m * ss, into the pair's float sums. The same float steps in every tile shape.
+template <int GT, int MT, typename SC, typename Sum>
+inline void add_blocks(__m256 (&acc)[GT][MT], const SC& sc, int64_t g0, const QuantizedRows& xa, int64_t r0,
+                       int64_t b, int h, Sum isum) {
+  for (int g = 0; g < GT; ++g) {
+    const __m256 dv = load8(sc.dp(g0 + g, b, h));
+    const __m256 mv = SC::offsets ? load8(sc.mp(g0 + g, b, h)) : _mm256_setzero_ps();
+    for (int r = 0; r < MT; ++r) {
+      const int64_t row = (r0 + r) * sc.nb + b;
+      acc[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(g, r)), _mm256_mul_ps(dv, _mm256_set1_ps(xa.s[row])),
+                                  acc[g][r]);
+      if constexpr (SC::offsets)
+        acc[g][r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(act_ss<SC::sub>(xa, row, h)), acc[g][r]);
+    }
+  }
+}
+
+#if defined(PAGEDLLM_QWIDE)
+// An empty asm that takes x in a register and may change it: the compiler keeps each tile's running sums where the
+// loop adds to them. Without it, gcc reassociates the integer adds into every product of a block first, then their
+// sum, and spills most products to the stack (1.3x slower).
+inline void keep_in_register(__m256i& x) {
+#if defined(__GNUC__)
+  asm("" : "+x"(x));
+#endif
+}
+
+// qtile (below) on int16 activations (PAGEDLLM_QWIDE): the same tiles, one accumulator per (group, row). A weight
+// vector's 32-bit lane holds 4 bytes of one row; its int16 halves masked (and shifted by 4, 8, 12 bits for 4-bit
+// codes, or sign-extended for 8-bit ones) are the pairs (a, a+2) and (a+1, a+3) of a unit (the high nibbles: of
+// unit 4+i), which meet v's pair order.
+template <int BITS, int GT, int MT, typename SC>
+inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
+                  const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m256* out) {
+  constexpr int64_t gbytes = BITS * 32;
+  constexpr int SUB = SC::sub;
+  __m256 acc[GT][MT];
+  for (int g = 0; g < GT; ++g)
+    for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi16(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xv[MT];  // 32-bit words: the int16 pairs
+    for (int r = 0; r < MT; ++r) xv[r] = reinterpret_cast<const int8_t*>(xa.v.data() + (r0 + r) * K + b * QB);
+    auto word = [&](int r, int k) { return _mm256_set1_epi32(load_i32(xv[r] + 4 * k)); };
+    if constexpr (MT == 1) {  // a single row streams the weights from memory: ask for them ahead of the prefetcher
+      for (int g = 0; g < GT; ++g) prefetch_group(w + (g0 + g) * gstride + b * gbytes, gbytes, sc, g0 + g, b);
+    }
+    for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
+      __m256i s[GT][MT];
+      for (int g = 0; g < GT; ++g)
+        for (int r = 0; r < MT; ++r) s[g][r] = _mm256_setzero_si256();
+      if constexpr (BITS == 4) {
+        for (int i = 0; i < 4; ++i) {  // vector i: unit i in the low nibbles, unit 4+i in the high ones
+          for (int h = SUB == 2 ? half : 0; h < (SUB == 2 ? half + 1 : 2); ++h) {  // low nibbles (unit i), high
+            __m256i e0[GT], e1[GT];
+            for (int g = 0; g < GT; ++g) {
+              __m256i v = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+              if (h) v = _mm256_srli_epi16(v, 4);
+              e0[g] = _mm256_and_si256(v, low4);                        // (a, a+2)
+              e1[g] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);  // (a+1, a+3)
+            }
+            for (int r = 0; r < MT; ++r) {
+              const __m256i x0 = word(r, 8 * h + 2 * i), x1 = word(r, 8 * h + 2 * i + 1);
+              for (int g = 0; g < GT; ++g) {
+                s[g][r] = _mm256_add_epi32(s[g][r], _mm256_add_epi32(_mm256_madd_epi16(e0[g], x0),
+                                                                     _mm256_madd_epi16(e1[g], x1)));
+                keep_in_register(s[g][r]);
+              }
+            }
+          }
+        }
+      } else {
+        for (int i = SUB == 2 ? 4 * half : 0; i < (SUB == 2 ? 4 * half + 4 : 8); ++i) {
+          __m256i f0[GT], f1[GT];
+          for (int g = 0; g < GT; ++g) {
+            const __m256i v = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+            f0[g] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // (4i, 4i+2)
+            f1[g] = _mm256_srai_epi16(v, 8);                        // (4i+1, 4i+3)
+          }
+          for (int r = 0; r < MT; ++r) {
+            const __m256i x0 = word(r, 2 * i), x1 = word(r, 2 * i + 1);
+            for (int g = 0; g < GT; ++g) {
+              s[g][r] = _mm256_add_epi32(s[g][r], _mm256_add_epi32(_mm256_madd_epi16(f0[g], x0),
+                                                                   _mm256_madd_epi16(f1[g], x1)));
+              keep_in_register(s[g][r]);
+            }
+          }
+        }
+      }
+      add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, half, [&](int g, int r) { return s[g][r]; });
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
+}
+#else
+// A tile of GT groups of 8 weight rows (groups g0 .. g0+GT-1) against activation rows [r0, r0 + MT):
+// out[g * MT + r] = the 8 rows of group g0+g for activation row r0 + r. Every (group, row) pair has its own
+// coarse and fine accumulators, so a tile runs 2*GT*MT independent chains of dot products (one group and one row
+// alone is a chain of 8 dependent vpdpbusd per block, latency-bound at about a third of the machine's rate); a
+// weight vector is loaded once per tile and an activation broadcast once per group tile. The integer sums are
+// exact and the float steps per (block, group, row) are the same in every tile shape, so a row's result does not
+// depend on the tile (or batch) it ran in.
+template <int BITS, int GT, int MT, typename SC>
+inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
+                  const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m256* out) {
+  constexpr int64_t gbytes = BITS * 32;  // bytes per group and block: 128 (4-bit) or 256 (8-bit)
+  constexpr int SUB = SC::sub;
+  __m256 acc[GT][MT];
+  for (int g = 0; g < GT; ++g)
+    for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xq[MT];
+    const int8_t* xq2[MT];
+    for (int r = 0; r < MT; ++r) {
+      xq[r] = xa.q.data() + (r0 + r) * K + b * QB;
+      xq2[r] = xa.q2.data() + (r0 + r) * K + b * QB;
+    }
+    if constexpr (MT == 1) {  // a single row streams the weights from memory: ask for them ahead of the prefetcher
+      for (int g = 0; g < GT; ++g) prefetch_group(w + (g0 + g) * gstride + b * gbytes, gbytes, sc, g0 + g, b);
+    }
+    for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
+      __m256i hi[GT][MT], lo[GT][MT];
+      for (int g = 0; g < GT; ++g)
+        for (int r = 0; r < MT; ++r) hi[g][r] = lo[g][r] = _mm256_setzero_si256();
+      if constexpr (BITS == 4) {
+        for (int i = 0; i < 4; ++i) {  // vector i: unit i (inputs 4i..4i+3) low, unit 4+i (16+4i..) high nibbles
+          __m256i ul[GT], uh[GT];
+          for (int g = 0; g < GT; ++g) {
+            const __m256i v = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+            ul[g] = _mm256_and_si256(v, low4);
+            uh[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          }
+          for (int r = 0; r < MT; ++r) {
+            if (SUB == 1 || half == 0) {
+              const __m256i x1 = _mm256_set1_epi32(load_i32(xq[r] + 4 * i));
+              const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
+              for (int g = 0; g < GT; ++g) {
+                hi[g][r] = dot_acc(hi[g][r], ul[g], x1);
+                lo[g][r] = dot_acc(lo[g][r], ul[g], x2);
+              }
+            }
+            if (SUB == 1 || half == 1) {
+              const __m256i y1 = _mm256_set1_epi32(load_i32(xq[r] + 16 + 4 * i));
+              const __m256i y2 = _mm256_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
+              for (int g = 0; g < GT; ++g) {
+                hi[g][r] = dot_acc(hi[g][r], uh[g], y1);
+                lo[g][r] = dot_acc(lo[g][r], uh[g], y2);
+              }
+            }
+          }
+        }
+      } else {
+        for (int i = SUB == 2 ? 4 * half : 0; i < (SUB == 2 ? 4 * half + 4 : 8); ++i) {
+          __m256i u[GT], ua[GT];
+          for (int g = 0; g < GT; ++g) {
+            u[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            ua[g] = _mm256_xor_si256(u[g], _mm256_set1_epi8(-128));  // s + 128 as unsigned; 128 * isum comes off
+#else
+            ua[g] = _mm256_sign_epi8(u[g], u[g]);  // |s| times x with s's sign (vpmaddubsw needs u < 128)
+#endif
+          }
+          for (int r = 0; r < MT; ++r) {
+            const __m256i x1 = _mm256_set1_epi32(load_i32(xq[r] + 4 * i));
+            const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
+            for (int g = 0; g < GT; ++g) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+              hi[g][r] = dot_acc(hi[g][r], ua[g], x1);
+              lo[g][r] = dot_acc(lo[g][r], ua[g], x2);
+#else
+              hi[g][r] = dot_acc(hi[g][r], ua[g], _mm256_sign_epi8(x1, u[g]));
+              lo[g][r] = dot_acc(lo[g][r], ua[g], _mm256_sign_epi8(x2, u[g]));
+#endif
+            }
+          }
+        }
+      }
+      add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, half, [&](int g, int r) {
+        __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(hi[g][r], _mm256_set1_epi32(LEVEL)), lo[g][r]);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if constexpr (BITS == 8)
+          s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * act_isum<SUB>(xa, (r0 + r) * nb + b, half)));
+#endif
+        return s;
+      });
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int r = 0; r < MT; ++r) out[g * MT + r] = acc[g][r];
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDLLM_QZMM 1
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {  // 32 bytes of group g low, of group g+1 high
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+// 8 scales or offsets of group g (a) low and of group g+1 (b) high, as float32.
+inline __m512 load_pair(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+inline __m512 load_pair(const at::Half* a, const at::Half* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+inline __m512 load_pair(const KPtr& a, const KPtr& b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))),
+                                             _mm256_castps_pd(load8(b)), 1));
+}
+
+// qtile on 512-bit vectors: PT pairs of groups (g0 + 2p, g0 + 2p + 1) in one vector each, so one vpdpbusd does 64
+// products (twice the 256-bit rate on CPUs that issue one of either per cycle). The same integer sums and, per
+// 8 rows, the same float steps as qtile: the results are bitwise those of the 256-bit tiles.
+template <int BITS, int PT, int MT, typename SC>
+inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
+                     const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out) {
+  constexpr int64_t gbytes = BITS * 32;
+  constexpr int SUB = SC::sub;
+  __m512 acc[PT][MT];
+  for (int p = 0; p < PT; ++p)
+    for (int r = 0; r < MT; ++r) acc[p][r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xq[MT];
+    const int8_t* xq2[MT];
+    for (int r = 0; r < MT; ++r) {
+      xq[r] = xa.q.data() + (r0 + r) * K + b * QB;
+      xq2[r] = xa.q2.data() + (r0 + r) * K + b * QB;
+    }
+    const uint8_t* wb = w + g0 * gstride + b * gbytes;
+    for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
+      __m512i hi[PT][MT], lo[PT][MT];
+      for (int p = 0; p < PT; ++p)
+        for (int r = 0; r < MT; ++r) hi[p][r] = lo[p][r] = _mm512_setzero_si512();
+      if constexpr (BITS == 4) {
+        for (int i = 0; i < 4; ++i) {
+          __m512i ul[PT], uh[PT];
+          for (int p = 0; p < PT; ++p) {
+            const __m512i v = load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i);
+            ul[p] = _mm512_and_si512(v, low4);
+            uh[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          }
+          for (int r = 0; r < MT; ++r) {
+            if (SUB == 1 || half == 0) {
+              const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
+              const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
+              for (int p = 0; p < PT; ++p) {
+                hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], ul[p], x1);
+                lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], ul[p], x2);
+              }
+            }
+            if (SUB == 1 || half == 1) {
+              const __m512i y1 = _mm512_set1_epi32(load_i32(xq[r] + 16 + 4 * i));
+              const __m512i y2 = _mm512_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
+              for (int p = 0; p < PT; ++p) {
+                hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], uh[p], y1);
+                lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], uh[p], y2);
+              }
+            }
+          }
+        }
+      } else {
+        for (int i = SUB == 2 ? 4 * half : 0; i < (SUB == 2 ? 4 * half + 4 : 8); ++i) {
+          __m512i u[PT];
+          for (int p = 0; p < PT; ++p)  // s + 128 as unsigned; 128 * isum comes off below
+            u[p] = _mm512_xor_si512(load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i),
+                                    _mm512_set1_epi8(-128));
+          for (int r = 0; r < MT; ++r) {
+            const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
+            const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
+            for (int p = 0; p < PT; ++p) {
+              hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], u[p], x1);
+              lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], u[p], x2);
+            }
+          }
+        }
+      }
+      for (int p = 0; p < PT; ++p) {  // add_blocks' steps on two groups at once
+        const __m512 dv = load_pair(sc.dp(g0 + 2 * p, b, half), sc.dp(g0 + 2 * p + 1, b, half));
+        const __m512 mv = SC::offsets ? load_pair(sc.mp(g0 + 2 * p, b, half), sc.mp(g0 + 2 * p + 1, b, half))
+                                      : _mm512_setzero_ps();
+        for (int r = 0; r < MT; ++r) {
+          const int64_t row = (r0 + r) * nb + b;
+          __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r]);
+          if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * act_isum<SUB>(xa, row, half)));
+          acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xa.s[row])),
+                                      acc[p][r]);
+          if constexpr (SC::offsets)
+            acc[p][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(act_ss<SUB>(xa, row, half)), acc[p][r]);
+        }
+      }
+    }
+  }
+  for (int p = 0; p < PT; ++p)
+    for (int r = 0; r < MT; ++r) out[p * MT + r] = acc[p][r];
+}
+
+// Groups [g0, g0 + 2 PT) against rows [r, M), stored to y (row tiles of MT, then of 2 and 1).
+template <int BITS, int PT, int MT, typename SC, typename T>
+inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
+                          const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+  __m512 out[PT * MT];
+  float res[16];
+  auto store = [&](int64_t r, int nr) {
+    for (int p = 0; p < PT; ++p)
+      for (int i = 0; i < nr; ++i) {
+        _mm512_storeu_ps(res, out[p * nr + i]);
+        store_group(y + (r + i) * N, N, 8 * (g0 + 2 * p), res);
+        store_group(y + (r + i) * N, N, 8 * (g0 + 2 * p + 1), res + 8);
+      }
+  };
+  for (; r + MT <= M; r += MT) {
+    qtile512<BITS, PT, MT>(w, sc, g0, gstride, xa, r, K, nb, out);
+    store(r, MT);
+  }
+  if constexpr (MT > 2) {
+    if (r + 2 <= M) {
+      qtile512<BITS, PT, 2>(w, sc, g0, gstride, xa, r, K, nb, out);
+      store(r, 2);
+      r += 2;
+    }
+  }
+  for (; r < M; ++r) {
+    qtile512<BITS, PT, 1>(w, sc, g0, gstride, xa, r, K, nb, out);
+    store(r, 1);
+  }
+}
+#endif
+
+// The tiles of one slice of groups [g0, g0 + GT) against rows [r, M), stored to y.
+template <int BITS, int GT, int MT, typename SC, typename T>
+inline void qtile_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
+                       const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+  __m256 out[GT * MT];
+  float res[8];
+  for (; r + MT <= M; r += MT) {
+    qtile<BITS, GT, MT>(w, sc, g0, gstride, xa, r, K, nb, out);
+    for (int g = 0; g < GT; ++g)
+      for (int i = 0; i < MT; ++i) {
+        _mm256_storeu_ps(res, out[g * MT + i]);
+        store_group(y + (r + i) * N, N, 8 * (g0 + g), res);
+      }
+  }
+  for (; r < M; ++r) {
+    qtile<BITS, GT, 1>(w, sc, g0, gstride, xa, r, K, nb, out);
+    for (int g = 0; g < GT; ++g) {
+      _mm256_storeu_ps(res, out[g]);
+      store_group(y + r * N, N, 8 * (g0 + g), res);
+    }
+  }
+}
+#endif
+
+// The portable loop over the same layout: the 8 rows' results for activation row `row`.
+template <int BITS, typename SC>
+inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row,
+                          int64_t K, int64_t nb, float* out) {
+  constexpr int64_t gbytes = BITS * 32;
+  constexpr int SUB = SC::sub;
+  for (int j = 0; j < 8; ++j) out[j] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xq = xa.q.data() + row * K + b * QB;
+    const int8_t* xq2 = xa.q2.data() + row * K + b * QB;
+    const uint8_t* wb = wg + b * gbytes;
+    int32_t s[SUB][8] = {};  // per half block (inputs 0-15, 16-31) with SUB 2
+    for (int i = 0; i < (BITS == 4 ? 4 : 8); ++i)
+      for (int j = 0; j < 8; ++j)
+        for (int t = 0; t < 4; ++t) {
+          const uint8_t byte = wb[32 * i + 4 * j + t];
+          const int k = 4 * i + t;
+          if constexpr (BITS == 4) {
+            s[0][j] += (byte & 0x0F) * (LEVEL * xq[k] + xq2[k]);
+            s[SUB - 1][j] += (byte >> 4) * (LEVEL * xq[16 + k] + xq2[16 + k]);
+          } else {
+            s[SUB == 2 && k >= 16][j] += static_cast<int8_t>(byte) * (LEVEL * xq[k] + xq2[k]);
+          }
+        }
+    const float sx = xa.s[row * nb + b];
+    for (int h = 0; h < SUB; ++h) {
+      const float ss = act_ss<SUB>(xa, row * nb + b, h);
+      const auto dv = sc.dp(g, b, h);
+      const auto mv = sc.mp(g, b, h);  // not read without offsets
+      for (int j = 0; j < 8; ++j)
+        out[j] += static_cast<float>(dv[j]) * sx * static_cast<float>(s[h][j]) +
+                  (SC::offsets ? static_cast<float>(mv[j]) : 0.f) * ss;
+    }
+  }
+}
+
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define PAGEDLLM_QNEON 1
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const at::Half* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
+}
+inline float32x4_t load4(const KPtr& p) {
+  const float32x4_t d = load4(p.D);
+  int32_t four;  // the 4 values' bytes (an 8-byte load could read past the array's end)
+  std::memcpy(&four, p.s, sizeof four);
+  const int16x4_t s = vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four))));
+  return vmulq_f32(d, vcvtq_f32_s32(vmovl_s16(s)));
+}
+
+// qgroup_scalar on ARM's dot-product instructions (ARMv8.2 dotprod: Graviton 2 and later, Apple M): a 32-byte unit
+// of a group is two 16-byte vectors (rows 0-3, rows 4-7), each 32-bit lane 4 bytes of one row, and one sdot adds
+// the lane's 4 products with the 4 activation bytes broadcast (4-bit codes in [0, 16) are non-negative int8).
+// The integer sums and the float steps per block are the x86 tiles'.
+template <int BITS, typename SC>
+inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row,
+                        int64_t K, int64_t nb, float* out) {
+  constexpr int64_t gbytes = BITS * 32;
+  float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = vdupq_n_f32(0.f);
+  const uint8x16_t low4 = vdupq_n_u8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xq = xa.q.data() + row * K + b * QB;
+    const int8_t* xq2 = xa.q2.data() + row * K + b * QB;
+    const uint8_t* wb = wg + b * gbytes;
+    int32x4_t h0 = vdupq_n_s32(0), h1 = h0, l0 = h0, l1 = h0;
+    auto bcast = [](const int8_t* p) { return vreinterpretq_s8_s32(vdupq_n_s32(load_i32(p))); };
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; ++i) {  // vector i: unit i in the low nibbles, unit 4+i in the high ones
+        const uint8x16_t v0 = vld1q_u8(wb + 32 * i), v1 = vld1q_u8(wb + 32 * i + 16);
+        const int8x16_t ul0 = vreinterpretq_s8_u8(vandq_u8(v0, low4)), ul1 = vreinterpretq_s8_u8(vandq_u8(v1, low4));
+        const int8x16_t uh0 = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), uh1 = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
+        const int8x16_t x1 = bcast(xq + 4 * i), x2 = bcast(xq2 + 4 * i);
+        const int8x16_t y1 = bcast(xq + 16 + 4 * i), y2 = bcast(xq2 + 16 + 4 * i);
+        h0 = vdotq_s32(vdotq_s32(h0, ul0, x1), uh0, y1);
+        h1 = vdotq_s32(vdotq_s32(h1, ul1, x1), uh1, y1);
+        l0 = vdotq_s32(vdotq_s32(l0, ul0, x2), uh0, y2);
+        l1 = vdotq_s32(vdotq_s32(l1, ul1, x2), uh1, y2);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) {  // signed 8-bit codes
+        const int8x16_t v0 = vreinterpretq_s8_u8(vld1q_u8(wb + 32 * i));
+        const int8x16_t v1 = vreinterpretq_s8_u8(vld1q_u8(wb + 32 * i + 16));
+        const int8x16_t x1 = bcast(xq + 4 * i), x2 = bcast(xq2 + 4 * i);
+        h0 = vdotq_s32(h0, v0, x1);
+        h1 = vdotq_s32(h1, v1, x1);
+        l0 = vdotq_s32(l0, v0, x2);
+        l1 = vdotq_s32(l1, v1, x2);
+      }
+    }
+    const auto dv = sc.dp(g, b);
+    const float sx = xa.s[row * nb + b], ss = xa.ss[row * nb + b];
+    acc0 = vfmaq_f32(acc0, vcvtq_f32_s32(vmlaq_n_s32(l0, h0, LEVEL)), vmulq_n_f32(load4(dv), sx));
+    acc1 = vfmaq_f32(acc1, vcvtq_f32_s32(vmlaq_n_s32(l1, h1, LEVEL)), vmulq_n_f32(load4(dv + 4), sx));
+    if constexpr (SC::offsets) {
+      const auto mv = sc.mp(g, b);
+      acc0 = vfmaq_f32(acc0, load4(mv), vdupq_n_f32(ss));
+      acc1 = vfmaq_f32(acc1, load4(mv + 4), vdupq_n_f32(ss));
+    }
+  }
+  vst1q_f32(out, acc0);
+  vst1q_f32(out + 4, acc1);
+}
+#endif
+
+// Tile shapes, sized to the vector registers (32 with AVX-512, 16 with AVX2 alone): with 512-bit VNNI, ZPT pairs
+// of groups by ZMT rows, otherwise GT groups by MT rows. One or two rows (decode) run one group at a time: that
+// streams the weights in three sequential streams (codes, scales, offsets; two without offsets), which measured
+// faster from memory than wider tiles' many streams.
+#if defined(PAGEDLLM_QZMM)
+constexpr int ZPT = 2, ZMT = 3;
+#endif
+#if defined(__AVX512VL__)
+constexpr int TILE_GT = 2, TILE_MT = 3;
+#else
+constexpr int TILE_GT = 1, TILE_MT = 3;
+#endif
+// rows per sweep of the groups (a multiple of the row tiles): 17% faster than one sweep of all rows at 512-2048 rows
+// (prefill), the same up to 64
+constexpr int64_t ROW_CHUNK = 48;
+
+template <int BITS, typename T, typename SC>
+void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y) {
+  const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32;
+  QuantizedRows xa;
+  quantize_rows(x, M, K, xa);
+#if defined(__AVX2__) && defined(__FMA__)
+  // Rows go in chunks of ROW_CHUNK: a chunk's activations (2 bytes per input) stay in L2 while weights pass,
+  // instead of all M rows streaming past every tile of groups.
+  auto groups = [&](int64_t r0, int64_t r1, int64_t begin, int64_t end) {
+    int64_t g = begin;
+    if (r1 - r0 >= TILE_MT) {
+#if defined(PAGEDLLM_QZMM)
+      for (; g + 2 * ZPT <= end; g += 2 * ZPT)
+        qtile512_rows<BITS, ZPT, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
+      for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
+#else
+      for (; g + TILE_GT <= end; g += TILE_GT)
+        qtile_rows<BITS, TILE_GT, TILE_MT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
+#endif
+    }
+    for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
+  };
+  if (M < TILE_MT) {
+    // fewer rows than a tile stream the weights from memory: each thread takes one contiguous half (claimed runs
+    // broke the streams and the prefetch-ahead: batch 1 was 1.5x slower)
+    at::parallel_for(0, NG, 8, [&](int64_t begin, int64_t end) { groups(0, M, begin, end); });
+  } else {
+    // row tiles are compute-bound: threads claim (row chunk, run of 4 groups) items, row chunk by row chunk, so both
+    // threads share a chunk's activations while the weights pass and the last runs balance (a forward's linears at
+    // 32 rows: 29.0 -> 26.4 ms)
+    constexpr int64_t RUN = 4;
+    const int64_t runs = (NG + RUN - 1) / RUN, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+    parallel_claims(chunks * runs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r0 = i / runs * ROW_CHUNK, g0 = i % runs * RUN;
+        groups(r0, std::min(M, r0 + ROW_CHUNK), g0, std::min(NG, g0 + RUN));
+      }
+    });
+  }
+#else
+  at::parallel_for(0, NG, 2, [&](int64_t begin, int64_t end) {
+    float res[8];
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r = 0; r < M; ++r) {
+#if defined(PAGEDLLM_QNEON)
+        if constexpr (SC::sub == 1) qgroup_neon<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
+        else qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);  // blocks of 16: the portable loop
+#else
+        qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
+#endif
+        store_group(y + r * N, N, 8 * g, res);
+      }
+  });
+#endif
+}
+
+// Runs qlinear_impl for the scales layout `sc` (QScales or KScales) on x's dtype.
+template <typename SC>
+void qlinear_run(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t N, const SC& sc, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1);
+  dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (SC::offsets) {
+      if (bits == 4) return qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+    }
+    qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+  });
+}
+
+// Calls f with std::integral_constant<int, sub> for sub 1 or 2.
+template <typename F>
+void with_sub(int64_t sub, F&& f) {
+  if (sub == 2)
+    f(std::integral_constant<int, 2>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+
+void check_qlinear(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t N) {
+  check_cpu(x, "x");
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear: x must be contiguous (M, K)");
+  const int64_t K = x.size(1), NG = (N + 7) / 8;
+  TORCH_CHECK(K % QB == 0, "qlinear: in_features ", K, " is not a multiple of 32");
+  TORCH_CHECK(N >= 1, "qlinear: out_features must be >= 1");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == NG &&
+                  w.size(1) == K / QB * bits * 32, "qlinear: weight must be contiguous uint8 (ceil(N/8), K*bits)");
+}
+
+}  // namespace

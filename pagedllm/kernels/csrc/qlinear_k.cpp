@@ -1,0 +1,37 @@
+#include "qlinear.h"
+#include "ops.h"
+
+namespace pagedllm {
+
+// qlinear with GGUF K-quant scales (KScales): s, mn: (ceil(N/8), K/32 * sub * 8) int8 sub-block scales and offsets
+// (mn empty: none), D, Dm: (ceil(N/8), K/256 * 8) float16 super-block scales; a block's scale is D * s and its
+// offset Dm * mn. K is a multiple of 256.
+at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn,
+                     const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N) {
+  check_qlinear(x, w, bits, N);
+  const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8, nb = K / QB;
+  TORCH_CHECK(K % (8 * QB) == 0, "qlinear_k: in_features ", K, " is not a multiple of 256");
+  const bool offsets = mn.numel() > 0;
+  const int64_t per_sub = NG * nb * 8, sub = s.numel() == 2 * per_sub ? 2 : 1;
+  auto ok = [](const at::Tensor& t, at::ScalarType st, int64_t n) {
+    return t.scalar_type() == st && t.is_contiguous() && t.numel() == n;
+  };
+  TORCH_CHECK(ok(s, at::kChar, sub * per_sub) && ok(D, at::kHalf, NG * (nb / 8) * 8) &&
+                  (!offsets || (ok(mn, at::kChar, sub * per_sub) && ok(Dm, at::kHalf, D.numel()))),
+              "qlinear_k: sub-scales (and offsets) must be contiguous int8 (ceil(N/8), K/32 * sub * 8), "
+              "super-block scales contiguous float16 (ceil(N/8), K/256 * 8)");
+  TORCH_CHECK(bits == 8 || offsets, "qlinear_k: 4-bit codes need their offsets");
+  auto y = at::empty({M, N}, x.options());
+  const at::Half* dp = D.data_ptr<at::Half>();
+  with_sub(sub, [&](auto sub_tag) {
+    constexpr int S = decltype(sub_tag)::value;
+    const int8_t* sp = s.data_ptr<int8_t>();
+    if (offsets)
+      qlinear_run(x, w, bits, N, KScales<true, S>{dp, sp, Dm.data_ptr<at::Half>(), mn.data_ptr<int8_t>(), nb}, y);
+    else
+      qlinear_run(x, w, bits, N, KScales<false, S>{dp, sp, dp, sp, nb}, y);
+  });
+  return y;
+}
+
+}  // namespace pagedllm
