@@ -24,6 +24,15 @@ def llm():
 
 
 @pytest.fixture(scope="session")
+def llm_nocache():
+    """The float32 engine without prefix caching: the reference for cached paths, and an engine whose every
+    request computes its whole prompt. Shared by the tests that only run requests on it (none changes it)."""
+    from pagedllm import LLM
+
+    return LLM(dtype="float32", enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """The HuggingFace transformers reference: transformers' own loading of the same GGUF file (its conversion
     cached as a checkpoint folder after the first time, see ``pagedllm.reference.hf``)."""

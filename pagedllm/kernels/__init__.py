@@ -137,30 +137,30 @@ def build(march: str = "native", verbose: bool = False, source: Path | None = No
     )
 
 
-def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None = None,
-                 openmp: bool = True) -> list[Path]:
-    """Compiles the kernels for ``-march=march`` to object files (one per source, side by side) without loading
-    them, with the flags of ``build``:
-    for a level this CPU cannot execute (loading that build runs its instructions in the module's start-up code:
-    SIGILL). ``cxx``: another compiler command (default ``$CXX`` or ``c++``), e.g. a cross compiler for another
-    architecture, whose target then comes with it (``march`` None); ``openmp`` False drops ``-fopenmp`` for a
-    compiler without OpenMP (the kernels' ``omp simd`` pragmas are hints; their threads come from ATen). Raises
-    RuntimeError with the compiler's output on a failed build."""
+def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None = None, openmp: bool = True) -> Path:
+    """Compiles the kernels for ``-march=march`` to one object file without loading it, with the flags of
+    ``build``: for a level this CPU cannot execute (loading that build runs its instructions in the module's
+    start-up code: SIGILL). ``cxx``: another compiler command (default ``$CXX`` or ``c++``), e.g. a cross compiler
+    for another architecture, whose target then comes with it (``march`` None); ``openmp`` False drops ``-fopenmp``
+    for a compiler without OpenMP (the kernels' ``omp simd`` pragmas are hints; their threads come from ATen).
+    The sources compile as one unit (a file that includes each): one process parses the headers once, where the
+    callers already run one compile per target side by side. Raises RuntimeError with the compiler's output on a
+    failed build."""
     from torch.utils.cpp_extension import include_paths
 
     name = march or (cxx[-1] if cxx else "default")  # a cross compiler's target ends its command
+    unit = Path(out_dir) / f"kernels_{_ident(name)}.cpp"
+    unit.write_text("".join(f'#include "{src}"\n' for src in SOURCES))
+    obj = unit.with_suffix(".o")
     cflags = [f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + ([f"-march={march}"] if march else [])
     cmd = [*(cxx or [os.environ.get("CXX", "c++")]), *cflags, "-std=c++20", "-fPIC",
            "-DTORCH_EXTENSION_NAME=pagedllm_cpu_ops", "-DTORCH_API_INCLUDE_EXTENSION_H",
-           *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]])]
-    objs = [Path(out_dir) / f"{src.stem}_{_ident(name)}.o" for src in SOURCES]
-    procs = [subprocess.Popen([*cmd, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for src, obj in zip(SOURCES, objs)]
-    errors = [err for proc in procs for _, err in [proc.communicate()] if proc.returncode != 0]
-    if errors:
+           *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]), "-c", str(unit), "-o", str(obj)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
         target = f"-march={march}" if march else " ".join(cxx) if cxx else "the compiler's default target"
-        raise RuntimeError(f"building the kernels for {target} failed:\n{errors[0][-4000:]}")
-    return objs
+        raise RuntimeError(f"building the kernels for {target} failed:\n{proc.stderr[-4000:]}")
+    return obj
 
 
 @functools.cache

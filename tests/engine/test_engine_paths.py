@@ -39,7 +39,7 @@ def test_chunked_prefill_tiny_token_budget(alone):
         assert o.outputs[0].token_ids == alone[p], p
 
 
-def test_prefix_cache_hit_same_tokens_and_counted(llm):
+def test_prefix_cache_hit_same_tokens_and_counted(llm, llm_nocache):
     eng = llm.engine
     kv = eng.core.kv_cache_manager
     q0, h0 = kv.prefix_cache_queries, kv.prefix_cache_hits
@@ -55,12 +55,13 @@ def test_prefix_cache_hit_same_tokens_and_counted(llm):
     assert kv.prefix_cache_hits - h0 >= second.num_cached_tokens + again.num_cached_tokens
     assert kv.prefix_cache_queries - q0 == sum(len(o.prompt_token_ids) for o in (first, second, again))
     # the cached paths give exactly the tokens of an engine without prefix caching
-    nocache = LLM(dtype="float32", enable_prefix_caching=False)
+    nocache = llm_nocache
+    hits_before = nocache.engine.core.kv_cache_manager.prefix_cache_hits
     ref = nocache.generate([p1, p2], GREEDY, use_tqdm=False)
     assert first.outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert second.outputs[0].token_ids == ref[1].outputs[0].token_ids
     assert again.outputs[0].token_ids == ref[1].outputs[0].token_ids
-    assert nocache.engine.core.kv_cache_manager.prefix_cache_hits == 0
+    assert nocache.engine.core.kv_cache_manager.prefix_cache_hits == hits_before == 0
 
 
 def test_preemption_small_kv_pool(alone):

@@ -122,15 +122,8 @@ def test_tool_plans_and_parsing():
     assert extract_tool_calls(auto, "no calls here") == ("no calls here", [])
 
 
-@pytest.fixture(scope="module")
-def llm32():
-    from pagedllm import LLM
-
-    return LLM(dtype="float32", enable_prefix_caching=False)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_every_constrained_output_is_valid(llm32, temperature):
+def test_every_constrained_output_is_valid(llm_nocache, temperature):
     """25+ JSON schemas, regexes and choices in one batch (greedy and sampled): each output parses and validates,
     matches its regex in full, or is one of its choices; each ends by EOS, not by running out of tokens."""
     cons = [StructuredOutputsParams(json=s) for s in SCHEMAS]
@@ -146,7 +139,7 @@ def test_every_constrained_output_is_valid(llm32, temperature):
                                  structured_outputs=cons[-1]))
     prompts.append('<|im_start|>user\nReply with the JSON object {"ok": true} and nothing else.<|im_end|>\n'
                    '<|im_start|>assistant\n')
-    outs = llm32.generate(prompts, params, use_tqdm=False)
+    outs = llm_nocache.generate(prompts, params, use_tqdm=False)
     for c, o in zip(cons, outs):
         text, reason = o.outputs[0].text, o.outputs[0].finish_reason
         assert reason == "stop", (c, text)
@@ -162,16 +155,16 @@ def test_every_constrained_output_is_valid(llm32, temperature):
             assert re.fullmatch(r"The answer is [0-9]{1,3}\.", text), text
 
 
-def test_constrained_request_beside_free_ones_and_after_preemption(llm32):
+def test_constrained_request_beside_free_ones_and_after_preemption(llm_nocache):
     """A constrained request batched with unconstrained ones leaves their tokens alone; under preemption
     (recompute) its grammar stays in step with its tokens."""
     from conftest import PROMPTS
     from pagedllm import LLM
 
     free = SamplingParams(temperature=0, max_tokens=24)
-    alone = [o.outputs[0].token_ids for o in llm32.generate(PROMPTS[:3], free, use_tqdm=False)]
+    alone = [o.outputs[0].token_ids for o in llm_nocache.generate(PROMPTS[:3], free, use_tqdm=False)]
     cons = SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": SCHEMAS[0]})
-    mixed = llm32.generate(PROMPTS[:3] + [PROMPT], [free] * 3 + [cons], use_tqdm=False)
+    mixed = llm_nocache.generate(PROMPTS[:3] + [PROMPT], [free] * 3 + [cons], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
     ref = mixed[3].outputs[0].text
     jsonschema.validate(json.loads(ref), SCHEMAS[0])
@@ -190,18 +183,18 @@ def spec_llm():
                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
 
 
-def test_constrained_with_speculation_and_n(llm32, spec_llm):
+def test_constrained_with_speculation_and_n(llm_nocache, spec_llm):
     """n-gram speculation: drafts are cut to what the grammar accepts and each verified row is masked by the
     grammar's state after the drafts before it, so greedy output is the non-speculative one; n > 1 samples each
     follow the constraint."""
     cons = [{"json": s} for s in SCHEMAS[:6]] + [{"regex": r} for r in REGEXES[:2]]
     params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=c) for c in cons]
-    ref = [o.outputs[0].text for o in llm32.generate([PROMPT] * len(cons), params, use_tqdm=False)]
+    ref = [o.outputs[0].text for o in llm_nocache.generate([PROMPT] * len(cons), params, use_tqdm=False)]
     spec = spec_llm
     got = spec.generate([PROMPT] * len(cons), params, use_tqdm=False)
     assert [o.outputs[0].text for o in got] == ref
     assert spec.engine.stats().spec_num_draft_tokens > 0  # drafts were proposed and verified
-    many = llm32.generate(PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=120,
+    many = llm_nocache.generate(PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=120,
                                                  structured_outputs={"json": SCHEMAS[0]}), use_tqdm=False)[0]
     assert len(many.outputs) == 4
     for c in many.outputs:
@@ -209,15 +202,15 @@ def test_constrained_with_speculation_and_n(llm32, spec_llm):
         jsonschema.validate(json.loads(c.text), SCHEMAS[0])
 
 
-def test_constraint_after_its_text(llm32, spec_llm):
+def test_constraint_after_its_text(llm_nocache, spec_llm):
     """A constraint with ``after`` (what a reasoning parser sets to ``</think>``) leaves the output free until that
     text has appeared in it, then constrains the rest: the free part is the unconstrained greedy output token for
     token, the rest matches the constraint; the same with n-gram speculation, batched with other requests, and
     where the text never comes (the whole output is the free one)."""
-    free = llm32.generate(PROMPT, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    free = llm_nocache.generate(PROMPT, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
     ids = list(free.token_ids)
     k = 6  # the free part: the first k tokens; their text is the ``after`` text (it first completes at token k)
-    tag = llm32.get_tokenizer().decode(ids[:k])
+    tag = llm_nocache.get_tokenizer().decode(ids[:k])
     assert tag and free.text.startswith(tag)
     regex = "The answer is 4"
     params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(
@@ -227,7 +220,7 @@ def test_constraint_after_its_text(llm32, spec_llm):
               SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(
                   regex=regex, after="</think>")),
               SamplingParams(temperature=0, max_tokens=32)]
-    for llm in (llm32, spec_llm):
+    for llm in (llm_nocache, spec_llm):
         outs = [o.outputs[0] for o in llm.generate([PROMPT] * 4, params, use_tqdm=False)]
         assert list(outs[0].token_ids[:k]) == ids[:k] and outs[0].text == tag + regex
         assert outs[0].finish_reason == "stop"
@@ -237,14 +230,14 @@ def test_constraint_after_its_text(llm32, spec_llm):
         assert list(outs[3].token_ids) == ids
 
 
-def test_drafts_stop_before_completing_the_after_text(llm32):
+def test_drafts_stop_before_completing_the_after_text(llm_nocache):
     """While a grammar waits for its ``after`` text, a request's drafts end before the draft that would complete it
     (the row after that one must be masked); once the text is there, drafts are cut to what the grammar accepts."""
     from pagedllm.sample.metadata import CachedRequestState
     from pagedllm.sample.structured import constrain_drafts, sync_matcher
 
-    structured = llm32.engine.structured
-    enc = llm32.get_tokenizer().encode
+    structured = llm_nocache.engine.structured
+    enc = llm_nocache.get_tokenizer().encode
     think, answer = enc("I think so.</think>", add_special_tokens=False), enc('{"ok": true}', add_special_tokens=False)
     so = StructuredOutputsParams(json=SCHEMAS[1], after="</think>")
     st = CachedRequestState("r", [1, 2], SamplingParams(structured_outputs=so), None, output_token_ids=think[:2])
@@ -261,11 +254,11 @@ def test_drafts_stop_before_completing_the_after_text(llm32):
     assert sync_matcher(st, structured) is None and st.matcher is None
 
 
-def test_bad_grammar_is_a_value_error(llm32):
+def test_bad_grammar_is_a_value_error(llm_nocache):
     for bad, msg in (({"regex": "[0-9"}, "invalid regex"), ({"json": {"type": "foo"}}, "invalid JSON schema"),
                      ({"grammar": "start: ("}, "invalid grammar")):
         with pytest.raises(ValueError, match=msg):
-            llm32.generate(PROMPT, SamplingParams(max_tokens=4, structured_outputs=bad), use_tqdm=False)
+            llm_nocache.generate(PROMPT, SamplingParams(max_tokens=4, structured_outputs=bad), use_tqdm=False)
 
 
 # ---------------------------------------------------------------------- over HTTP

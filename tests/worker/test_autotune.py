@@ -75,7 +75,7 @@ def _agreement(got, ref, logprob_tol: float, tie: float) -> int:
     return agree
 
 
-def test_default_engine_runs_the_plan_close_to_float32():
+def test_default_engine_runs_the_plan_close_to_float32(llm_nocache):
     """LLM() on CPU: the measured plan and a bfloat16 KV cache, named in its runtime description. Its greedy
     tokens follow the float32 reference on the same weights: with a float32 KV cache only the ~15-bit rounding of
     activations differs (logprobs within 0.01); the default bfloat16 cache adds a 9-bit rounding of cached K/V
@@ -84,7 +84,7 @@ def test_default_engine_runs_the_plan_close_to_float32():
     from pagedllm import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3)
-    ref = LLM(dtype="float32", enable_prefix_caching=False).generate(PROMPTS, sp, use_tqdm=False)
+    ref = llm_nocache.generate(PROMPTS, sp, use_tqdm=False)
     auto = LLM(enable_prefix_caching=False)
     rt = auto.engine.runtime
     assert rt["device"] == "cpu" and "fused CPU kernels" in rt["kernels"]
