@@ -4,7 +4,7 @@ model, and the default engine runs it with output close to the float32 reference
 import pytest
 import torch
 
-from pagedllm.worker.autotune import WeightPlan, choose_plan, plan_from_timings
+from pagedllm.worker.autotune import WeightPlan, choose_plan, fit_to_steps, plan_from_timings
 from helpers import model_of
 
 
@@ -29,6 +29,39 @@ def test_plan_from_timings():
     # a dense path that wins at one row: no packed weights at all
     p = plan_from_timings({"layers": _t([9, 9, 9, 9, 9], [5, 5, 5, 5, 5]), "head": _t([1] * 5, [2] * 5)}, "measured")
     assert not p.block_kernel and p.dense_dtype == "float32"
+
+
+def test_copies_no_step_reaches_are_dropped():
+    plan = WeightPlan(True, 64, 256, "float32", "measured", {})
+    kept, notes = fit_to_steps(plan, max_step_tokens=2048, max_head_rows=256)
+    assert kept == plan and notes == []
+    fit, notes = fit_to_steps(plan, max_step_tokens=2048, max_head_rows=64)  # 64 sequences: the head sees <= 64 rows
+    assert (fit.layer_dense_min_tokens, fit.head_dense_min_tokens) == (64, 0) and "no LM head copy" in notes[0]
+    fit, notes = fit_to_steps(plan, max_step_tokens=32, max_head_rows=8)
+    assert (fit.layer_dense_min_tokens, fit.head_dense_min_tokens, len(notes)) == (0, 0, 2)
+    assert fit.describe() == "layers: packed blocks at every size; LM head: packed blocks at every size"
+
+
+def test_engine_keeps_only_the_copies_its_steps_reach(monkeypatch):
+    """A plan with float32 copies from 16 rows (layers) and 8 rows (head): an engine of at most 4 sequences keeps
+    the layers' copy only; its weights are smaller by the head's float32 copy, and its greedy tokens equal an
+    engine's that keeps both (no step of 4 sequences reaches the head's copy)."""
+    from conftest import PROMPTS
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "choose_plan", lambda *a, **k: WeightPlan(True, 16, 8, "float32", "measured", {}))
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    both = LLM(enable_prefix_caching=False, max_num_seqs=8)
+    four = LLM(enable_prefix_caching=False, max_num_seqs=4)
+    assert both.engine.runtime["weight_plan"]["head_dense_min_tokens"] == 8
+    assert four.engine.runtime["weight_plan"]["head_dense_min_tokens"] == 0
+    assert four.engine.runtime["weight_plan"]["layer_dense_min_tokens"] == 16
+    cfg = model_of(four).cfg
+    head_f32 = cfg.vocab_size * cfg.hidden_size * 4
+    assert model_of(both).weight_bytes() - model_of(four).weight_bytes() == head_f32
+    ref = [o.outputs[0].token_ids for o in four.generate(PROMPTS[:4], sp, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in both.generate(PROMPTS[:4], sp, use_tqdm=False)] == ref
 
 
 @pytest.fixture(scope="module")
