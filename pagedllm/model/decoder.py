@@ -220,10 +220,7 @@ class CausalLM:
             meta = metas[self.kv_group[i]]
             qkv = layer["qkv"](x)  # (T, Q+2K)
             if cfg.qk_norm:  # each q and k head normalised in place, before the rotary
-                for heads, name in ((qkv[:, : self.q_size], "q_norm"),
-                                    (qkv[:, self.q_size : self.q_size + self.kv_size], "k_norm")):
-                    hv = heads.view(t, -1, d)
-                    hv.copy_(rms_norm(hv, layer[name], eps))
+                ops.qk_norm(qkv, layer["q_norm"], layer["k_norm"], nq, nkv, eps)
             rot = layer["rotary"]
             ops.rope_write_kv(qkv, positions, rot.cos32, rot.sin32, meta.slot_mapping, k_cache, v_cache, nq, nkv)
             q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
@@ -243,8 +240,9 @@ class CausalLM:
     def _gated(self, gate_up, down, x: torch.Tensor) -> torch.Tensor:
         """down(act(gate) * up) with gate and up from one fused projection."""
         gu = gate_up(x)
-        if self.ops is not None and self.cfg.hidden_act == "silu":
-            return down(self.ops.silu_and_mul(gu))
+        if self.ops is not None:
+            act_and_mul = self.ops.silu_and_mul if self.cfg.hidden_act == "silu" else self.ops.gelu_tanh_and_mul
+            return down(act_and_mul(gu))
         gate, up = gu.chunk(2, dim=-1)
         return down(self.act(gate) * up)
 

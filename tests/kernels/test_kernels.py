@@ -179,6 +179,33 @@ def test_silu_and_mul(ops, dtype):
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0], dtype=dtype)
     g, u = gu.float().chunk(2, dim=-1)
     _close(ops.silu_and_mul(gu), (F.silu(g) * u).to(dtype), dtype)
+    # gemma's GeGLU: GELU with the tanh approximation, as torch (and HF transformers' gelu_pytorch_tanh) computes it;
+    # elementwise, including the saturated ends (|x| = 100, -30) and a gate of 0
+    ref = (F.gelu(g.double(), approximate="tanh") * u.double())
+    got = ops.gelu_tanh_and_mul(gu).double()
+    if dtype == torch.float32:
+        assert torch.allclose(got, ref, rtol=2e-6, atol=1e-6), (got - ref).abs().max()
+    else:
+        _close(got, ref.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 256, 40])
+def test_qk_norm_in_place_per_head(ops, dtype, d):
+    """Each q head and each k head of qkv's rows normalised in place with its own weight; v untouched."""
+    torch.manual_seed(d)
+    t, nq, nkv = 5, 4, 2
+    qkv = torch.randn(t, (nq + 2 * nkv) * d, dtype=dtype) * 3
+    qw, kw = torch.randn(d, dtype=dtype), torch.randn(d, dtype=dtype)
+    ref = qkv.clone()
+    q, k = ref[:, : nq * d].view(t, nq, d), ref[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
+    q.copy_(rms_norm(q, qw, 1e-6))
+    k.copy_(rms_norm(k, kw, 1e-6))
+    wide = torch.cat([qkv, torch.zeros(t, 7, dtype=dtype)], dim=1)[:, : qkv.shape[1]]  # rows of stride width + 7
+    for x in (qkv, wide):
+        ops.qk_norm(x, qw, kw, nq, nkv, 1e-6)
+        _close(x, ref, dtype)
+        assert torch.equal(x[:, (nq + nkv) * d :], ref[:, (nq + nkv) * d :])  # v as it was
 
 
 def test_argmax_rows_is_torch_max_indices(ops):

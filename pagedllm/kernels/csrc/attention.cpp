@@ -238,17 +238,22 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 }
 
 // ------------------------------------------------------------------ RMSNorm (+ residual add)
+// Row r of h (and of out and delta) starts at (r / heads) * stride + (r % heads) * n: rows one after another
+// (heads 1, stride n), or the heads of a token's row of width stride (the per-head q/k norms, in place).
 template <typename T>
-void rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t rows, int64_t n, double eps) {
+void rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t rows, int64_t n, double eps,
+                   int64_t heads = 1, int64_t stride = 0) {
+  if (stride == 0) stride = n;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> x(n), d(n), wf(n);
     std::vector<T> tmp(n);
     load_row(w, wf.data(), n);
     for (int64_t r = begin; r < end; ++r) {
-      T* hr = h + r * n;
+      const int64_t off = (r / heads) * stride + (r % heads) * n;
+      T* hr = h + off;
       load_row(hr, x.data(), n);
       if (delta != nullptr) {  // h += delta, rounded to the storage dtype as a separate add would round it
-        load_row(delta + r * n, d.data(), n);
+        load_row(delta + off, d.data(), n);
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) x[i] += d[i];
         store_row(x.data(), hr, n);
@@ -262,7 +267,7 @@ void rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t rows, int64
       load_row(tmp.data(), x.data(), n);
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) x[i] *= wf[i];
-      store_row(x.data(), out + r * n, n);
+      store_row(x.data(), out + off, n);
     }
   });
 }
@@ -344,9 +349,17 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
   });
 }
 
-// ------------------------------------------------------------------ SiLU(gate) * up
-template <typename T>
-void silu_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
+// ------------------------------------------------------------------ act(gate) * up
+// SiLU: x * sigmoid(x). GELU with the tanh approximation (gemma's GeGLU): 0.5 x (1 + tanh(u)) with
+// u = sqrt(2/pi) (x + 0.044715 x^3), computed as x * sigmoid(2u) = x / (1 + e^(-2u)) (the same value, without the
+// cancellation of 1 + tanh(u) for negative u), so both are x / (1 + e^a) with a = -x or -2u.
+template <bool GELU>
+inline float gate_exponent(float x) {
+  return GELU ? -1.5957691216057308f * (x + 0.044715f * x * x * x) : -x;
+}
+
+template <typename T, bool GELU>
+void act_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> g(n), u(n);
     for (int64_t r = begin; r < end; ++r) {
@@ -354,13 +367,14 @@ void silu_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
       load_row(gu + r * 2 * n + n, u.data(), n);
       int64_t i = 0;
 #if PAGEDLLM_VEC
-      for (; i + W <= n; i += W) {  // x * sigmoid(x) * up
+      for (; i + W <= n; i += W) {
         const vf x = vload(g.data() + i);
-        const vf e = vexp(vsub(vzero(), x));
-        vstore(g.data() + i, vmul(vdiv(x, vadd(vset1(1.f), e)), vload(u.data() + i)));
+        const vf a = GELU ? vmul(vset1(-1.5957691216057308f), vfma(vmul(vset1(0.044715f), vmul(x, x)), x, x))
+                          : vsub(vzero(), x);
+        vstore(g.data() + i, vmul(vdiv(x, vadd(vset1(1.f), vexp(a))), vload(u.data() + i)));
       }
 #endif
-      for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(gate_exponent<GELU>(g[i]))) * u[i];
       store_row(g.data(), out + r * n, n);
     }
   });
@@ -442,6 +456,24 @@ at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor&
   return rms_norm_common(h, &delta, weight, eps);
 }
 
+void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, int64_t nq, int64_t nkv,
+             double eps) {
+  check_cpu(qkv, "qkv");
+  const int64_t D = q_weight.numel();
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (nq + nkv) * D,
+              "qkv must be (T, width >= (nq + nkv) * head_dim) with unit column stride");
+  TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && k_weight.numel() == D &&
+                  q_weight.scalar_type() == qkv.scalar_type() && k_weight.scalar_type() == qkv.scalar_type(),
+              "the q and k norm weights must be (head_dim,) in qkv's dtype");
+  const int64_t T_ = qkv.size(0), stride = qkv.stride(0);
+  dispatch_float_bf16(qkv.scalar_type(), "qk_norm", [&](auto tag) {
+    using T = decltype(tag);
+    T* q = qkv.data_ptr<T>();
+    rms_norm_impl<T>(q, q, nullptr, q_weight.data_ptr<T>(), T_ * nq, D, eps, nq, stride);
+    rms_norm_impl<T>(q + nq * D, q + nq * D, nullptr, k_weight.data_ptr<T>(), T_ * nkv, D, eps, nkv, stride);
+  });
+}
+
 // qkv: (T, (nq + 2 nkv) D) rows (row stride may exceed the width); rotates q in place and writes rotated k and
 // v to their slots in (blocks, block_size, nkv, D) caches. cos, sin: float32 (max_position, D/2) tables.
 void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -469,18 +501,25 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+at::Tensor act_and_mul(const at::Tensor& gate_up, bool gelu) {
   check_cpu(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous (T, 2I)");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = at::empty({rows, n}, gate_up.options());
-  dispatch_float_bf16(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
+  dispatch_float_bf16(gate_up.scalar_type(), "act_and_mul", [&](auto tag) {
     using T = decltype(tag);
-    silu_and_mul_impl<T>(out.data_ptr<T>(), gate_up.data_ptr<T>(), rows, n);
+    if (gelu)
+      act_and_mul_impl<T, true>(out.data_ptr<T>(), gate_up.data_ptr<T>(), rows, n);
+    else
+      act_and_mul_impl<T, false>(out.data_ptr<T>(), gate_up.data_ptr<T>(), rows, n);
   });
   return out;
 }
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return act_and_mul(gate_up, false); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return act_and_mul(gate_up, true); }
 
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_cpu(x, "x");

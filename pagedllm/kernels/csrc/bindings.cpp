@@ -2,9 +2,9 @@
 //
 // - decode_attention: one query token per sequence over its paged K/V, read in place through the block table
 //   (no gathered copy of the context), grouped-query aware, float32 accumulation;
-// - rms_norm / add_rms_norm: RMSNorm, optionally after adding the residual branch in place;
+// - rms_norm / add_rms_norm: RMSNorm, optionally after adding the residual branch in place; qk_norm: per head;
 // - rope_write_kv: rotary embedding of q (in place) and k, with k and v written straight into their cache slots;
-// - silu_and_mul: SiLU(gate) * up of the fused gate/up projection;
+// - silu_and_mul / gelu_tanh_and_mul: SiLU(gate) * up, GELU-tanh(gate) * up of the fused gate/up projection;
 // - qlinear / qlinear_k: x W^T with W in GGUF-style blocks (qlinear.cpp); argmax_rows: greedy sampling's first maximum.
 // Float32 and bfloat16 tensors; arithmetic in float32, one rounding at the end. Rows are split over torch's
 // intra-op threads (at::parallel_for), so the kernels share the OpenMP team of the matmuls around them.
@@ -25,8 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
+  m.def("qk_norm", &qk_norm, "RMSNorm of each q head and each k head of qkv's rows, in place", nogil);
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", nogil);
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GELU(gate, tanh approximation) * up", nogil);
   m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block)", nogil);
   m.def("qlinear_k", &qlinear_k, "qlinear with GGUF K-quant scales: int8 sub-block scales x float16 super-block "
         "scales", nogil);

@@ -13,9 +13,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             int64_t window, double softcap);
 at::Tensor rms_norm(at::Tensor h, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, double eps);
+void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, int64_t nq, int64_t nkv,
+             double eps);
 void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache, int64_t nq, int64_t nkv);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                    int64_t N);
