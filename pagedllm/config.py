@@ -254,6 +254,10 @@ class EngineConfig:
     quant_dense_min_tokens: int = option(
         0, "with packed quantized weights, steps of at least N tokens use a bfloat16 copy of the weights (faster "
         "large batches on CPU, +2 bytes per weight); 0 = off")
+    dense_copy_budget_mib: int = option(
+        512, "--dtype auto on CPU: the most memory (MiB) the measured weight plan may add as float32 copies of the "
+        "packed weights for large steps (prefill); a copy that does not fit is not made and those steps run on the "
+        "packed blocks; 0 = weights at file size")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = option(
@@ -265,6 +269,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.dense_copy_budget_mib < 0:
+            raise ValueError(f"dense_copy_budget_mib must be >= 0, got {self.dense_copy_budget_mib}")
         if self.quant_dense_min_tokens < 0:
             raise ValueError(f"quant_dense_min_tokens must be >= 0, got {self.quant_dense_min_tokens}")
         if self.tensor_parallel_size < 1:

@@ -76,18 +76,31 @@ def _time_ms(fn, x: torch.Tensor, min_s: float = 0.03, max_reps: int = 50) -> fl
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
-    """Whether every linear of the model (and the LM head) is an integer weight the block kernel runs."""
+def _linear_names(weights: dict, num_layers: int) -> tuple[list[str], str]:
+    """The names of every layer's linears (as the checkpoint stores them) and of the LM head."""
     peek = getattr(weights, "peek", weights.get)  # a LazyWeights' value without decoding it
     # fused in the checkpoint (phi3: qkv, gate_up) or not; a mixture of experts: every expert's
     attn = ("qkv", "o") if peek("layers.0.qkv") is not None else ("q", "k", "v", "o")
     gate_up = ("gate_up",) if peek("layers.0.gate_up") is not None else ("gate", "up")
     mlp = gate_up + ("down",) if peek("layers.0.experts.0.down") is None else tuple(
         f"experts.{e}.{n}" for e in range(_num_experts(weights)) for n in ("gate", "up", "down"))
-    names = [f"layers.{i}.{n}" for i in range(num_layers) for n in attn + mlp]
-    names.append("lm_head" if "lm_head" in weights else "embed")
+    return [f"layers.{i}.{n}" for i in range(num_layers) for n in attn + mlp], "lm_head" if "lm_head" in weights else "embed"
+
+
+def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
+    """Whether every linear of the model (and the LM head) is an integer weight the block kernel runs."""
+    peek = getattr(weights, "peek", weights.get)
+    layers, head = _linear_names(weights, num_layers)
     return all(isinstance(w := peek(n), (QuantizedWeight, LazyBlocks)) and w.group_size % 16 == 0
-               and w.shape[1] % 32 == 0 for n in names)
+               and w.shape[1] % 32 == 0 for n in layers + [head])
+
+
+def dense_copy_bytes(weights: dict, num_layers: int) -> tuple[int, int]:
+    """Bytes of a float32 copy of the layers' linears and of the LM head."""
+    peek = getattr(weights, "peek", weights.get)
+    layers, head = _linear_names(weights, num_layers)
+    size = lambda n: 4 * peek(n).shape[0] * peek(n).shape[1]  # noqa: E731
+    return sum(size(n) for n in layers), size(head)
 
 
 def _num_experts(weights: dict) -> int:
@@ -190,13 +203,16 @@ def plan_from_timings(timings: dict, source: str) -> WeightPlan:
     return WeightPlan(True, lt, ht, dense_dtype.removeprefix("dense-"), source, timings)
 
 
-def fit_to_steps(plan: WeightPlan, max_step_tokens: int, max_head_rows: int) -> tuple[WeightPlan, list[str]]:
+def fit_to_steps(plan: WeightPlan, max_step_tokens: int, max_head_rows: int, copy_bytes: tuple[int, int] = (0, 0),
+                 budget_bytes: int | None = None) -> tuple[WeightPlan, list[str]]:
     """The plan without the dense copies that no step of this engine reaches (they would hold their bytes for
     nothing: Gemma 3's float32 LM head is 640 MiB): the layers' copy when the step token budget is below its
     threshold, the head's when the rows a step's head computes (each sequence's last token, and its drafts) stay
     below its own. Prompt-logprob rows, which can exceed that, then run on the packed head as the sampled rows do
     (its 256-row slices cost 1.07x the float32 copy's time for Gemma 3 on a Xeon with AMX, 1.15x for SmolLM2).
-    Returns the plan and a note per copy dropped."""
+    Then the copies that do not fit ``budget_bytes`` (``copy_bytes``: the layers' and the head's float32 bytes;
+    the layers' copy, which serves every large step, is kept first). Returns the plan and a note per copy
+    dropped."""
     notes, layer, head = [], plan.layer_dense_min_tokens, plan.head_dense_min_tokens
     if layer and layer > max_step_tokens:
         notes.append(f"no layer copy (from {layer} rows; steps hold at most {max_step_tokens} tokens)")
@@ -204,6 +220,17 @@ def fit_to_steps(plan: WeightPlan, max_step_tokens: int, max_head_rows: int) -> 
     if head and head > max_head_rows:
         notes.append(f"no LM head copy (from {head} rows; a step's head computes at most {max_head_rows})")
         head = 0
+    if budget_bytes is not None:
+        left = budget_bytes
+        for name, on, size in (("layer", layer, copy_bytes[0]), ("LM head", head, copy_bytes[1])):
+            if not on:
+                continue
+            if size > left:
+                notes.append(f"no {name} copy ({size / 2**20:.0f} MiB of float32 over the "
+                             f"{left / 2**20:.0f} MiB left of --dense-copy-budget-mib)")
+                layer, head = (0, head) if name == "layer" else (layer, 0)
+            else:
+                left -= size
     return replace(plan, layer_dense_min_tokens=layer, head_dense_min_tokens=head), notes
 
 

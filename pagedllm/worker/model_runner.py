@@ -33,7 +33,8 @@ from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.sample.structured import StructuredOutputs, grammar_masks, sync_matcher
 from pagedllm.spec.proposer import DraftProposer, NgramProposer, Proposer, load_draft_model
 from pagedllm.spec.verify import accept_greedy, verify_random
-from pagedllm.worker.autotune import WeightPlan, blocks_for_autotune, choose_plan, fit_to_steps, plan_summary
+from pagedllm.worker.autotune import (WeightPlan, blocks_for_autotune, choose_plan, dense_copy_bytes, fit_to_steps,
+                                      plan_summary)
 from pagedllm.worker.kv_cache import KVCache
 from pagedllm.worker.step_inputs import StepInputs
 
@@ -173,7 +174,8 @@ class ModelRunner:
                 plan = choose_plan(weights, arch.num_layers, ops)
                 spec = c.speculative.num_speculative_tokens if c.speculative is not None else 0
                 plan, notes = fit_to_steps(plan, c.scheduler.max_num_batched_tokens or 2048,
-                                           c.scheduler.max_num_seqs * (1 + spec))
+                                           c.scheduler.max_num_seqs * (1 + spec),
+                                           dense_copy_bytes(weights, arch.num_layers), c.dense_copy_budget_mib * 2**20)
                 self.weight_plan = plan
                 logger.info("weight path (%s on this CPU): %s%s", plan.source, plan.describe(),
                             "".join(f"; {n}" for n in notes))

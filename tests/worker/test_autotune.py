@@ -40,26 +40,45 @@ def test_copies_no_step_reaches_are_dropped():
     fit, notes = fit_to_steps(plan, max_step_tokens=32, max_head_rows=8)
     assert (fit.layer_dense_min_tokens, fit.head_dense_min_tokens, len(notes)) == (0, 0, 2)
     assert fit.describe() == "layers: packed blocks at every size; LM head: packed blocks at every size"
+    # the memory budget: the layers' copy first, the head's in what is left
+    mib = 2**20
+    fit, notes = fit_to_steps(plan, 2048, 256, (400 * mib, 200 * mib), 600 * mib)
+    assert (fit.layer_dense_min_tokens, fit.head_dense_min_tokens, notes) == (64, 256, [])
+    fit, notes = fit_to_steps(plan, 2048, 256, (400 * mib, 200 * mib), 500 * mib)
+    assert (fit.layer_dense_min_tokens, fit.head_dense_min_tokens) == (64, 0) and "100 MiB left" in notes[0]
+    fit, notes = fit_to_steps(plan, 2048, 256, (1400 * mib, 200 * mib), 500 * mib)  # a big model: the head fits
+    assert (fit.layer_dense_min_tokens, fit.head_dense_min_tokens) == (0, 256) and "1400 MiB" in notes[0]
+    fit, notes = fit_to_steps(plan, 2048, 256, (400 * mib, 200 * mib), 0)
+    assert (fit.layer_dense_min_tokens, fit.head_dense_min_tokens, len(notes)) == (0, 0, 2)
 
 
 def test_engine_keeps_only_the_copies_its_steps_reach(monkeypatch):
     """A plan with float32 copies from 16 rows (layers) and 8 rows (head): an engine of at most 4 sequences keeps
     the layers' copy only; its weights are smaller by the head's float32 copy, and its greedy tokens equal an
-    engine's that keeps both (no step of 4 sequences reaches the head's copy)."""
+    engine's that keeps both (no step of 4 sequences reaches the head's copy). A budget of 0 keeps neither."""
     from conftest import PROMPTS
     from pagedllm import LLM, SamplingParams
     from pagedllm.worker import model_runner
 
     monkeypatch.setattr(model_runner, "choose_plan", lambda *a, **k: WeightPlan(True, 16, 8, "float32", "measured", {}))
     sp = SamplingParams(temperature=0.0, max_tokens=8)
-    both = LLM(enable_prefix_caching=False, max_num_seqs=8)
-    four = LLM(enable_prefix_caching=False, max_num_seqs=4)
+    both = LLM(enable_prefix_caching=False, max_num_seqs=8, dense_copy_budget_mib=1024)
+    four = LLM(enable_prefix_caching=False, max_num_seqs=4, dense_copy_budget_mib=1024)
+    none = LLM(enable_prefix_caching=False, max_num_seqs=8, dense_copy_budget_mib=0)  # weights at file size
+    assert none.engine.runtime["weight_plan"]["description"] == (
+        "layers: packed blocks at every size; LM head: packed blocks at every size")
     assert both.engine.runtime["weight_plan"]["head_dense_min_tokens"] == 8
     assert four.engine.runtime["weight_plan"]["head_dense_min_tokens"] == 0
     assert four.engine.runtime["weight_plan"]["layer_dense_min_tokens"] == 16
     cfg = model_of(four).cfg
     head_f32 = cfg.vocab_size * cfg.hidden_size * 4
     assert model_of(both).weight_bytes() - model_of(four).weight_bytes() == head_f32
+    from pagedllm.config import default_model_path
+    from pagedllm.model.loader import load_model_files
+    from pagedllm.worker.autotune import dense_copy_bytes
+
+    layers_f32, _ = dense_copy_bytes(load_model_files(default_model_path(), native=True, lazy=True)[1], cfg.num_layers)
+    assert model_of(four).weight_bytes() - model_of(none).weight_bytes() == layers_f32
     ref = [o.outputs[0].token_ids for o in four.generate(PROMPTS[:4], sp, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in both.generate(PROMPTS[:4], sp, use_tqdm=False)] == ref
 
