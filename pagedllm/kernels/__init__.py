@@ -114,11 +114,20 @@ def _ident(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", s)
 
 
-def build(march: str = "native", verbose: bool = False, source: Path | None = None):
+def _unity(out_dir: Path, name: str) -> Path:
+    """A source file in ``out_dir`` that includes every kernel source: one compile unit that parses the headers once
+    (where several builds already share the cores, one process per build costs less than one per source)."""
+    unit = Path(out_dir) / f"kernels_{_ident(name)}.cpp"
+    unit.write_text("".join(f'#include "{src}"\n' for src in SOURCES))
+    return unit
+
+
+def build(march: str = "native", verbose: bool = False, source: Path | None = None, unity: bool = False):
     """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build.
     ``source``: another version of the kernels, a ``csrc`` directory (``git archive REV pagedllm/kernels/csrc``) or
     the one file they were before it (``cpu_ops.cpp``); the A/B scripts build one beside the current sources: the
-    module is named by the sources' hash, so both load in one process."""
+    module is named by the sources' hash, so both load in one process. ``unity``: the sources as one compile unit
+    (``PAGEDLLM_CPU_UNITY=1``; the x86-level tests build three levels side by side)."""
     from torch.utils.cpp_extension import load  # 0.2 s of setuptools: only where the kernels are built or loaded
 
     if source is None:
@@ -128,8 +137,14 @@ def build(march: str = "native", verbose: bool = False, source: Path | None = No
         hashed = sources + tuple(source / h.name for h in HEADERS)
     else:
         sources = hashed = (source,)
+    key = build_key(march, hashed)
+    if unity and source is None:
+        import tempfile
+
+        sources = (_unity(Path(tempfile.gettempdir()), f"unity_{march}_{key}"),)
+        key += "_unity"
     return load(
-        name=f"pagedllm_cpu_ops_{_ident(march)}_{build_key(march, hashed)}",  # a module name: no "-", "." or "+"
+        name=f"pagedllm_cpu_ops_{_ident(march)}_{key}",  # a module name: no "-", "." or "+"
         sources=[str(s) for s in sources],
         extra_cflags=[*BASE_CFLAGS, f"-march={march}"],
         extra_ldflags=["-fopenmp"],
@@ -148,9 +163,7 @@ def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None =
     failed build."""
     from torch.utils.cpp_extension import include_paths
 
-    name = march or (cxx[-1] if cxx else "default")  # a cross compiler's target ends its command
-    unit = Path(out_dir) / f"kernels_{_ident(name)}.cpp"
-    unit.write_text("".join(f'#include "{src}"\n' for src in SOURCES))
+    unit = _unity(Path(out_dir), march or (cxx[-1] if cxx else "default"))  # a cross compiler's target ends cxx
     obj = unit.with_suffix(".o")
     cflags = [f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + ([f"-march={march}"] if march else [])
     cmd = [*(cxx or [os.environ.get("CXX", "c++")]), *cflags, "-std=c++20", "-fPIC",
@@ -170,7 +183,7 @@ def cpu_ops():
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return None
     try:
-        return build(target_march())
+        return build(target_march(), unity=os.environ.get("PAGEDLLM_CPU_UNITY") == "1")
     except Exception as e:  # no compiler, or a failed build: the torch path still works
         logger.warning("fused CPU kernels unavailable (%s: %s); using plain torch operations",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")

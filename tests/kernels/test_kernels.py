@@ -468,7 +468,8 @@ def test_kernels_release_the_gil(ops):
 # ------------------------------------------------------------------ every x86-64 level, from a clean build
 # Each level is compiled in a fresh process with its own extensions directory (no cache can hide a failed
 # build); where this CPU can execute it, this file's kernel tests then run against that build. The levels build
-# side by side, the cores shared out between them (MAX_JOBS: torch's loader compiles that many sources at once).
+# side by side, the cores shared out between them (MAX_JOBS: torch's loader compiles that many sources at once;
+# PAGEDLLM_CPU_UNITY=1: one compile unit per level).
 LEVELS = ["x86-64", "x86-64-v3", "x86-64-v4"]
 EXPECTED_ISA = {"x86-64": "scalar", "x86-64-v3": "avx2", "x86-64-v4": "avx512"}
 
@@ -509,13 +510,16 @@ def level_runs(tmp_path_factory):
     procs, runs = {}, {}
     native = path_macros(target_march())
     builds = [m for m in LEVELS if path_macros(m) != native]
-    # the cores shared out: each level's build compiles its sources max_jobs at a time (one level alone: all cores)
-    max_jobs = str(max(1, (os.cpu_count() or 1) // max(1, len(builds))))
+    # the cores shared out: one level alone compiles its sources side by side; several levels (as many as cores or
+    # more) each compile one unit holding every source, which parses the headers once
+    cores = os.cpu_count() or 1
+    max_jobs = str(max(1, cores // max(1, len(builds))))
+    unity = "1" if len(builds) >= cores else "0"
     for march in LEVELS:
         if march not in builds:  # the same kernel source as the native build, which this run tests
             runs[march] = "native"
             continue
-        env = {**os.environ, "PAGEDLLM_CPU_MARCH": march, "MAX_JOBS": max_jobs,
+        env = {**os.environ, "PAGEDLLM_CPU_MARCH": march, "MAX_JOBS": max_jobs, "PAGEDLLM_CPU_UNITY": unity,
                "TORCH_EXTENSIONS_DIR": str(tmp_path_factory.mktemp(f"ext-{march}"))}
         if can_run(march):
             cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
