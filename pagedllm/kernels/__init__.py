@@ -22,6 +22,7 @@ import platform
 import re
 import subprocess
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import torch
@@ -139,8 +140,6 @@ def build(march: str = "native", verbose: bool = False, source: Path | None = No
         sources = hashed = (source,)
     key = build_key(march, hashed)
     if unity and source is None:
-        import tempfile
-
         sources = (_unity(Path(tempfile.gettempdir()), f"unity_{march}_{key}"),)
         key += "_unity"
     return load(
