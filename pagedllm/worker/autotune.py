@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -95,11 +96,12 @@ def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
                and w.shape[1] % 32 == 0 for n in layers + [head])
 
 
-def dense_copy_bytes(weights: dict, num_layers: int) -> tuple[int, int]:
-    """Bytes of a float32 copy of the layers' linears and of the LM head."""
+def dense_copy_bytes(weights: dict, num_layers: int, itemsize: int = 4) -> tuple[int, int]:
+    """Bytes of a dense copy (``itemsize`` bytes per weight: 4 for float32) of the layers' linears and of the LM
+    head."""
     peek = getattr(weights, "peek", weights.get)
     layers, head = _linear_names(weights, num_layers)
-    size = lambda n: 4 * peek(n).shape[0] * peek(n).shape[1]  # noqa: E731
+    size = lambda n: itemsize * math.prod(peek(n).shape)  # noqa: E731
     return sum(size(n) for n in layers), size(head)
 
 
@@ -210,7 +212,7 @@ def fit_to_steps(plan: WeightPlan, max_step_tokens: int, max_head_rows: int, cop
     threshold, the head's when the rows a step's head computes (each sequence's last token, and its drafts) stay
     below its own. Prompt-logprob rows, which can exceed that, then run on the packed head as the sampled rows do
     (its 256-row slices cost 1.07x the float32 copy's time for Gemma 3 on a Xeon with AMX, 1.15x for SmolLM2).
-    Then the copies that do not fit ``budget_bytes`` (``copy_bytes``: the layers' and the head's float32 bytes;
+    Then the copies that do not fit ``budget_bytes`` (``copy_bytes``: the layers' and the head's copy in bytes;
     the layers' copy, which serves every large step, is kept first). Returns the plan and a note per copy
     dropped."""
     notes, layer, head = [], plan.layer_dense_min_tokens, plan.head_dense_min_tokens
@@ -221,16 +223,16 @@ def fit_to_steps(plan: WeightPlan, max_step_tokens: int, max_head_rows: int, cop
         notes.append(f"no LM head copy (from {head} rows; a step's head computes at most {max_head_rows})")
         head = 0
     if budget_bytes is not None:
-        left = budget_bytes
-        for name, on, size in (("layer", layer, copy_bytes[0]), ("LM head", head, copy_bytes[1])):
-            if not on:
-                continue
+        def over(name: str, size: int, left: int) -> bool:
             if size > left:
-                notes.append(f"no {name} copy ({size / 2**20:.0f} MiB of float32 over the "
+                notes.append(f"no {name} copy ({size / 2**20:.0f} MiB of {plan.dense_dtype} over the "
                              f"{left / 2**20:.0f} MiB left of --dense-copy-budget-mib)")
-                layer, head = (0, head) if name == "layer" else (layer, 0)
-            else:
-                left -= size
+            return size > left
+
+        if layer and over("layer", copy_bytes[0], budget_bytes):
+            layer = 0
+        if head and over("LM head", copy_bytes[1], budget_bytes - (copy_bytes[0] if layer else 0)):
+            head = 0
     return replace(plan, layer_dense_min_tokens=layer, head_dense_min_tokens=head), notes
 
 

@@ -171,11 +171,14 @@ class ModelRunner:
         if auto:
             arch, weights = load_model_files(path, native=True, lazy=True)
             if blocks_for_autotune(weights, arch.num_layers):
-                plan = choose_plan(weights, arch.num_layers, ops)
-                spec = c.speculative.num_speculative_tokens if c.speculative is not None else 0
-                plan, notes = fit_to_steps(plan, c.scheduler.max_num_batched_tokens or 2048,
-                                           c.scheduler.max_num_seqs * (1 + spec),
-                                           dense_copy_bytes(weights, arch.num_layers), c.dense_copy_budget_mib * 2**20)
+                plan, notes = choose_plan(weights, arch.num_layers, ops), []
+                if plan.block_kernel:  # the dense copies it may add: only those a step reaches, within the budget
+                    spec = c.speculative.num_speculative_tokens if c.speculative is not None else 0
+                    budget = c.scheduler.with_budget_for(c.model.max_model_len or arch.max_position)
+                    itemsize = _DTYPES[plan.dense_dtype].itemsize
+                    plan, notes = fit_to_steps(plan, budget.max_num_batched_tokens, c.scheduler.max_num_seqs * (1 + spec),
+                                               dense_copy_bytes(weights, arch.num_layers, itemsize),
+                                               c.dense_copy_budget_mib * 2**20)
                 self.weight_plan = plan
                 logger.info("weight path (%s on this CPU): %s%s", plan.source, plan.describe(),
                             "".join(f"; {n}" for n in notes))

@@ -173,7 +173,7 @@ def test_rope_write_kv_into_bfloat16_caches(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul(ops, dtype):
+def test_act_and_mul(ops, dtype):
     torch.manual_seed(3)
     gu = torch.randn(3, 2 * 40, dtype=dtype) * 4  # 40: two vector chunks of 16 and a scalar tail
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0], dtype=dtype)
