@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / f for f in ("qlinear.cpp", "qlinear_k.cpp", "attention.cpp", "bindings.cpp"))
-HEADERS = tuple(CSRC / f for f in ("common.h", "qlinear.h", "ops.h"))
+HEADERS = tuple(CSRC / f for f in ("common.h", "qlinear.h", "qlinear_amx.h", "ops.h"))
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 
 # what each x86-64 micro-architecture level needs from /proc/cpuinfo's flags (levels 2 and up, as gcc defines them)
@@ -84,7 +84,7 @@ def can_run(march: str) -> bool:
 
 # the predefined macros that choose the kernels' vector paths (``#if defined(...)`` in csrc/)
 PATH_MACROS = ("__AVX2__", "__FMA__", "__F16C__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__",
-               "__AVX512BF16__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")
+               "__AVX512BF16__", "__AMX_TILE__", "__AMX_INT8__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")
 
 
 def path_macros(march: str) -> frozenset[str]:
@@ -182,7 +182,10 @@ def cpu_ops():
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return None
     try:
-        return build(target_march(), unity=os.environ.get("PAGEDLLM_CPU_UNITY") == "1")
+        ops = build(target_march(), unity=os.environ.get("PAGEDLLM_CPU_UNITY") == "1")
+        if os.environ.get("PAGEDLLM_CPU_AMX", "1") == "0":  # qlinear on the AVX-512 tiles even where AMX is there
+            ops.set_qlinear_amx(False)
+        return ops
     except Exception as e:  # no compiler, or a failed build: the torch path still works
         logger.warning("fused CPU kernels unavailable (%s: %s); using plain torch operations",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 4, 16, 64, 256)
 HEAD_ROWS = 32768  # rows of the LM head timed (scaled to all of them)
+# A dense path (4-8x the packed weights' memory, alone or as a copy) only where it beats the blocks by this factor:
+# a tie (a tiny model's 0.06 ms, or a busy machine's noise) keeps the packed weights alone.
+DENSE_MARGIN = 0.9
 CACHE_VERSION = 3  # 2: no bfloat16 candidate; 3: consistency-checked timings, the head timed on a slice
 
 
@@ -182,22 +185,21 @@ def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES, timer=
 
 
 def plan_from_timings(timings: dict, source: str) -> WeightPlan:
-    """The block kernel where it is fastest at batch 1; then the fastest dense copy from the first measured batch
-    size where it beats the block kernel (each group separately)."""
+    """The block kernel unless a dense path is clearly faster (``DENSE_MARGIN``) at batch 1; then the fastest dense
+    copy from the first measured batch size where it clearly beats the block kernel (each group separately)."""
     def threshold(per: dict) -> tuple[int, str]:
         dense = [n for n in per if n.startswith("dense-")]
         for m in sorted(per["block"]):
             best = min(dense, key=lambda n: per[n][m])
-            if per[best][m] < per["block"][m]:
+            if per[best][m] < DENSE_MARGIN * per["block"][m]:
                 return m, best
         return 0, "dense-float32"
 
     if not timings.get("consistent", True):  # measured under load: the arithmetic's plan, no dense copy
         return WeightPlan(True, 0, 0, "float32", "arithmetic (timings inconsistent)", timings)
     layers, head = timings["layers"], timings["head"]
-    block_at_1 = min(layers, key=lambda n: layers[n][1]) == "block"
-    if not block_at_1:  # a dense path wins even for one row: no packed weights at all
-        best = min((n for n in layers if n.startswith("dense-")), key=lambda n: layers[n][1])
+    best = min((n for n in layers if n.startswith("dense-")), key=lambda n: layers[n][1])
+    if layers[best][1] < DENSE_MARGIN * layers["block"][1]:  # a dense path wins clearly even for one row
         return WeightPlan(False, 1, 1, best.removeprefix("dense-"), source, timings)
     lt, ld = threshold(layers)
     ht, hd = threshold(head)

@@ -86,6 +86,35 @@ def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
         assert torch.equal(lin(x[:1]), y[:1])  # a row's result does not depend on its batch
 
 
+@pytest.mark.parametrize("kind", sorted(DECODERS))
+def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(kind):
+    """Where the build has AMX and the OS grants its tile state (Sapphire Rapids and later Xeons), qlinear's steps of
+    16+ rows run on the tile unit: the same integer sums and float steps as the AVX-512 VNNI tiles, so each result
+    is bitwise the VNNI one (row tails past a 16-row tile, a partial pair of groups, bfloat16 activations included).
+    Elsewhere ``set_qlinear_amx`` reports AMX off and both runs are the VNNI (or AVX2) tiles."""
+    from pagedllm.kernels import cpu_info, cpu_ops
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    ops = cpu_ops()
+    n, k = 44, 768  # 6 groups of 8 rows (the last partial): a run of 4 groups, then a run of 2
+    lin = BlockQuantLinear(decode(random_blocks(kind, n, k, seed=2), kind), None, torch.device("cpu"), torch.float32,
+                           ops)
+    try:
+        on = ops.set_qlinear_amx(True)
+        assert on == ("+amx" in ops.isa())
+        assert not on or {"amx_tile", "amx_int8"} <= cpu_info()[1]  # never on a CPU without the tiles
+        torch.manual_seed(0)
+        for m, dtype in ((16, torch.float32), (17, torch.float32), (40, torch.float32), (100, torch.float32),
+                         (33, torch.bfloat16)):
+            x = torch.randn(m, k, dtype=dtype)
+            ops.set_qlinear_amx(True)
+            y = lin(x)
+            assert not ops.set_qlinear_amx(False) and "+amx" not in ops.isa()
+            assert torch.equal(lin(x), y), (kind, m, dtype)
+    finally:
+        ops.set_qlinear_amx(True)
+
+
 def test_mixed_types_fuse_exactly():
     """q/k as Q4_K and v as Q6_K (a Q4_K_M file's layer) fuse into one weight with the same numbers."""
     parts = [("Q4_K", 64), ("Q5_0", 32), ("Q6_K", 32)]

@@ -470,8 +470,10 @@ def test_kernels_release_the_gil(ops):
 # build); where this CPU can execute it, this file's kernel tests then run against that build. The levels build
 # side by side, the cores shared out between them (MAX_JOBS: torch's loader compiles that many sources at once;
 # PAGEDLLM_CPU_UNITY=1: one compile unit per level).
-LEVELS = ["x86-64", "x86-64-v3", "x86-64-v4"]
-EXPECTED_ISA = {"x86-64": "scalar", "x86-64-v3": "avx2", "x86-64-v4": "avx512"}
+# sapphirerapids: the AVX-512 path with qlinear's AMX tiles (qlinear_amx.h), compiled on every machine, run where
+# the CPU has AMX (there it is the native build)
+LEVELS = ["x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids"]
+EXPECTED_ISA = {"x86-64": "scalar", "x86-64-v3": "avx2", "x86-64-v4": "avx512", "sapphirerapids": "avx512"}
 
 
 def test_isa_matches_the_build_target(ops):

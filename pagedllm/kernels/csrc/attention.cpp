@@ -545,6 +545,7 @@ std::string isa() {
 #if defined(__AVX512BF16__)
   s += "+bf16";
 #endif
+  if (amx_enabled()) s += "+amx";  // qlinear's tiles on AMX (built for it, and the OS grants the tile state)
   return s;
 }
 

@@ -34,4 +34,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scales", nogil);
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
   m.def("isa", &isa, "the instruction set this build's vector paths use");
+  m.def("set_qlinear_amx", &set_qlinear_amx, "qlinear on AMX tiles where built and granted (True) or not; returns "
+        "whether it now runs on them", py::arg("on"));
 }

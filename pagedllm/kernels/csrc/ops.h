@@ -25,5 +25,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
 at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn,
                      const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N);
 std::string isa();
+bool amx_enabled();
+bool set_qlinear_amx(bool on);
 
 }  // namespace pagedllm

@@ -3,6 +3,28 @@
 
 namespace pagedllm {
 
+// AMX needs the kernel's leave to use the tile state (Linux 5.16+: arch_prctl ARCH_REQ_XCOMP_PERM, asked once per
+// process); without it (an older kernel, a hypervisor that hides it) the first tile instruction would fault, so
+// qlinear keeps the VNNI tiles. set_qlinear_amx(false) turns AMX off (the tests compare both; a benchmark's A/B).
+namespace {
+std::atomic<bool> amx_wanted{true};
+bool amx_granted() {
+#if defined(PAGEDLLM_QAMX)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+bool amx_enabled() { return amx_wanted.load(std::memory_order_relaxed) && amx_granted(); }
+
+bool set_qlinear_amx(bool on) {
+  amx_wanted.store(on);
+  return amx_enabled();
+}
+
 // x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout (qlinear.h);
 // d, m: (ceil(N/8), K/32 * sub * 8), both float32 or both float16, sub 1 or 2 scales per block (2: blocks of 16);
 // m empty: every offset 0 (8-bit codes only). Returns (M, N) in x's dtype.

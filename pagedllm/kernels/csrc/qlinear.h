@@ -49,19 +49,20 @@ struct QuantizedRows {
   std::vector<int32_t> isum2;  // (M, K/16): isum per half block
 };
 
+// padded_rows (>= M): q and q2 hold that many rows, those past M zero (whole AMX tiles).
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out) {
-  const int64_t nb = K / QB;
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t padded_rows = 0) {
+  const int64_t nb = K / QB, rows = std::max(M, padded_rows);  // rows past M: zero codes and scales
 #if defined(PAGEDLLM_QWIDE)
   out.v.resize(M * K);
 #else
-  out.q.resize(M * K);
-  out.q2.resize(M * K);
+  out.q.resize(rows * K);
+  out.q2.resize(rows * K);
 #endif
-  out.s.resize(M * nb);
-  out.ss.resize(M * nb);
+  out.s.resize(rows * nb);
+  out.ss.resize(rows * nb);
   out.isum.resize(M * nb);
-  out.ss2.resize(2 * M * nb);
+  out.ss2.resize(2 * rows * nb);
   out.isum2.resize(2 * M * nb);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     float buf[QB];
@@ -608,6 +609,10 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
 }
 #endif
 
+}  // namespace
+#include "qlinear_amx.h"  // at file scope: it includes system headers and declares pagedllm::amx_enabled
+namespace {
+
 // The tiles of one slice of groups [g0, g0 + GT) against rows [r, M), stored to y.
 template <int BITS, int GT, int MT, typename SC, typename T>
 inline void qtile_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
@@ -756,11 +761,19 @@ template <int BITS, typename T, typename SC>
 void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y) {
   const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32;
   QuantizedRows xa;
+#if defined(PAGEDLLM_QAMX)
+  const bool amx = M >= AMX_MIN_ROWS && pagedllm::amx_enabled();
+  quantize_rows(x, M, K, xa, amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : 0);
+#else
   quantize_rows(x, M, K, xa);
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   // Rows go in chunks of ROW_CHUNK: a chunk's activations (2 bytes per input) stay in L2 while weights pass,
   // instead of all M rows streaming past every tile of groups.
   auto groups = [&](int64_t r0, int64_t r1, int64_t begin, int64_t end) {
+#if defined(PAGEDLLM_QAMX)
+    if (amx) return qrun_amx<BITS, ROW_CHUNK>(w, sc, begin, end, gstride, xa, r0, r1, K, nb, N, y);
+#endif
     int64_t g = begin;
     if (r1 - r0 >= TILE_MT) {
 #if defined(PAGEDLLM_QZMM)

@@ -1,0 +1,134 @@
+// qlinear's tiles on AMX (Sapphire Rapids and later Xeons): the integer sums of a block come from the tile unit
+// (tdpbsud: signed activations x unsigned 4-bit codes; tdpbssd: x signed 8-bit codes), 16 activation rows by 16
+// weight rows per instruction, instead of one vpdpbusd per 4 inputs. They are the exact integers the VNNI tiles
+// sum (a signed 8-bit code needs no +128 shift here), and the float steps per block are qtile512's, in the same
+// order: the results are bitwise those of the AVX-512 tiles, for any batch (so a row's result does not depend on
+// whether its batch ran here).
+//
+// Per block of 32 inputs (16 with SUB 2): the B tiles hold 4 groups of 8 weight rows (two tiles of 16 columns;
+// the interleaved layout's unit i of a group is already the tile's row i for its 8 columns, the 4-bit nibbles
+// split apart), loaded once and used by each 16-row tile of the row chunk; per row tile two A tiles (coarse and
+// fine activation levels) make four C tiles, whose int32 sums the vector unit scales into the float sums. With
+// the tile unit doing the products, that epilogue (convert, multiply-add with d * s and m * ss) is the work left.
+#pragma once
+
+#if defined(PAGEDLLM_QZMM) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define PAGEDLLM_QAMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace pagedllm {
+bool amx_enabled();  // qlinear.cpp: the OS granted the tile state and set_qlinear_amx has not turned AMX off
+}
+
+namespace {
+
+constexpr int AMX_ROWS = 16;  // rows of an A (activation) and C tile
+// Rows from which qlinear runs on AMX (a whole tile): at 8 rows it measured as fast as the VNNI tiles (0.95-1.08x),
+// at 16 and more 1.3-1.8x faster (2 cores, Q4_0 / Q4_K / Q5_0 / Q6_K / Q8_0 weights of 2048-8960 inputs)
+constexpr int64_t AMX_MIN_ROWS = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles: 0, 1 activations (coarse, fine levels); 2, 3 weights (groups 0-1, 2-3); 4-7 sums (level x weight tile)
+template <int SUB>
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t == 2 || t == 3 ? 8 / SUB : AMX_ROWS;  // B: one row per 4 inputs
+    cfg.colsb[t] = t < 2 ? QB / SUB : 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Groups [g0, g1) (at most 4) against rows [r0, r1) (r1 - r0 <= ROW_CHUNK), stored to y. xa's q and q2 hold whole
+// 16-row tiles (quantize_rows pads them with zero rows). A slot past g1 repeats the last group; its outputs are
+// not stored.
+template <int BITS, int ROWS, typename SC, typename T>
+void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gstride, const QuantizedRows& xa,
+              int64_t r0, int64_t r1, int64_t K, int64_t nb, int64_t N, T* y) {
+  constexpr int64_t gbytes = BITS * 32;
+  constexpr int SUB = SC::sub;
+  amx_configure<SUB>();
+  alignas(64) uint8_t bt[2][8][64];   // weight tiles of this block: row i = unit i of 2 groups
+  alignas(64) int32_t c[4][16][16];   // sums: (coarse, fine) x (weight tile 0, 1)
+  alignas(64) float acc[ROWS][32];    // float sums of 4 groups
+  for (int64_t r = 0; r < r1 - r0; ++r)
+    for (int j = 0; j < 32; j += 16) _mm512_store_ps(&acc[r][j], _mm512_setzero_ps());
+  int64_t gs[4];
+  for (int j = 0; j < 4; ++j) gs[j] = std::min(g0 + j, g1 - 1);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int t = 0; t < 2; ++t) {
+      const uint8_t* wa = w + gs[2 * t] * gstride + b * gbytes;
+      const uint8_t* wb = w + gs[2 * t + 1] * gstride + b * gbytes;
+      if constexpr (BITS == 4) {
+        for (int i = 0; i < 4; ++i) {  // vector i: unit i low nibbles, unit 4 + i high
+          const __m512i v = load_pair(wa + 32 * i, wb + 32 * i);
+          _mm512_store_si512(bt[t][i], _mm512_and_si512(v, low4));
+          _mm512_store_si512(bt[t][4 + i], _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) _mm512_store_si512(bt[t][i], load_pair(wa + 32 * i, wb + 32 * i));
+      }
+    }
+    for (int h = 0; h < SUB; ++h) {
+      _tile_loadd(2, bt[0][4 * h], 64);  // SUB 2: units 4h .. 4h+3 (inputs 16h .. 16h+15)
+      _tile_loadd(3, bt[1][4 * h], 64);
+      __m512 dv[2], mv[2];
+      for (int t = 0; t < 2; ++t) {
+        dv[t] = load_pair(sc.dp(gs[2 * t], b, h), sc.dp(gs[2 * t + 1], b, h));
+        mv[t] = SC::offsets ? load_pair(sc.mp(gs[2 * t], b, h), sc.mp(gs[2 * t + 1], b, h)) : _mm512_setzero_ps();
+      }
+      for (int64_t rt = r0; rt < r1; rt += AMX_ROWS) {
+        const int64_t off = rt * K + b * QB + 16 * h;
+        _tile_loadd(0, xa.q.data() + off, K);
+        _tile_loadd(1, xa.q2.data() + off, K);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        if constexpr (BITS == 4) {
+          _tile_dpbsud(4, 0, 2);
+          _tile_dpbsud(5, 1, 2);
+          _tile_dpbsud(6, 0, 3);
+          _tile_dpbsud(7, 1, 3);
+        } else {
+          _tile_dpbssd(4, 0, 2);
+          _tile_dpbssd(5, 1, 2);
+          _tile_dpbssd(6, 0, 3);
+          _tile_dpbssd(7, 1, 3);
+        }
+        _tile_stored(4, c[0], 64);
+        _tile_stored(5, c[1], 64);
+        _tile_stored(6, c[2], 64);
+        _tile_stored(7, c[3], 64);
+        const int64_t nr = std::min<int64_t>(AMX_ROWS, r1 - rt);
+        for (int64_t i = 0; i < nr; ++i) {
+          const int64_t row = (rt + i) * nb + b;
+          const __m512 sx = _mm512_set1_ps(xa.s[row]);
+          const __m512 ss = _mm512_set1_ps(act_ss<SUB>(xa, row, h));
+          float* a = acc[rt - r0 + i];
+          for (int t = 0; t < 2; ++t) {
+            const __m512i hi = _mm512_load_si512(c[2 * t][i]), lo = _mm512_load_si512(c[2 * t + 1][i]);
+            // 254 hi + lo (exact: |254 hi + lo| < 2^31), as qtile512's mullo
+            const __m512i s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)),
+                                               lo);
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv[t], sx), _mm512_load_ps(a + 16 * t));
+            if constexpr (SC::offsets) v = _mm512_fmadd_ps(mv[t], ss, v);
+            _mm512_store_ps(a + 16 * t, v);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t g = g0; g < g1; ++g) store_group(y + r * N, N, 8 * g, acc[r - r0] + 8 * (g - g0));
+}
+
+}  // namespace
+#endif
