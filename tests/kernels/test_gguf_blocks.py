@@ -89,8 +89,9 @@ def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
 @pytest.mark.parametrize("kind", sorted(DECODERS))
 def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(kind):
     """Where the build has AMX and the OS grants its tile state (Sapphire Rapids and later Xeons), qlinear's steps of
-    16+ rows run on the tile unit: the same integer sums and float steps as the AVX-512 VNNI tiles, so each result
-    is bitwise the VNNI one (row tails past a 16-row tile, a partial pair of groups, bfloat16 activations included).
+    8+ rows run on the tile unit (under 16 rows: one shorter tile): the same integer sums and float steps as the
+    AVX-512 VNNI tiles, so each result is bitwise the VNNI one (row tails past a 16-row tile, a partial pair of
+    groups, bfloat16 activations included).
     Elsewhere ``set_qlinear_amx`` reports AMX off and both runs are the VNNI (or AVX2) tiles."""
     from pagedllm.kernels import cpu_info, cpu_ops
     from pagedllm.quant.linear import BlockQuantLinear
@@ -104,8 +105,8 @@ def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(kind):
         assert on == ("+amx" in ops.isa())
         assert not on or {"amx_tile", "amx_int8"} <= cpu_info()[1]  # never on a CPU without the tiles
         torch.manual_seed(0)
-        for m, dtype in ((16, torch.float32), (17, torch.float32), (40, torch.float32), (100, torch.float32),
-                         (33, torch.bfloat16)):
+        for m, dtype in ((8, torch.float32), (13, torch.float32), (16, torch.float32), (17, torch.float32),
+                         (40, torch.float32), (100, torch.float32), (33, torch.bfloat16)):
             x = torch.randn(m, k, dtype=dtype)
             ops.set_qlinear_amx(True)
             y = lin(x)

@@ -24,9 +24,10 @@ bool amx_enabled();  // qlinear.cpp: the OS granted the tile state and set_qline
 namespace {
 
 constexpr int AMX_ROWS = 16;  // rows of an A (activation) and C tile
-// Rows from which qlinear runs on AMX (a whole tile): at 8 rows it measured as fast as the VNNI tiles (0.95-1.08x),
-// at 16 and more 1.3-1.8x faster (2 cores, Q4_0 / Q4_K / Q5_0 / Q6_K / Q8_0 weights of 2048-8960 inputs)
-constexpr int64_t AMX_MIN_ROWS = 16;
+// Rows from which qlinear runs on AMX (fewer than 16: one tile of that many rows). Against the VNNI tiles (2 cores,
+// Q4_0 / Q4_K / Q5_0 / Q6_K / Q8_0 weights of 2048-8960 inputs): 0.7-0.9x at 4 rows, 0.96-1.23x at 8, 1.0-1.5x at
+// 12, 1.2-1.7x from 16.
+constexpr int64_t AMX_MIN_ROWS = 8;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -36,10 +37,10 @@ struct alignas(64) TileConfig {
 
 // tiles: 0, 1 activations (coarse, fine levels); 2, 3 weights (groups 0-1, 2-3); 4-7 sums (level x weight tile)
 template <int SUB>
-inline void amx_configure() {
+inline void amx_configure(int rows) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = t == 2 || t == 3 ? 8 / SUB : AMX_ROWS;  // B: one row per 4 inputs
+    cfg.rows[t] = t == 2 || t == 3 ? 8 / SUB : rows;  // B: one row per 4 inputs
     cfg.colsb[t] = t < 2 ? QB / SUB : 64;
   }
   _tile_loadconfig(&cfg);
@@ -53,7 +54,7 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
               int64_t r0, int64_t r1, int64_t K, int64_t nb, int64_t N, T* y) {
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
-  amx_configure<SUB>();
+  amx_configure<SUB>(static_cast<int>(std::min<int64_t>(AMX_ROWS, r1 - r0)));  // fewer rows: shorter tiles
   alignas(64) uint8_t bt[2][8][64];   // weight tiles of this block: row i = unit i of 2 groups
   alignas(64) int32_t c[4][16][16];   // sums: (coarse, fine) x (weight tile 0, 1)
   alignas(64) float acc[ROWS][32];    // float sums of 4 groups
