@@ -29,6 +29,7 @@ DEFAULT_ALIGNMENT = 32
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
           12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 # ggml types whose tensors are typed numpy arrays (the rest are blocks: uint8 rows of bytes), as GGUFReader gives them
 _TYPED = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
@@ -149,10 +150,25 @@ class GGUFFile:
             etype, count = self._unpack("<I"), self._unpack("<Q")
             if etype in _NUMPY:  # a numeric array in one read
                 return self._numbers(etype, count)
+            if etype == _STRING:  # a vocabulary: 150k strings in a loop of local names (0.6 -> 0.15 s)
+                return self._strings(count)
             return [self._value(etype) for _ in range(count)]
         if vtype not in _NUMPY:
             raise ValueError(f"unknown GGUF value type {vtype} at byte {self._pos}")
         return self._numbers(vtype, 1)[0]
+
+    def _strings(self, count: int) -> list[str]:
+        buf, pos, size, length = self._buf, self._pos, len(self._buf), _U64.unpack_from
+        out = []
+        for _ in range(count):
+            (n,) = length(buf, pos)
+            end = pos + 8 + n
+            if end > size:
+                raise struct.error("string past the end")
+            out.append(str(buf[pos + 8:end], "utf-8"))
+            pos = end
+        self._pos = pos
+        return out
 
     def _numbers(self, vtype: int, count: int) -> list:
         dt = np.dtype(_NUMPY[vtype])

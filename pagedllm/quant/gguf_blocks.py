@@ -40,9 +40,13 @@ def _blocks(data: np.ndarray, nbytes: int) -> tuple[int, np.ndarray]:
     return rows, np.ascontiguousarray(data).reshape(-1, nbytes)
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """(n, 16k) bytes -> (n, 2, 16k): low nibbles, then high nibbles."""
-    return np.stack([qs & 0x0F, qs >> 4], axis=1)
+def _nibbles(qs: np.ndarray, axis: int = 1) -> np.ndarray:
+    """(n, ...) bytes -> their low nibbles, then their high nibbles, along a new axis ``axis`` (written in place:
+    no stacked copy of two temporaries)."""
+    out = np.empty(qs.shape[:axis] + (2,) + qs.shape[axis:], np.uint8)
+    np.bitwise_and(qs, 0x0F, out=out[(slice(None),) * axis + (0,)])
+    np.right_shift(qs, 4, out=out[(slice(None),) * axis + (1,)])
+    return out
 
 
 def _bits(b: np.ndarray) -> np.ndarray:
@@ -116,7 +120,7 @@ def q4_k(data: np.ndarray) -> QuantizedWeight:
     rows, b = _blocks(data, 144)
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
     sc, mn = _k_scale_min(b[:, 4:16])
-    codes = np.stack([b[:, 16:].reshape(-1, 4, 32) & 0x0F, b[:, 16:].reshape(-1, 4, 32) >> 4], axis=2)  # (n,4,2,32)
+    codes = _nibbles(b[:, 16:].reshape(-1, 4, 32), axis=2)  # (n, 4, 2, 32)
     return _weight(rows, codes, d * sc, -(dmin * mn), 4, 32, (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn))
 
 
@@ -125,7 +129,7 @@ def q5_k(data: np.ndarray) -> QuantizedWeight:
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
     sc, mn = _k_scale_min(b[:, 4:16])
     qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
-    low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    low = _nibbles(qs, axis=2).reshape(-1, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32): bit i of sub-block i
     return _weight(rows, (low | (high << 4)).astype(np.int8), d * sc, -(dmin * mn), 8, 32,
                    (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn))
@@ -134,9 +138,11 @@ def q5_k(data: np.ndarray) -> QuantizedWeight:
 def q6_k(data: np.ndarray) -> QuantizedWeight:
     rows, b = _blocks(data, 210)
     ql, qh, sc, d = b[:, 0:128], b[:, 128:192], b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
-    low = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
+    q = _nibbles(ql.reshape(-1, 2, 64), axis=2).reshape(-1, 8, 32)  # the low 4 bits
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
-    q = (low | (high.reshape(-1, 8, 32) << 4)).astype(np.int8) - 32
+    q |= high.reshape(-1, 8, 32) << 4
+    q = q.view(np.int8)
+    q -= 32
     return _weight(rows, q, d[:, None] * sc.astype(np.float32), None, 8, 16, (_raw16(b[:, 208:210]), sc, None, None))
 
 
