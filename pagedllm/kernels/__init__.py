@@ -1,5 +1,6 @@
-"""Fused CPU kernels (``csrc/``: ``attention.cpp``, ``qlinear.cpp``, ``qlinear_k.cpp``, ``bindings.cpp``), compiled
-on first use with torch's C++ extension loader (the sources side by side, one compiler process each).
+"""Fused CPU kernels (``csrc/``: ``attention.cpp``, ``qlinear.cpp``, ``qlinear_k.cpp``, ``pack.cpp``,
+``bindings.cpp``), compiled on first use with torch's C++ extension loader (the sources side by side, one compiler
+process each).
 
 The source has four vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), NEON on 64-bit ARM (with
 the dot-product instructions of ARMv8.2 for the packed-weight kernel where the target has them), and portable
@@ -30,7 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("qlinear.cpp", "qlinear_k.cpp", "attention.cpp", "bindings.cpp"))
+SOURCES = tuple(CSRC / f for f in ("qlinear.cpp", "qlinear_k.cpp", "attention.cpp", "pack.cpp", "bindings.cpp"))
 HEADERS = tuple(CSRC / f for f in ("common.h", "qlinear.h", "qlinear_amx.h", "ops.h"))
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pagedllm.kernels import cpu_ops
 from pagedllm.quant.formats import KScales, QuantizedWeight
 
 QK = 256  # values per K-quant super-block
@@ -93,6 +94,15 @@ def q8_0(data: np.ndarray) -> QuantizedWeight:
     return _weight(rows, b[:, 2:].view(np.int8), _f16(b[:, 0:2]), None, 8, 32)
 
 
+def _fast_codes(b: np.ndarray, kind: str) -> np.ndarray | None:
+    """The codes of blocks ``b`` (``(n, bytes per block)``) from the kernels' ``gguf_codes`` (one pass in C++: a
+    model's start-up decodes a code per weight), or None without the kernels (then numpy's steps below)."""
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    return ops.gguf_codes(np.ascontiguousarray(b), kind).numpy()
+
+
 def _q5_values(b: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1 codes in [0, 32): low nibbles from qs (elements 0-15 low, 16-31 high), bit 4 from qh."""
     return (_nibbles(qs).reshape(len(b), 32) | (_bits(qh) << 4)).astype(np.int8)
@@ -100,7 +110,10 @@ def _q5_values(b: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 def q5_0(data: np.ndarray) -> QuantizedWeight:
     rows, b = _blocks(data, 22)
-    return _weight(rows, _q5_values(b, b[:, 2:6], b[:, 6:]) - 16, _f16(b[:, 0:2]), None, 8, 32)
+    codes = _fast_codes(b, "Q5_0")
+    if codes is None:
+        codes = _q5_values(b, b[:, 2:6], b[:, 6:]) - 16
+    return _weight(rows, codes, _f16(b[:, 0:2]), None, 8, 32)
 
 
 def q5_1(data: np.ndarray) -> QuantizedWeight:
@@ -120,7 +133,9 @@ def q4_k(data: np.ndarray) -> QuantizedWeight:
     rows, b = _blocks(data, 144)
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
     sc, mn = _k_scale_min(b[:, 4:16])
-    codes = _nibbles(b[:, 16:].reshape(-1, 4, 32), axis=2)  # (n, 4, 2, 32)
+    codes = _fast_codes(b, "Q4_K")
+    if codes is None:
+        codes = _nibbles(b[:, 16:].reshape(-1, 4, 32), axis=2)  # (n, 4, 2, 32)
     return _weight(rows, codes, d * sc, -(dmin * mn), 4, 32, (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn))
 
 
@@ -128,21 +143,26 @@ def q5_k(data: np.ndarray) -> QuantizedWeight:
     rows, b = _blocks(data, 176)
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
     sc, mn = _k_scale_min(b[:, 4:16])
-    qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
-    low = _nibbles(qs, axis=2).reshape(-1, 8, 32)
-    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32): bit i of sub-block i
-    return _weight(rows, (low | (high << 4)).astype(np.int8), d * sc, -(dmin * mn), 8, 32,
+    codes = _fast_codes(b, "Q5_K")
+    if codes is None:
+        qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
+        low = _nibbles(qs, axis=2).reshape(-1, 8, 32)
+        high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32): bit i of block i
+        codes = low | (high << 4)
+    return _weight(rows, codes.view(np.int8), d * sc, -(dmin * mn), 8, 32,
                    (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn))
 
 
 def q6_k(data: np.ndarray) -> QuantizedWeight:
     rows, b = _blocks(data, 210)
     ql, qh, sc, d = b[:, 0:128], b[:, 128:192], b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
-    q = _nibbles(ql.reshape(-1, 2, 64), axis=2).reshape(-1, 8, 32)  # the low 4 bits
-    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
-    q |= high.reshape(-1, 8, 32) << 4
-    q = q.view(np.int8)
-    q -= 32
+    q = _fast_codes(b, "Q6_K")
+    if q is None:
+        q = _nibbles(ql.reshape(-1, 2, 64), axis=2).reshape(-1, 8, 32)  # the low 4 bits
+        high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
+        q |= high.reshape(-1, 8, 32) << 4
+        q = q.view(np.int8)
+        q -= 32
     return _weight(rows, q, d[:, None] * sc.astype(np.float32), None, 8, 16, (_raw16(b[:, 208:210]), sc, None, None))
 
 

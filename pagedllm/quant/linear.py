@@ -159,15 +159,7 @@ class BlockQuantLinear(_Packed):
         pad = ng * 8 - n  # zero rows up to a whole group of 8 (their outputs are not stored)
         if pad:
             codes = F.pad(codes, (0, 0, 0, pad), value=0 if qw.bits == 4 else 128)
-        if qw.bits == 4:  # (row, b, h, i, t): the two nibbles h of (i, t) into one byte, low h=0, high h=1
-            c = codes.reshape(ng * 8, nb, 2, 16)
-            codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(ng * 8, nb * 16)
-        units = nb * (4 if qw.bits == 4 else 8)  # 4-byte units of a row: one int32 each
-        # (g, row, b, i) -> (g, b, i, row) as int32 units: 4x fewer elements to move than bytes
-        self.codes = (codes.contiguous().view(torch.int32).reshape(ng, 8, units).transpose(1, 2).contiguous()
-                      .view(torch.uint8).reshape(ng, units * 32))
-        if qw.bits == 8:
-            self.codes ^= 0x80  # signed s = q - 128 as a byte, in place on the layer's own copy
+        self.codes = ops.pack_codes(codes.contiguous(), qw.bits)  # the interleaved layout (kernels' pack.cpp)
         del codes
 
         def groups(v: torch.Tensor) -> torch.Tensor:  # (N, K/32 * sub) -> (N/8, K/32 * sub * 8)

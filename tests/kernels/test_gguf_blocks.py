@@ -53,6 +53,24 @@ def test_decoded_values_equal_gguf_bit_for_bit(kind):
     assert torch.equal(dequantize(qw), ref)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+def test_kernel_decoded_codes_equal_numpy_decoders(kind, monkeypatch):
+    """The kernels' one-pass decoding of these types' codes (``gguf_codes``, what a start-up runs) gives the numpy
+    decoders' codes (the path without the kernels); the test above checks the values against gguf's."""
+    import pagedllm.quant.gguf_blocks as gb
+
+    raw = random_blocks(kind, 24, 512, seed=3)
+    fast = decode(raw, kind)
+    monkeypatch.setattr(gb, "cpu_ops", lambda: None)
+    slow = decode(raw, kind)
+    assert fast.codes.dtype == slow.codes.dtype == torch.uint8 and torch.equal(fast.codes, slow.codes)
+    assert torch.equal(dequantize(fast), dequantize(slow))
+    from pagedllm.kernels import cpu_ops
+
+    with pytest.raises(RuntimeError, match="not whole"):
+        cpu_ops().gguf_codes(raw.reshape(-1)[:-1], kind)
+
+
 @pytest.mark.parametrize("kind", sorted(DECODERS))
 def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
     from pagedllm.kernels import cpu_ops

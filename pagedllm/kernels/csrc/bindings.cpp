@@ -33,6 +33,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_k", &qlinear_k, "qlinear with GGUF K-quant scales: int8 sub-block scales x float16 super-block "
         "scales", nogil);
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
+  // raw blocks as any contiguous buffer (a read-only numpy view of the memory-mapped file), read without the GIL
+  m.def("gguf_codes", [](py::buffer raw, const std::string& kind) {
+    const py::buffer_info info = raw.request();
+    TORCH_CHECK(info.itemsize == 1, "gguf_codes: raw blocks must be a contiguous buffer of bytes");
+    for (py::ssize_t d = info.ndim - 1, step = 1; d >= 0; step *= info.shape[d], --d)
+      TORCH_CHECK(info.strides[d] == step, "gguf_codes: raw blocks must be a contiguous buffer of bytes");
+    const py::gil_scoped_release nogil_scope;
+    return gguf_codes(static_cast<const uint8_t*>(info.ptr), info.size, kind);
+  }, "a Q4_K / Q5_K / Q6_K / Q5_0 tensor's codes (raw blocks: a contiguous byte buffer), one byte per weight");
+  m.def("pack_codes", &pack_codes, "codes (rows, K) into qlinear's interleaved layout", nogil);
   m.def("isa", &isa, "the instruction set this build's vector paths use");
   m.def("set_qlinear_amx", &set_qlinear_amx, "qlinear on AMX tiles where built and granted (True) or not; returns "
         "whether it now runs on them", py::arg("on"));

@@ -1,4 +1,4 @@
-// The kernels the module exports (bindings.cpp), defined in attention.cpp and qlinear.cpp.
+// The kernels the module exports (bindings.cpp), defined in attention.cpp, qlinear.cpp, qlinear_k.cpp and pack.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,6 +24,8 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
                    int64_t N);
 at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn,
                      const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N);
+at::Tensor gguf_codes(const uint8_t* raw, int64_t nbytes, const std::string& kind);
+at::Tensor pack_codes(const at::Tensor& codes, int64_t bits);
 std::string isa();
 bool amx_enabled();
 bool set_qlinear_amx(bool on);
