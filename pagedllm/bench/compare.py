@@ -223,12 +223,16 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
                 stop = asyncio.Event()
 
                 async def watch():
+                    # every 20 ms for the first second (a smoke run's few short requests finish within 0.2 s), then
+                    # every 0.2 s (each scrape costs the server a few ms)
+                    t0 = asyncio.get_running_loop().time()
                     async with httpx.AsyncClient() as h:
                         while not stop.is_set():
                             for line in (await h.get(base + "/metrics")).text.splitlines():
                                 if line.startswith("pagedllm:kv_cache_usage_perc{"):
                                     peak["usage"] = max(peak["usage"], float(line.rsplit(" ", 1)[1]))
-                            await asyncio.sleep(0.2)
+                            fast = asyncio.get_running_loop().time() - t0 < 1.0
+                            await asyncio.sleep(0.02 if fast else 0.2)
 
                 w = asyncio.ensure_future(watch())
                 res = await run_load(args, reqs, show_progress=True)
