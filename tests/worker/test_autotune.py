@@ -202,6 +202,12 @@ def test_a_noisy_timer_does_not_spoil_the_plan(native_weights):
     noisy = measure(weights, arch.num_layers, ops, timer=_fake_timer({("block", 4): 2}))
     assert noisy["consistent"] and noisy["layers"]["block"] == clean.timings_ms["layers"]["block"]
     assert plan_from_timings(noisy, "measured").layer_dense_min_tokens == 64
+    # a dense spike (or a float32 GEMM's rightly super-linear time) is kept as measured, not re-measured: it can
+    # only keep the packed blocks
+    dense_spike = measure(weights, arch.num_layers, ops, timer=_fake_timer({("dense", 256): 100}))
+    spiked, clean_256 = dense_spike["layers"]["dense-float32"][256], clean.timings_ms["layers"]["dense-float32"][256]
+    assert dense_spike["consistent"] and spiked == pytest.approx(80 * clean_256)
+    assert plan_from_timings(dense_spike, "measured").layer_dense_min_tokens == 64
     busy = measure(weights, arch.num_layers, ops, timer=_fake_timer({("block", 4): 100}))
     plan = plan_from_timings(busy, "measured")
     assert not busy["consistent"] and plan.source.startswith("arithmetic")
