@@ -134,9 +134,9 @@ def build(march: str = "native", verbose: bool = False, source: Path | None = No
 
     if source is None:
         sources, hashed = SOURCES, SOURCES + HEADERS
-    elif source.is_dir():
-        sources = tuple(source / s.name for s in SOURCES)
-        hashed = sources + tuple(source / h.name for h in HEADERS)
+    elif source.is_dir():  # an older version may lack later files (pack.cpp, qlinear_amx.h)
+        sources = tuple(source / s.name for s in SOURCES if (source / s.name).exists())
+        hashed = sources + tuple(source / h.name for h in HEADERS if (source / h.name).exists())
     else:
         sources = hashed = (source,)
     key = build_key(march, hashed)

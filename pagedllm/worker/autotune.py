@@ -241,13 +241,13 @@ def fit_to_steps(plan: WeightPlan, max_step_tokens: int, max_head_rows: int, cop
     return replace(plan, layer_dense_min_tokens=layer, head_dense_min_tokens=head), notes
 
 
-def cache_key(weights: dict, num_layers: int) -> str:
+def cache_key(weights: dict, num_layers: int, isa: str = "") -> str:
     model, flags = cpu_info()
     shapes = sorted((k, tuple(w.shape), w.bits, w.group_size) for k, w in _layer_weights(weights).items())
     peek = getattr(weights, "peek", weights.get)  # the head's shape and format, without decoding it
     head = peek("lm_head") if "lm_head" in weights else peek("embed")
     h = hashlib.sha256(json.dumps([CACHE_VERSION, model, sorted(flags), os.cpu_count(), torch.get_num_threads(),
-                                   torch.__version__, build_key(target_march()), shapes, num_layers,
+                                   torch.__version__, build_key(target_march()), isa, shapes, num_layers,
                                    [tuple(head.shape), head.bits, head.group_size]]).encode())
     return h.hexdigest()[:16]
 
@@ -255,7 +255,7 @@ def cache_key(weights: dict, num_layers: int) -> str:
 def choose_plan(weights: dict, num_layers: int, ops, remeasure: bool = False) -> WeightPlan:
     """The cached plan for this CPU and model shapes, or a new measurement (a few seconds), cached. A cached entry
     whose timings are inconsistent is measured again; ``remeasure``: measure again in any case."""
-    key = cache_key(weights, num_layers)
+    key = cache_key(weights, num_layers, ops.isa())  # "+amx" or not: the block kernel's speed differs
     path = _cache_path()
     try:
         cached = json.loads(path.read_text())
@@ -266,8 +266,8 @@ def choose_plan(weights: dict, num_layers: int, ops, remeasure: bool = False) ->
             timings = {g: {c: {int(m): float(t) for m, t in per.items()} for c, per in cands.items()}
                        for g, cands in cached[key].items() if g != "consistent"}
             checked = "consistent" in cached[key]  # this version checked it (an inconsistent one: the arithmetic)
-            timings["consistent"] = cached[key].get("consistent", True) and not any(
-                inconsistent(cands["block"]) for cands in timings.values())
+            # from the block curves, not the stored flag (which older versions also set on a dense curve)
+            timings["consistent"] = not any(inconsistent(cands["block"]) for cands in timings.values())
             if (checked or timings["consistent"]) and not remeasure:
                 return plan_from_timings(timings, "cached")
             # an unchecked plan (an older version cached it) that fails the checks: measure again

@@ -1,6 +1,8 @@
 """The auto weight path on CPU (worker/autotune.py): the plan follows the measured timings, is cached per CPU and
 model, and the default engine runs it with output close to the float32 reference."""
 
+import json
+
 import pytest
 import torch
 
@@ -113,6 +115,23 @@ def test_choose_plan_measures_once_then_reads_the_cache(native_weights, tmp_path
     for group in ("layers", "head"):
         assert set(second.timings_ms[group]["block"]) == {1, 16}
         assert all(t > 0 for per in second.timings_ms[group].values() for t in per.values())
+    # an entry an older version flagged for its dense curves alone: the flag comes from the block curves now
+    path = tmp_path / "autotune.json"
+    cached = json.loads(path.read_text())
+    (key,) = cached
+    cached[key]["consistent"] = False
+    path.write_text(json.dumps(cached))
+    assert choose_plan(weights, arch.num_layers, cpu_ops()).source == "cached"  # 2 points (1, 16): consistent
+    # the same CPU and model with the kernels' other mode (AMX off, or refused): its own measurement
+
+    class OtherIsa:
+        def __getattr__(self, name):
+            return getattr(cpu_ops(), name)
+
+        def isa(self):
+            return cpu_ops().isa() + "+other"
+
+    assert choose_plan(weights, arch.num_layers, OtherIsa()).source == "measured" and len(calls) == 2
 
 
 def _agreement(got, ref, logprob_tol: float, tie: float) -> int:

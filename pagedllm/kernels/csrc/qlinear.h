@@ -756,6 +756,9 @@ constexpr int TILE_GT = 1, TILE_MT = 3;
 // rows per sweep of the groups (a multiple of the row tiles): 17% faster than one sweep of all rows at 512-2048 rows
 // (prefill), the same up to 64
 constexpr int64_t ROW_CHUNK = 48;
+#if defined(PAGEDLLM_QAMX)
+static_assert(ROW_CHUNK % AMX_ROWS == 0, "a chunk's AMX tiles must start at a multiple of 16 rows (xa's padding)");
+#endif
 
 template <int BITS, typename T, typename SC>
 void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y) {
@@ -772,7 +775,8 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
   // instead of all M rows streaming past every tile of groups.
   auto groups = [&](int64_t r0, int64_t r1, int64_t begin, int64_t end) {
 #if defined(PAGEDLLM_QAMX)
-    if (amx) return qrun_amx<BITS, ROW_CHUNK>(w, sc, begin, end, gstride, xa, r0, r1, K, nb, N, y);
+    if (amx && r1 - r0 >= AMX_MIN_ROWS)  // a short last chunk: the VNNI tiles (bitwise the same results)
+      return qrun_amx<BITS, ROW_CHUNK>(w, sc, begin, end, gstride, xa, r0, r1, K, nb, N, y);
 #endif
     int64_t g = begin;
     if (r1 - r0 >= TILE_MT) {

@@ -12,7 +12,8 @@
 // the tile unit doing the products, that epilogue (convert, multiply-add with d * s and m * ss) is the work left.
 #pragma once
 
-#if defined(PAGEDLLM_QZMM) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#if defined(PAGEDLLM_QZMM) && !defined(PAGEDLLM_QWIDE) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__linux__)
 #define PAGEDLLM_QAMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
