@@ -144,6 +144,13 @@ def inconsistent(per: dict) -> set[int]:
     return bad
 
 
+def consistent(timings: dict) -> bool:
+    """Whether the block kernel's curves (``{"layers"|"head": {candidate: {batch size: ms}}}``) pass
+    ``inconsistent``; the dense curves are not checked: load only slows them, which can keep the packed blocks but
+    never adds a copy (and a float32 GEMM's time may rightly grow faster than its rows: Gemma 3's head)."""
+    return not any(inconsistent(cands["block"]) for group, cands in timings.items() if group != "consistent")
+
+
 def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES, timer=None, rounds: int = 4) -> dict:
     """{"layers"|"head": {candidate: {batch size: ms}}} for one forward's linears. Points of the block kernel's
     curves that are inconsistent (``inconsistent``) are measured again, up to ``rounds`` times, keeping each point's
@@ -158,7 +165,6 @@ def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES, timer=
         head = row_slice(head, HEAD_ROWS)
     groups = {"layers": list(_layer_weights(weights).values()), "head": [head]}
     res: dict = {}
-    ok = True
     for group, ws in groups.items():
         per: dict = {}
         lins = [_candidates(w, ops) for w in ws]
@@ -170,8 +176,8 @@ def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES, timer=
 
         for name in lins[0]:
             per[name] = {m: point(name, m) for m in batch_sizes}
-            if name != "block":  # load only slows a dense copy: a spike can only keep the packed blocks, never add a
-                continue  # copy (and a float32 GEMM's time may rightly grow faster than its rows: Gemma 3's head)
+            if name != "block":  # not checked (``consistent``)
+                continue
             for _ in range(rounds):
                 bad = inconsistent(per[name])
                 if not bad:
@@ -179,11 +185,10 @@ def measure(weights: dict, num_layers: int, ops, batch_sizes=BATCH_SIZES, timer=
                 for m in sorted(bad):
                     per[name][m] = min(per[name][m], point(name, m))
             if inconsistent(per[name]):
-                ok = False
                 logger.warning("weight path: %s timings of %s still inconsistent after %d re-measurements (a busy "
                                "machine?): %s", group, name, rounds, per[name])
         res[group] = per
-    res["consistent"] = ok
+    res["consistent"] = consistent(res)
     return res
 
 
@@ -241,7 +246,7 @@ def fit_to_steps(plan: WeightPlan, max_step_tokens: int, max_head_rows: int, cop
     return replace(plan, layer_dense_min_tokens=layer, head_dense_min_tokens=head), notes
 
 
-def cache_key(weights: dict, num_layers: int, isa: str = "") -> str:
+def cache_key(weights: dict, num_layers: int, isa: str) -> str:
     model, flags = cpu_info()
     shapes = sorted((k, tuple(w.shape), w.bits, w.group_size) for k, w in _layer_weights(weights).items())
     peek = getattr(weights, "peek", weights.get)  # the head's shape and format, without decoding it
@@ -267,7 +272,7 @@ def choose_plan(weights: dict, num_layers: int, ops, remeasure: bool = False) ->
                        for g, cands in cached[key].items() if g != "consistent"}
             checked = "consistent" in cached[key]  # this version checked it (an inconsistent one: the arithmetic)
             # from the block curves, not the stored flag (which older versions also set on a dense curve)
-            timings["consistent"] = not any(inconsistent(cands["block"]) for cands in timings.values())
+            timings["consistent"] = consistent(timings)
             if (checked or timings["consistent"]) and not remeasure:
                 return plan_from_timings(timings, "cached")
             # an unchecked plan (an older version cached it) that fails the checks: measure again

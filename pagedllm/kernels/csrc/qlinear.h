@@ -490,6 +490,15 @@ inline __m512 load_pair(const KPtr& a, const KPtr& b) {
                                              _mm256_castps_pd(load8(b)), 1));
 }
 
+// One block's float step on 16 outputs (two groups): the block's exact integer sums isum times d * s, plus m * ss,
+// into the running sums. qtile512 and the AMX tiles (qlinear_amx.h) both take it, so their results are bitwise equal.
+template <bool OFF>
+inline __m512 block_step512(__m512 acc, __m512i isum, __m512 dv, __m512 mv, float s, float ss) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(s)), acc);
+  if constexpr (OFF) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss), acc);
+  return acc;
+}
+
 // qtile on 512-bit vectors: PT pairs of groups (g0 + 2p, g0 + 2p + 1) in one vector each, so one vpdpbusd does 64
 // products (twice the 256-bit rate on CPUs that issue one of either per cycle). The same integer sums and, per
 // 8 rows, the same float steps as qtile: the results are bitwise those of the 256-bit tiles.
@@ -565,10 +574,7 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
           const int64_t row = (r0 + r) * nb + b;
           __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r]);
           if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * act_isum<SUB>(xa, row, half)));
-          acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xa.s[row])),
-                                      acc[p][r]);
-          if constexpr (SC::offsets)
-            acc[p][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(act_ss<SUB>(xa, row, half)), acc[p][r]);
+          acc[p][r] = block_step512<SC::offsets>(acc[p][r], s, dv, mv, xa.s[row], act_ss<SUB>(xa, row, half));
         }
       }
     }

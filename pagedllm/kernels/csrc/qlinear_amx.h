@@ -2,7 +2,7 @@
 // (tdpbsud: signed activations x unsigned 4-bit codes; tdpbssd: x signed 8-bit codes), 16 activation rows by 16
 // weight rows per instruction, instead of one vpdpbusd per 4 inputs. They are the exact integers the VNNI tiles
 // sum (a signed 8-bit code needs no +128 shift here), and the float steps per block are qtile512's, in the same
-// order: the results are bitwise those of the AVX-512 tiles, for any batch (so a row's result does not depend on
+// order (block_step512): the results are bitwise those of the AVX-512 tiles, for any batch (so a row's result does not depend on
 // whether its batch ran here).
 //
 // Per block of 32 inputs (16 with SUB 2): the B tiles hold 4 groups of 8 weight rows (two tiles of 16 columns;
@@ -112,17 +112,15 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
         const int64_t nr = std::min<int64_t>(AMX_ROWS, r1 - rt);
         for (int64_t i = 0; i < nr; ++i) {
           const int64_t row = (rt + i) * nb + b;
-          const __m512 sx = _mm512_set1_ps(xa.s[row]);
-          const __m512 ss = _mm512_set1_ps(act_ss<SUB>(xa, row, h));
+          const float sx = xa.s[row], ss = act_ss<SUB>(xa, row, h);
           float* a = acc[rt - r0 + i];
           for (int t = 0; t < 2; ++t) {
             const __m512i hi = _mm512_load_si512(c[2 * t][i]), lo = _mm512_load_si512(c[2 * t + 1][i]);
             // 254 hi + lo (exact: |254 hi + lo| < 2^31), as qtile512's mullo
             const __m512i s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)),
                                                lo);
-            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv[t], sx), _mm512_load_ps(a + 16 * t));
-            if constexpr (SC::offsets) v = _mm512_fmadd_ps(mv[t], ss, v);
-            _mm512_store_ps(a + 16 * t, v);
+            _mm512_store_ps(a + 16 * t,
+                            block_step512<SC::offsets>(_mm512_load_ps(a + 16 * t), s, dv[t], mv[t], sx, ss));
           }
         }
       }
