@@ -91,7 +91,7 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
         elif (block_ops is not None and device.type == "cpu" and w.group_size % SUBBLOCK == 0
               and w.shape[1] % QBLOCK == 0):
             lin = BlockQuantLinear(w, bias, device, dtype, block_ops)
-        elif w.bits == 8 and w.symmetric and w.group_size == w.shape[1]:
+        elif (w := w.materialized()).bits == 8 and w.symmetric and w.group_size == w.shape[1]:
             lin = Int8Linear(w, bias, device, dtype)
         elif w.bits == 4:
             lin = Int4Linear(w, bias, device, dtype)

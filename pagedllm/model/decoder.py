@@ -76,7 +76,9 @@ class CausalLM:
                 w = pop(fused)
             else:
                 ws = [pop(p) for p in parts]
-                w = torch.cat(ws, dim=0) if isinstance(ws[0], torch.Tensor) else concat(ws)
+                # the block kernel packs fused parts from their own codes (no concatenated copy of a byte per weight)
+                w = torch.cat(ws, dim=0) if isinstance(ws[0], torch.Tensor) else concat(
+                    ws, defer_codes=block_ops is not None)
             if isinstance(w, torch.Tensor) and quant is not None:
                 w = quantize_weight(w.float(), quant.scheme(layer_type), quant)
             min_tokens = dense_min_tokens if dense else 0

@@ -8,6 +8,7 @@ zeros go to the kernels unchanged. Symmetric weights have no zero. Round-to-near
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,12 @@ class QuantizedWeight:
     # GGUF K-quants' own scales, when the weight came from such a file: scales == super_d * sub_d and zeros ==
     # super_m * sub_m (exact float32 products), which the block kernel keeps at 1 byte per sub-block instead of 4
     kscales: "KScales | None" = None
+    # codes not yet in one array: ``codes`` is then a tensor on the meta device (its shape only: reading it raises)
+    # and ``code_parts`` holds them, rows in order, each a uint8 code tensor or a source that decodes on demand (a
+    # GGUF tensor's raw blocks: ``quant.gguf_blocks.RawCodes``, with ``tensor()``, ``widened()``, ``rows(n)``). The
+    # block kernel packs the parts as they are (a fused layer without a concatenated copy, a GGUF tensor without an
+    # array of a byte per weight); ``materialized()`` gives any other consumer the codes in one tensor
+    code_parts: tuple | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -53,6 +60,13 @@ class QuantizedWeight:
     @property
     def symmetric(self) -> bool:
         return self.zeros is None
+
+    def materialized(self) -> "QuantizedWeight":
+        """This weight with its codes in one tensor (concatenated from ``code_parts`` where deferred)."""
+        if self.code_parts is None:
+            return self
+        codes = [c if isinstance(c, torch.Tensor) else c.tensor() for c in self.code_parts]
+        return dataclasses.replace(self, codes=codes[0] if len(codes) == 1 else torch.cat(codes), code_parts=None)
 
 
 @dataclass
@@ -110,6 +124,7 @@ def float16_blocks(qw: QuantizedWeight) -> QuantizedWeight:
     codes q) rounded to float16, the codes kept."""
     if qw.bits != 4 or qw.zeros is None:
         raise ValueError("float16_blocks takes 4-bit asymmetric weights")
+    qw = qw.materialized()
     d = qw.scales.half().float()
     m = (qw.zeros - 8 * qw.scales).half().float()
     return QuantizedWeight(qw.codes, d, m + 8 * d, 4, qw.group_size, qw.input_scale)
@@ -128,6 +143,7 @@ def encode(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bi
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The effective full-precision weight, input scaling (AWQ) folded back in."""
+    qw = qw.materialized()
     n, k = qw.codes.shape
     ng = k // qw.group_size
     q = qw.codes.reshape(n, ng, qw.group_size).float() - qw.code_mid
@@ -150,8 +166,9 @@ def dequantize_fp8(fw: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.T
     return (fw.data.float() * fw.scales.unsqueeze(1)).to(dtype)
 
 
-def concat(parts: list) -> QuantizedWeight | Fp8Weight:
-    """Stack quantized weights along the output dimension (fusing q/k/v or gate/up)."""
+def concat(parts: list, defer_codes: bool = False) -> QuantizedWeight | Fp8Weight:
+    """Stack quantized weights along the output dimension (fusing q/k/v or gate/up). ``defer_codes``: the codes
+    stay in the parts (``code_parts``; a block kernel packs them straight from there)."""
     if len(parts) == 1:
         return parts[0]
     p0 = parts[0]
@@ -171,10 +188,16 @@ def concat(parts: list) -> QuantizedWeight | Fp8Weight:
         ks = KScales(cat(lambda k: k.super_d), cat(lambda k: k.sub_d),
                      None if k0.super_m is None else cat(lambda k: k.super_m),
                      None if k0.sub_m is None else cat(lambda k: k.sub_m))
+    code_parts = None
+    if defer_codes:
+        code_parts = tuple(c for p in parts for c in (p.code_parts if p.code_parts is not None else (p.codes,)))
+        codes = torch.empty(sum(p.shape[0] for p in parts), p0.shape[1], dtype=torch.uint8, device="meta")
+    else:
+        codes = torch.cat([p.materialized().codes for p in parts])
     return QuantizedWeight(
-        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+        codes, torch.cat([p.scales for p in parts]),
         None if p0.zeros is None else torch.cat([p.zeros for p in parts]), p0.bits, p0.group_size,
-        p0.input_scale, p0.offset_form, ks,
+        p0.input_scale, p0.offset_form, ks, code_parts,
     )
 
 
@@ -193,9 +216,13 @@ def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
         if p.group_size % group:
             raise ValueError(f"group sizes {p.group_size} and {group} do not nest")
         rep = p.group_size // group
-        codes, zeros, offset_form = p.codes, p.zeros, p.offset_form
+        codes, zeros, offset_form, code_parts = p.codes, p.zeros, p.offset_form, p.code_parts
         if p.bits != bits:  # 4 -> 8: the signed code c = q - code_mid, stored as c + 128; zeros/offsets unchanged
-            codes = (codes.to(torch.int16) - p.code_mid + 128).to(torch.uint8)
+            widen = lambda c: (c.to(torch.int16) - p.code_mid + 128).to(torch.uint8)  # noqa: E731
+            if code_parts is not None and p.code_mid == 0:  # deferred codes c: c + 128 when read
+                code_parts = tuple(widen(c) if isinstance(c, torch.Tensor) else c.widened() for c in code_parts)
+            else:
+                codes, code_parts = widen(p.materialized().codes), None
             offset_form = False  # 8-bit zeros are offsets already
         if with_zeros and zeros is None:
             zeros = torch.zeros_like(p.scales, dtype=torch.float32)
@@ -212,7 +239,7 @@ def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
                              None if ks.sub_m is None else ks.sub_m.repeat_interleave(rep, dim=1))
             if with_zeros and ks.sub_m is None:  # zero offsets: 0 * 0
                 ks = KScales(ks.super_d, ks.sub_d, torch.zeros_like(ks.super_d), torch.zeros_like(ks.sub_d))
-        out.append(QuantizedWeight(codes, scales, zeros, bits, group, None, offset_form and bits == 4, ks))
+        out.append(QuantizedWeight(codes, scales, zeros, bits, group, None, offset_form and bits == 4, ks, code_parts))
     if bits == 4 and len({p.offset_form for p in out}) > 1:
         out = [to_offset_form(p) for p in out]
     return out
@@ -224,19 +251,31 @@ def to_offset_form(qw: QuantizedWeight) -> QuantizedWeight:
         return qw
     zeros = torch.zeros_like(qw.scales, dtype=torch.float32) if qw.zeros is None else qw.zeros.float()
     m = zeros - qw.scales.float() * (2 ** (qw.bits - 1)) if qw.bits == 4 else zeros
-    return QuantizedWeight(qw.codes, qw.scales, m, qw.bits, qw.group_size, qw.input_scale, True)
+    return dataclasses.replace(qw, zeros=m, offset_form=True)  # the codes (or their parts) unchanged
 
 
 def reorder_rows(qw: QuantizedWeight, perm_fn) -> QuantizedWeight:
     """Apply a row permutation (given as a function on (N, ...) tensors) to codes, scales and zeros."""
+    qw = qw.materialized()
     return QuantizedWeight(perm_fn(qw.codes), perm_fn(qw.scales), None if qw.zeros is None else perm_fn(qw.zeros),
                            qw.bits, qw.group_size, qw.input_scale, qw.offset_form,
                            None if qw.kscales is None else qw.kscales.map(perm_fn))
 
 
 def row_slice(qw: QuantizedWeight, n: int) -> QuantizedWeight:
-    """The first ``n`` output rows of ``qw`` (views, no copy)."""
-    return reorder_rows(qw, lambda x: x[:n])
+    """The first ``n`` output rows of ``qw`` (views, no copy; deferred codes stay deferred)."""
+    if qw.code_parts is None:
+        return reorder_rows(qw, lambda x: x[:n])
+    parts, left = [], n
+    for c in qw.code_parts:
+        if left <= 0:
+            break
+        parts.append(c[:left] if isinstance(c, torch.Tensor) else c.rows(left))
+        left -= parts[-1].shape[0]
+    s = lambda x: None if x is None else x[:n]  # noqa: E731
+    return dataclasses.replace(qw, codes=qw.codes[:n], scales=qw.scales[:n], zeros=s(qw.zeros),
+                               kscales=None if qw.kscales is None else qw.kscales.map(lambda x: x[:n]),
+                               code_parts=tuple(parts))
 
 
 def weight_error_bound(qw: QuantizedWeight) -> torch.Tensor:

@@ -17,6 +17,7 @@ Blocks of 16 (``group_size`` 16) run with a scale per half block of 32 in the ke
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -61,46 +62,80 @@ def _raw16(b: np.ndarray) -> np.ndarray:
 
 
 def _weight(rows: int, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int,
-            group: int, ks: tuple | None = None) -> QuantizedWeight:
-    """A ``QuantizedWeight`` (rows, K) from flat per-block arrays; 8-bit ``codes`` are signed (stored + 128).
+            group: int, ks: tuple | None = None, stored: bool = False) -> QuantizedWeight:
+    """A ``QuantizedWeight`` (rows, K) from flat per-block arrays; 8-bit ``codes`` are signed (stored + 128), or
+    already stored (``stored``: the kernels' ``gguf_codes``).
     ``ks``: a K-quant's (super_d, sub_d, super_m, sub_m) per super-block (float16 (n,), int8 (n, subs)), with
     scales == super_d * sub_d and offsets == super_m * sub_m."""
     c = codes.reshape(rows, -1)
-    if bits == 8:
-        c = c.view(np.uint8) ^ np.uint8(0x80)  # s + 128 as a byte: its sign bit flipped
+    if isinstance(c, torch.Tensor):  # deferred codes (``RawCodes``): their shape only, on the meta device
+        codes_t = c
+    else:
+        if bits == 8 and not stored:
+            c = c.view(np.uint8) ^ np.uint8(0x80)  # s + 128 as a byte: its sign bit flipped
+        codes_t = torch.from_numpy(np.ascontiguousarray(c, dtype=np.uint8))
     t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(rows, -1))
     kscales = None
     if ks is not None:
         r = lambda a, dt: None if a is None else torch.from_numpy(  # noqa: E731
             np.ascontiguousarray(a, dtype=dt).reshape(rows, -1))
         kscales = KScales(r(ks[0], np.float16), r(ks[1], np.int8), r(ks[2], np.float16), r(ks[3], np.int8))
-    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(c, dtype=np.uint8)), t(scales), t(offsets), bits,
-                           group, offset_form=offsets is not None, kscales=kscales)
+    return QuantizedWeight(codes_t, t(scales), t(offsets), bits, group, offset_form=offsets is not None,
+                           kscales=kscales)
 
 
-def q4_0(data: np.ndarray) -> QuantizedWeight:
+# The types whose codes the kernels decode in one pass (``gguf_codes``: what a start-up spends most on, a byte per
+# weight), with their (values, bytes) per block. Their decoders take those codes as ``codes`` (the rows' stored codes,
+# 8-bit ones + 128) and compute only the scales; without the kernels, numpy's steps below give the same codes.
+FAST_CODES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (QK, 144),
+              "Q5_K": (QK, 176), "Q6_K": (QK, 210)}
+
+
+class RawCodes:
+    """A GGUF tensor's codes left in its raw blocks (``data``: its rows of the memory map) until something reads
+    them: the block kernel's packing (``pack_parts``) decodes them 8 rows at a time, so a start-up writes no array of
+    a byte per weight; ``tensor()`` decodes them all for any other consumer (``QuantizedWeight.materialized``).
+    ``widen``: 4-bit codes c read as 8-bit ones (stored c + 128), in a fused layer of 8-bit codes. ``release``: drops
+    the rows' pages of the map from the resident set once packed (they stay readable)."""
+
+    def __init__(self, data: np.ndarray, kind: str, widen: bool = False, release=None) -> None:
+        values, nbytes = FAST_CODES[kind]
+        self.data, self.kind, self.widen, self.release = data, kind, widen, release
+        self.shape = (data.shape[0], data.shape[1] // nbytes * values)
+
+    def widened(self) -> "RawCodes":
+        return RawCodes(self.data, self.kind, True, self.release)
+
+    def rows(self, n: int) -> "RawCodes":
+        return RawCodes(self.data[:n], self.kind, self.widen)
+
+    def source(self) -> tuple:
+        """``pack_parts``'s description of these rows."""
+        return self.data, self.kind, self.shape[0], self.widen
+
+    def tensor(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=torch.uint8)
+        cpu_ops().gguf_codes(self.data, self.kind, out)
+        if self.widen:
+            out |= 0x80
+        return out
+
+
+def q4_0(data: np.ndarray, codes: np.ndarray | None = None) -> QuantizedWeight:
     rows, b = _blocks(data, 18)
     d = _f16(b[:, 0:2])
-    return _weight(rows, _nibbles(b[:, 2:]), d, -8 * d, 4, 32)
+    return _weight(rows, _nibbles(b[:, 2:]) if codes is None else codes, d, -8 * d, 4, 32)
 
 
-def q4_1(data: np.ndarray) -> QuantizedWeight:
+def q4_1(data: np.ndarray, codes: np.ndarray | None = None) -> QuantizedWeight:
     rows, b = _blocks(data, 20)
-    return _weight(rows, _nibbles(b[:, 4:]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 4, 32)
+    return _weight(rows, _nibbles(b[:, 4:]) if codes is None else codes, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 4, 32)
 
 
-def q8_0(data: np.ndarray) -> QuantizedWeight:
+def q8_0(data: np.ndarray, codes: np.ndarray | None = None) -> QuantizedWeight:
     rows, b = _blocks(data, 34)
-    return _weight(rows, b[:, 2:].view(np.int8), _f16(b[:, 0:2]), None, 8, 32)
-
-
-def _fast_codes(b: np.ndarray, kind: str) -> np.ndarray | None:
-    """The codes of blocks ``b`` (``(n, bytes per block)``) from the kernels' ``gguf_codes`` (one pass in C++: a
-    model's start-up decodes a code per weight), or None without the kernels (then numpy's steps below)."""
-    ops = cpu_ops()
-    if ops is None:
-        return None
-    return ops.gguf_codes(np.ascontiguousarray(b), kind).numpy()
+    return _weight(rows, b[:, 2:].view(np.int8) if codes is None else codes, _f16(b[:, 0:2]), None, 8, 32,
+                   stored=codes is not None)
 
 
 def _q5_values(b: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -108,12 +143,12 @@ def _q5_values(b: np.ndarray, qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     return (_nibbles(qs).reshape(len(b), 32) | (_bits(qh) << 4)).astype(np.int8)
 
 
-def q5_0(data: np.ndarray) -> QuantizedWeight:
+def q5_0(data: np.ndarray, codes: np.ndarray | None = None) -> QuantizedWeight:
     rows, b = _blocks(data, 22)
-    codes = _fast_codes(b, "Q5_0")
+    stored = codes is not None
     if codes is None:
         codes = _q5_values(b, b[:, 2:6], b[:, 6:]) - 16
-    return _weight(rows, codes, _f16(b[:, 0:2]), None, 8, 32)
+    return _weight(rows, codes, _f16(b[:, 0:2]), None, 8, 32, stored=stored)
 
 
 def q5_1(data: np.ndarray) -> QuantizedWeight:
@@ -121,49 +156,54 @@ def q5_1(data: np.ndarray) -> QuantizedWeight:
     return _weight(rows, _q5_values(b, b[:, 4:8], b[:, 8:]), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 8, 32)
 
 
-def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and eight 6-bit mins -> (n, 8) each."""
+def _k_scale_min(b: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K blocks' 12 bytes of eight 6-bit scales and eight 6-bit mins -> (n, 8) each."""
+    ops = cpu_ops()
+    if ops is not None:
+        both = ops.gguf_k_scales(b, kind).numpy()
+        return both[:, :8].astype(np.float32), both[:, 8:].astype(np.float32)
+    s = b[:, 4:16]
     d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
     mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def q4_k(data: np.ndarray) -> QuantizedWeight:
+def q4_k(data: np.ndarray, codes: np.ndarray | None = None) -> QuantizedWeight:
     rows, b = _blocks(data, 144)
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    sc, mn = _k_scale_min(b[:, 4:16])
-    codes = _fast_codes(b, "Q4_K")
+    sc, mn = _k_scale_min(b, "Q4_K")
     if codes is None:
         codes = _nibbles(b[:, 16:].reshape(-1, 4, 32), axis=2)  # (n, 4, 2, 32)
     return _weight(rows, codes, d * sc, -(dmin * mn), 4, 32, (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn))
 
 
-def q5_k(data: np.ndarray) -> QuantizedWeight:
+def q5_k(data: np.ndarray, codes: np.ndarray | None = None) -> QuantizedWeight:
     rows, b = _blocks(data, 176)
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    sc, mn = _k_scale_min(b[:, 4:16])
-    codes = _fast_codes(b, "Q5_K")
+    sc, mn = _k_scale_min(b, "Q5_K")
+    stored = codes is not None
     if codes is None:
         qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
         low = _nibbles(qs, axis=2).reshape(-1, 8, 32)
         high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32): bit i of block i
         codes = low | (high << 4)
-    return _weight(rows, codes.view(np.int8), d * sc, -(dmin * mn), 8, 32,
-                   (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn))
+    return _weight(rows, codes if stored else codes.view(np.int8), d * sc, -(dmin * mn), 8, 32,
+                   (_raw16(b[:, 0:2]), sc, _raw16(b[:, 2:4]), -mn), stored=stored)
 
 
-def q6_k(data: np.ndarray) -> QuantizedWeight:
+def q6_k(data: np.ndarray, codes: np.ndarray | None = None) -> QuantizedWeight:
     rows, b = _blocks(data, 210)
     ql, qh, sc, d = b[:, 0:128], b[:, 128:192], b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
-    q = _fast_codes(b, "Q6_K")
+    q = codes
     if q is None:
         q = _nibbles(ql.reshape(-1, 2, 64), axis=2).reshape(-1, 8, 32)  # the low 4 bits
         high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
         q |= high.reshape(-1, 8, 32) << 4
         q = q.view(np.int8)
         q -= 32
-    return _weight(rows, q, d[:, None] * sc.astype(np.float32), None, 8, 16, (_raw16(b[:, 208:210]), sc, None, None))
+    return _weight(rows, q, d[:, None] * sc.astype(np.float32), None, 8, 16, (_raw16(b[:, 208:210]), sc, None, None),
+                   stored=codes is not None)
 
 
 def q2_k(data: np.ndarray) -> QuantizedWeight:
@@ -220,21 +260,39 @@ DECODERS: dict[str, Callable[[np.ndarray], QuantizedWeight]] = {
 CHUNK_ROWS = 8192  # rows decoded at a time: the decoders' temporaries stay a few MiB, not a few per weight
 
 
-def decode(data: np.ndarray, kind: str) -> QuantizedWeight:
+def decode(data: np.ndarray, kind: str, defer: bool = False, release=None) -> QuantizedWeight:
     """The tensor's blocks as a ``QuantizedWeight`` (``kind``: a key of ``DECODERS``), decoded in chunks of rows
-    into the result's own arrays (a large embedding's temporaries would otherwise be several times its size)."""
+    into the result's own arrays (a large embedding's temporaries would otherwise be several times its size). The
+    codes of ``FAST_CODES`` types come from the kernels in one pass over the whole tensor, straight into the
+    result, or with ``defer`` are left in the blocks (``RawCodes``, with ``release`` for after they are packed)."""
     data = data.reshape(-1, data.shape[-1])
-    if len(data) <= CHUNK_ROWS:
-        return DECODERS[kind](data)
-    first = DECODERS[kind](data[:CHUNK_ROWS])
     rows = len(data)
+    ops = cpu_ops() if kind in FAST_CODES else None
+    codes = given = raw = None
+    if ops is not None:
+        data = np.ascontiguousarray(data)
+        if defer:
+            raw = RawCodes(data, kind, release=release)
+            codes = given = torch.empty(raw.shape, dtype=torch.uint8, device="meta")
+        else:
+            values, nbytes = FAST_CODES[kind]
+            codes = torch.empty(rows, data.shape[1] // nbytes * values, dtype=torch.uint8)
+            ops.gguf_codes(data, kind, codes)
+            given = codes.numpy()
+    chunk = lambda r: DECODERS[kind](data[r:r + CHUNK_ROWS], codes=given[r:r + CHUNK_ROWS]) if (  # noqa: E731
+        given is not None) else DECODERS[kind](data[r:r + CHUNK_ROWS])
+    if rows <= CHUNK_ROWS:
+        qw = chunk(0)
+        return qw if raw is None else dataclasses.replace(qw, code_parts=(raw,))
+    first = chunk(0)
     empty = lambda t: None if t is None else t.new_empty(rows, t.shape[1])  # noqa: E731
-    out = QuantizedWeight(empty(first.codes), empty(first.scales), empty(first.zeros), first.bits, first.group_size,
-                          offset_form=first.offset_form, kscales=None if first.kscales is None else
-                          first.kscales.map(empty))
+    out = QuantizedWeight(codes if codes is not None else empty(first.codes), empty(first.scales),
+                          empty(first.zeros), first.bits, first.group_size, offset_form=first.offset_form,
+                          kscales=None if first.kscales is None else first.kscales.map(empty))
     for r in range(0, rows, CHUNK_ROWS):
-        part = first if r == 0 else DECODERS[kind](data[r:r + CHUNK_ROWS])
-        out.codes[r:r + CHUNK_ROWS] = part.codes
+        part = first if r == 0 else chunk(r)
+        if codes is None:
+            out.codes[r:r + CHUNK_ROWS] = part.codes
         out.scales[r:r + CHUNK_ROWS] = part.scales
         if out.zeros is not None:
             out.zeros[r:r + CHUNK_ROWS] = part.zeros
@@ -242,7 +300,7 @@ def decode(data: np.ndarray, kind: str) -> QuantizedWeight:
             for dst, src in zip(_fields(out.kscales), _fields(part.kscales)):
                 if dst is not None:
                     dst[r:r + CHUNK_ROWS] = src
-    return out
+    return out if raw is None else dataclasses.replace(out, code_parts=(raw,))
 
 
 def _fields(k: KScales) -> tuple:
@@ -264,6 +322,9 @@ class LazyBlocks:
         self.group_size = 16 if kind in GROUP_16 else 32
 
     def load(self) -> QuantizedWeight:
+        if self.post is None and self.kind in FAST_CODES and cpu_ops() is not None:
+            # the codes stay in the file's blocks until the block kernel packs them (then their pages are released)
+            return decode(self.data, self.kind, defer=True, release=self.release)
         qw = decode(self.data, self.kind)
         if self.post is not None:
             qw = self.post(qw)

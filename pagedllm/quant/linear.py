@@ -157,10 +157,16 @@ class BlockQuantLinear(_Packed):
         else:  # w = d*s + zero with s = q - 128: the code's sign bit flipped, done on the packed copy below
             m = zero
         pad = ng * 8 - n  # zero rows up to a whole group of 8 (their outputs are not stored)
-        if pad:
-            codes = F.pad(codes, (0, 0, 0, pad), value=0 if qw.bits == 4 else 128)
-        self.codes = ops.pack_codes(codes.contiguous(), qw.bits)  # the interleaved layout (kernels' pack.cpp)
-        del codes
+        # the interleaved layout (kernels' pack.cpp), padded with zero weights; a fused weight's parts one after
+        # another (no concatenated copy), a GGUF tensor's codes decoded from its blocks as they are packed
+        parts = qw.code_parts if qw.code_parts is not None else (codes,)
+        sources = [(c.contiguous().numpy(), "", len(c), False) if isinstance(c, torch.Tensor) else c.source()
+                   for c in parts]
+        self.codes = ops.pack_parts(sources, qw.bits, k)
+        for c in parts:
+            if getattr(c, "release", None) is not None:
+                c.release()  # the file's pages of these blocks: not read again
+        del codes, parts, sources
 
         def groups(v: torch.Tensor) -> torch.Tensor:  # (N, K/32 * sub) -> (N/8, K/32 * sub * 8)
             return F.pad(v, (0, 0, 0, pad)).reshape(ng, 8, nb * sub).transpose(1, 2).reshape(ng, nb * sub * 8

@@ -117,10 +117,11 @@ def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
     p = "layers.0."
     mlp = p if f"{p}down" in weights else f"{p}experts.0."
     return {
-        "qkv": weights[p + "qkv"] if p + "qkv" in weights else concat([weights[p + n] for n in ("q", "k", "v")]),
+        "qkv": weights[p + "qkv"] if p + "qkv" in weights else concat([weights[p + n] for n in ("q", "k", "v")],
+                                                                       defer_codes=True),
         "o": weights[p + "o"],
         "gate_up": weights[mlp + "gate_up"] if mlp + "gate_up" in weights else concat(
-            [weights[mlp + "gate"], weights[mlp + "up"]]),
+            [weights[mlp + "gate"], weights[mlp + "up"]], defer_codes=True),
         "down": weights[mlp + "down"],
     }
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm.quant.formats import concat, dequantize
-from pagedllm.quant.gguf_blocks import DECODERS, decode
+from pagedllm.quant.gguf_blocks import DECODERS, FAST_CODES, decode
 from helpers import model_of
 
 # byte offsets of each type's float16 fields in a block (set to finite random values)
@@ -53,22 +53,112 @@ def test_decoded_values_equal_gguf_bit_for_bit(kind):
     assert torch.equal(dequantize(qw), ref)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", sorted(FAST_CODES))
 def test_kernel_decoded_codes_equal_numpy_decoders(kind, monkeypatch):
-    """The kernels' one-pass decoding of these types' codes (``gguf_codes``, what a start-up runs) gives the numpy
-    decoders' codes (the path without the kernels); the test above checks the values against gguf's."""
+    """The kernels' one-pass decoding of these types' codes and K-quant sub-scales (``gguf_codes``,
+    ``gguf_k_scales``: what a start-up runs) gives the numpy decoders' codes and scales (the path without the
+    kernels); the test above checks the values against gguf's. Rows past ``CHUNK_ROWS`` (the scales' chunks, the
+    codes in one pass into the result) are covered by shrinking the chunk."""
     import pagedllm.quant.gguf_blocks as gb
 
     raw = random_blocks(kind, 24, 512, seed=3)
+    monkeypatch.setattr(gb, "CHUNK_ROWS", 16)
     fast = decode(raw, kind)
     monkeypatch.setattr(gb, "cpu_ops", lambda: None)
     slow = decode(raw, kind)
     assert fast.codes.dtype == slow.codes.dtype == torch.uint8 and torch.equal(fast.codes, slow.codes)
+    assert torch.equal(fast.scales, slow.scales)
+    assert (fast.zeros is None) == (slow.zeros is None) and (fast.zeros is None or torch.equal(fast.zeros, slow.zeros))
+    assert (fast.kscales is None) == (slow.kscales is None)
+    if fast.kscales is not None:
+        for a, b in zip(dataclasses.astuple(fast.kscales), dataclasses.astuple(slow.kscales)):
+            assert (a is None and b is None) or torch.equal(a, b)
     assert torch.equal(dequantize(fast), dequantize(slow))
     from pagedllm.kernels import cpu_ops
 
+    values, nbytes = FAST_CODES[kind]
     with pytest.raises(RuntimeError, match="not whole"):
-        cpu_ops().gguf_codes(raw.reshape(-1)[:-1], kind)
+        cpu_ops().gguf_codes(raw.reshape(-1)[:-1], kind, torch.empty(raw.size // nbytes * values, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="out must be"):
+        cpu_ops().gguf_codes(raw.reshape(-1), kind, torch.empty(raw.size // nbytes * values - 1, dtype=torch.uint8))
+
+
+def _pack(parts, bits):
+    """``pack_parts`` of code tensors."""
+    from pagedllm.kernels import cpu_ops
+
+    return cpu_ops().pack_parts([(p.numpy(), "", len(p), False) for p in parts], bits, parts[0].shape[1])
+
+
+def test_pack_parts_equals_the_layout_of_their_concatenation():
+    """``pack_parts`` of fused parts (q/k/v with row counts not a multiple of 8) is the packing of their
+    concatenation padded with zero weights: byte for byte, 4- and 8-bit, in the layout of qlinear.h."""
+    g = torch.Generator().manual_seed(0)
+    for bits, pad in ((4, 0), (8, 128)):
+        parts = [torch.randint(0, 2 ** bits, (n, 64), generator=g, dtype=torch.uint8) for n in (13, 6, 8)]
+        whole = torch.cat(parts + [torch.full((5, 64), pad, dtype=torch.uint8)])  # 27 rows -> 32
+        packed = _pack([whole], bits)
+        assert torch.equal(_pack(parts, bits), packed)
+        for row, blk in ((10, 1), (3, 0), (31, 1)):  # group row // 8, block of 32 inputs, unit i, byte t
+            dst = packed[row // 8, blk * bits * 32:(blk + 1) * bits * 32]
+            src = whole[row, blk * 32:(blk + 1) * 32]
+            for i in range(4 if bits == 4 else 8):
+                for t in range(4):
+                    got = int(dst[32 * i + 4 * (row % 8) + t])
+                    want = (int(src[4 * i + t]) | int(src[16 + 4 * i + t]) << 4) if bits == 4 else (
+                        int(src[4 * i + t]) ^ 0x80)
+                    assert got == want
+
+
+@pytest.mark.parametrize("kind", sorted(FAST_CODES))
+def test_packing_raw_blocks_equals_packing_their_decoded_codes(kind):
+    """The block kernel packs a GGUF tensor's codes straight from its blocks (``RawCodes``: what a start-up runs,
+    no array of a byte per weight): the same bytes as packing the decoded codes, alone, fused with a part of codes,
+    and widened (4-bit codes in an 8-bit layer: + 128); ``row_slice`` of deferred codes slices the blocks."""
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.quant.formats import row_slice
+    from pagedllm.quant.gguf_blocks import RawCodes
+
+    ops = cpu_ops()
+    raw = random_blocks(kind, 21, 512, seed=5)
+    rc = RawCodes(raw, kind)
+    codes = decode(raw, kind).codes
+    assert torch.equal(rc.tensor(), codes)
+    bits = 4 if decode(raw, kind).bits == 4 else 8
+    other = torch.randint(0, 2 ** bits, (11, 512), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    assert torch.equal(ops.pack_parts([rc.source()], bits, 512), _pack([codes], bits))
+    assert torch.equal(ops.pack_parts([(other.numpy(), "", 11, False), rc.source()], bits, 512),
+                       _pack([other, codes], bits))
+    if bits == 4:
+        assert torch.equal(rc.widened().tensor(), codes + 128)
+        assert torch.equal(ops.pack_parts([rc.widened().source()], 8, 512), _pack([codes + 128], 8))
+    deferred = decode(raw, kind, defer=True)
+    assert deferred.codes.is_meta and deferred.code_parts[0].shape == (21, 512)
+    assert torch.equal(deferred.materialized().codes, codes)
+    assert torch.equal(row_slice(deferred, 5).materialized().codes, codes[:5])
+    assert torch.equal(dequantize(deferred), dequantize(decode(raw, kind)))
+    with pytest.raises(RuntimeError, match="a part of 21 rows has"):  # bytes that are not the rows they claim
+        ops.pack_parts([(raw[:20], kind, 21, False)], bits, 512)
+
+
+def test_fused_deferred_weight_packs_as_the_concatenated_one():
+    """A GGUF layer fused from a Q4_K and a Q6_K part (the 1.5B's q/k/v in half its layers) with deferred codes
+    builds the same block linear (packed codes, scales) as from the decoded, concatenated weight."""
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    ops = cpu_ops()
+    a, b = random_blocks("Q4_K", 24, 512, seed=7), random_blocks("Q6_K", 16, 512, seed=8)
+    eager = concat([decode(a, "Q4_K"), decode(b, "Q6_K")])
+    lazy = concat([decode(a, "Q4_K", defer=True), decode(b, "Q6_K", defer=True)], defer_codes=True)
+    assert lazy.codes.is_meta and len(lazy.code_parts) == 2 and lazy.bits == eager.bits == 8
+    assert torch.equal(lazy.materialized().codes, eager.codes)
+    x, y = (BlockQuantLinear(w, None, torch.device("cpu"), torch.float32, ops) for w in (eager, lazy))
+    for name in ("codes", "scales", "offsets", "super_scales", "super_offsets"):
+        u, v = getattr(x, name), getattr(y, name)
+        assert (u is None and v is None) or torch.equal(u, v), name
+    inp = torch.randn(3, 512)
+    assert torch.equal(x(inp), y(inp))
 
 
 @pytest.mark.parametrize("kind", sorted(DECODERS))
@@ -209,11 +299,17 @@ def tiny_gguf(tmp_path_factory):
     return path
 
 
-def test_every_block_type_through_the_engine(tiny_gguf):
+def test_every_block_type_through_the_engine(tiny_gguf, monkeypatch):
     """The default path keeps every tensor in its block type (no float32 copy) and its greedy tokens follow the
     float32 path's (gguf's own de-quantization, torch GEMMs): logprobs within 0.05, near-ties aside; a request's
-    tokens are the same alone and batched."""
+    tokens are the same alone and batched. The weight plan is pinned to the packed blocks: on layers this small
+    (0.06 ms a call) whether a float32 copy wins by the plan's margin is the timer's coin toss, which
+    ``tests/worker/test_autotune.py`` covers."""
     from pagedllm import LLM, SamplingParams
+    from pagedllm.worker import model_runner
+    from pagedllm.worker.autotune import WeightPlan
+
+    monkeypatch.setattr(model_runner, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
 
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]

@@ -15,6 +15,16 @@
 
 using namespace pagedllm;
 
+namespace {
+py::buffer_info bytes_of(const py::buffer& raw, const char* op) {
+  py::buffer_info info = raw.request();
+  TORCH_CHECK(info.itemsize == 1, op, ": raw blocks must be a contiguous buffer of bytes");
+  for (py::ssize_t d = info.ndim - 1, step = 1; d >= 0; step *= info.shape[d], --d)
+    TORCH_CHECK(info.strides[d] == step, op, ": raw blocks must be a contiguous buffer of bytes");
+  return info;
+}
+}  // namespace
+
 // The kernels run without the GIL (as torch's own operators do): the server's event loop thread serves HTTP and
 // streams tokens while a step computes, instead of waiting for the kernel to return. Every tensor argument is held
 // by the caller for the call.
@@ -34,15 +44,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scales", nogil);
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
   // raw blocks as any contiguous buffer (a read-only numpy view of the memory-mapped file), read without the GIL
-  m.def("gguf_codes", [](py::buffer raw, const std::string& kind) {
-    const py::buffer_info info = raw.request();
-    TORCH_CHECK(info.itemsize == 1, "gguf_codes: raw blocks must be a contiguous buffer of bytes");
-    for (py::ssize_t d = info.ndim - 1, step = 1; d >= 0; step *= info.shape[d], --d)
-      TORCH_CHECK(info.strides[d] == step, "gguf_codes: raw blocks must be a contiguous buffer of bytes");
+  m.def("gguf_codes", [](py::buffer raw, const std::string& kind, const at::Tensor& out) {
+    const py::buffer_info info = bytes_of(raw, "gguf_codes");
     const py::gil_scoped_release nogil_scope;
-    return gguf_codes(static_cast<const uint8_t*>(info.ptr), info.size, kind);
-  }, "a Q4_K / Q5_K / Q6_K / Q5_0 tensor's codes (raw blocks: a contiguous byte buffer), one byte per weight");
-  m.def("pack_codes", &pack_codes, "codes (rows, K) into qlinear's interleaved layout", nogil);
+    gguf_codes(static_cast<const uint8_t*>(info.ptr), info.size, kind, out);
+  }, "a tensor's codes (raw blocks: a contiguous byte buffer) into out, one byte per weight (8-bit: value + 128)",
+        py::arg("raw"), py::arg("kind"), py::arg("out"));
+  m.def("gguf_k_scales", [](py::buffer raw, const std::string& kind) {
+    const py::buffer_info info = bytes_of(raw, "gguf_k_scales");
+    const py::gil_scoped_release nogil_scope;
+    return gguf_k_scales(static_cast<const uint8_t*>(info.ptr), info.size, kind);
+  }, "Q4_K / Q5_K blocks' 6-bit sub-block scales and mins, (blocks, 16) bytes");
+  // parts: (buffer, kind, rows, widen) each; buffers held by the caller for the call
+  m.def("pack_parts", [](const py::list& parts, int64_t bits, int64_t K) {
+    std::vector<CodeSource> src;
+    for (const auto& item : parts) {
+      const auto t = item.cast<py::tuple>();
+      TORCH_CHECK(t.size() == 4, "pack_parts: each part is (buffer, kind, rows, widen)");
+      const py::buffer_info info = bytes_of(t[0].cast<py::buffer>(), "pack_parts");
+      src.push_back({static_cast<const uint8_t*>(info.ptr), static_cast<int64_t>(info.size),
+                     t[1].cast<std::string>(), t[2].cast<int64_t>(), t[3].cast<bool>()});
+    }
+    const py::gil_scoped_release nogil_scope;
+    return pack_parts(src, bits, K);
+  }, "rows of codes or of raw GGUF blocks (decoded a group of 8 rows at a time, no copy of the tensor), one part "
+        "after another, into qlinear's interleaved layout", py::arg("parts"), py::arg("bits"), py::arg("K"));
   m.def("isa", &isa, "the instruction set this build's vector paths use");
   m.def("set_qlinear_amx", &set_qlinear_amx, "qlinear on AMX tiles where built and granted (True) or not; returns "
         "whether it now runs on them", py::arg("on"));

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace pagedllm {
 
@@ -24,8 +25,11 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
                    int64_t N);
 at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn,
                      const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N);
-at::Tensor gguf_codes(const uint8_t* raw, int64_t nbytes, const std::string& kind);
-at::Tensor pack_codes(const at::Tensor& codes, int64_t bits);
+void gguf_codes(const uint8_t* raw, int64_t nbytes, const std::string& kind, const at::Tensor& out);
+at::Tensor gguf_k_scales(const uint8_t* raw, int64_t nbytes, const std::string& kind);
+// a part of pack_parts: rows of codes (kind empty: K bytes a row) or of a GGUF type's raw blocks, read in place
+struct CodeSource { const uint8_t* data; int64_t nbytes; std::string kind; int64_t rows; bool widen; };
+at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_t K);
 std::string isa();
 bool amx_enabled();
 bool set_qlinear_amx(bool on);
