@@ -3,11 +3,12 @@ over tensor-parallel ranks (``TPLayout``, ``tp_layout``). Pure data: no weights,
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from dataclasses import dataclass, field
 
-from pagedllm.model.archs import ARCHS  # the registry: one module per architecture
+from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos, hf_rope  # the registry: a module each
 
 
 @dataclass(frozen=True)
@@ -159,3 +160,96 @@ def tp_layout(cfg: ModelArchConfig, world_size: int, rank: int = 0) -> TPLayout:
         kv_local, kv_start = 1, rank // (n // kv)
     vocab_per_rank = -(-cfg.vocab_size // n)
     return TPLayout(rank, n, h // n, kv_local, kv_start, inter // n, vocab_per_rank, rank * vocab_per_rank)
+
+
+# llama.cpp's ``{arch}.pooling_type`` (0: none, 4: rank are no embedding pooling)
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def _gguf_common(meta: GGUFMeta) -> dict:
+    """The hyper-parameters every architecture's GGUF metadata holds alike (llama.cpp's key names)."""
+    kv = meta.kv
+    hidden, n_head = int(kv("embedding_length")), int(kv("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens", None)
+    eot = meta.get("tokenizer.ggml.eot_token_id", None)
+    eos = meta.get("tokenizer.ggml.eos_token_id", None)
+    return dict(
+        arch=meta.arch,
+        vocab_size=int(kv("vocab_size", len(tokens) if tokens is not None else 0)),
+        hidden_size=hidden,
+        num_layers=int(kv("block_count")),
+        num_heads=n_head,
+        num_kv_heads=int(kv("attention.head_count_kv", n_head)),
+        head_dim=int(kv("attention.key_length", hidden // n_head)),
+        intermediate_size=int(kv("feed_forward_length")),
+        rms_norm_eps=float(kv("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(kv("rope.freq_base", 10000.0)),
+        max_position=int(kv("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in meta.tensor_names,
+        attention_bias="blk.0.attn_q.bias" in meta.tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
+        eos_token_id=eos,
+        stop_token_ids=() if eot is None or eot == eos else (int(eot),),
+        pooling=GGUF_POOLING.get(int(kv("pooling_type", 0))),
+        vocab_fingerprint=hashlib.sha256("\n".join(tokens).encode()).hexdigest() if tokens else None,
+    )
+
+
+def _hf_common(hf: dict, arch: str) -> dict:
+    """The hyper-parameters every HF ``config.json`` holds alike (an architecture's module reads per-layer-type
+    rotary parameters itself)."""
+    n_head = hf["num_attention_heads"]
+    per_type = isinstance((hf.get("rope_parameters") or {}).get("full_attention"), dict)
+    theta, scaling = (10000.0, None) if per_type else hf_rope(hf)
+    eos, stops = hf_eos(hf)
+    return dict(
+        arch=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n_head,
+        num_kv_heads=hf.get("num_key_value_heads") or n_head,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        attention_bias=hf.get("attention_bias", False),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos,
+        stop_token_ids=stops,
+    )
+
+
+def _check_gguf_rotary(meta: GGUFMeta, cfg: ModelArchConfig, path: str) -> None:
+    """Rotary variants the layers do not implement stop the load with their name, rather than run wrong."""
+    dims = meta.kv("rope.dimension_count")
+    if dims is not None and int(dims) != cfg.head_dim:
+        raise ValueError(f"{path}: partial rotary ({dims} of {cfg.head_dim} dimensions) is not supported")
+    if "rope_factors_long.weight" in meta.tensor_names:
+        raise ValueError(f"{path}: long-context rotary factors (longrope) are not supported")
+    kind = meta.kv("rope.scaling.type")
+    if kind not in (None, "none") and cfg.rope_scaling is None:
+        raise ValueError(f"{path}: rope scaling {kind!r} is not supported for {cfg.arch}")
+
+
+def config_from_gguf(meta: GGUFMeta, path: str = "") -> ModelArchConfig:
+    """The architecture's hyper-parameters from a GGUF file's metadata (the common keys, then its module's own),
+    rotary variants the layers lack refused. Read by the model loader and by the simulator (no torch here)."""
+    if meta.arch not in ARCHS:
+        raise ValueError(f"{path}: unsupported architecture {meta.arch!r}; supported: {tuple(ARCHS)}")
+    cfg = ModelArchConfig(**_gguf_common(meta) | ARCHS[meta.arch].from_gguf(meta))
+    _check_gguf_rotary(meta, cfg, path)
+    return cfg
+
+
+def config_from_hf(hf: dict) -> ModelArchConfig:
+    """The architecture's hyper-parameters from an HF ``config.json`` (a multimodal one's text config), the common
+    keys then its module's own."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {tuple(HF_TYPES)}")
+    spec = HF_TYPES[model_type]
+    return ModelArchConfig(**_hf_common(hf, spec.name) | spec.from_hf(hf))

@@ -6,7 +6,6 @@ llama's GGUF q/k rows un-permuted back to the HuggingFace rotary layout.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -17,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.model.arch import ModelArchConfig
-from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos, hf_rope
+from pagedllm.model.arch import ModelArchConfig, config_from_gguf, config_from_hf
+from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos
 from pagedllm.gguf_file import GGUFFile
 from pagedllm.quant import gguf_blocks
 from pagedllm.quant.formats import reorder_rows
@@ -157,79 +156,6 @@ class _ExpertSlice:
         return cls(f"{t.name}[{e}]", t.data[e], t.tensor_type, tuple(t.shape[:2]), size, int(t.data_offset) + e * size)
 
 
-# llama.cpp's ``{arch}.pooling_type`` (0: none, 4: rank are no embedding pooling)
-GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
-
-
-def _gguf_config(meta: GGUFMeta) -> dict:
-    """The hyper-parameters every architecture's GGUF metadata holds alike (llama.cpp's key names)."""
-    kv = meta.kv
-    hidden, n_head = int(kv("embedding_length")), int(kv("attention.head_count"))
-    tokens = meta.get("tokenizer.ggml.tokens", None)
-    eot = meta.get("tokenizer.ggml.eot_token_id", None)
-    eos = meta.get("tokenizer.ggml.eos_token_id", None)
-    return dict(
-        arch=meta.arch,
-        vocab_size=int(kv("vocab_size", len(tokens) if tokens is not None else 0)),
-        hidden_size=hidden,
-        num_layers=int(kv("block_count")),
-        num_heads=n_head,
-        num_kv_heads=int(kv("attention.head_count_kv", n_head)),
-        head_dim=int(kv("attention.key_length", hidden // n_head)),
-        intermediate_size=int(kv("feed_forward_length")),
-        rms_norm_eps=float(kv("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(kv("rope.freq_base", 10000.0)),
-        max_position=int(kv("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in meta.tensor_names,
-        attention_bias="blk.0.attn_q.bias" in meta.tensor_names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
-        eos_token_id=eos,
-        stop_token_ids=() if eot is None or eot == eos else (int(eot),),
-        pooling=GGUF_POOLING.get(int(kv("pooling_type", 0))),
-        vocab_fingerprint=hashlib.sha256("\n".join(tokens).encode()).hexdigest() if tokens else None,
-    )
-
-
-def _hf_config(hf: dict, arch: str) -> dict:
-    """The hyper-parameters every HF ``config.json`` holds alike (an architecture's module reads per-layer-type
-    rotary parameters itself)."""
-    n_head = hf["num_attention_heads"]
-    per_type = isinstance((hf.get("rope_parameters") or {}).get("full_attention"), dict)
-    theta, scaling = (10000.0, None) if per_type else hf_rope(hf)
-    eos, stops = hf_eos(hf)
-    return dict(
-        arch=arch,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=n_head,
-        num_kv_heads=hf.get("num_key_value_heads") or n_head,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
-        intermediate_size=hf["intermediate_size"],
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=hf.get("attention_bias", False),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=eos,
-        stop_token_ids=stops,
-    )
-
-
-def _check_gguf_rotary(meta: GGUFMeta, cfg: ModelArchConfig, path: str) -> None:
-    """Rotary variants the layers do not implement stop the load with their name, rather than run wrong."""
-    dims = meta.kv("rope.dimension_count")
-    if dims is not None and int(dims) != cfg.head_dim:
-        raise ValueError(f"{path}: partial rotary ({dims} of {cfg.head_dim} dimensions) is not supported")
-    if "rope_factors_long.weight" in meta.tensor_names:
-        raise ValueError(f"{path}: long-context rotary factors (longrope) are not supported")
-    kind = meta.kv("rope.scaling.type")
-    if kind not in (None, "none") and cfg.rope_scaling is None:
-        raise ValueError(f"{path}: rope scaling {kind!r} is not supported for {cfg.arch}")
-
-
 def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, native: bool = False,
               lazy: bool = False) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """``native``: keep every tensor of a block type the block kernel runs (``quant.gguf_blocks.DECODERS``: Q4_0 ..
@@ -247,8 +173,7 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
     by_name = {t.name: t for t in reader.tensors}
     meta = GGUFMeta(arch, reader.get, set(by_name), lambda name: _dequantize(by_name[name].data,
                                                                             by_name[name].tensor_type))
-    cfg = ModelArchConfig(**_gguf_config(meta) | spec.from_gguf(meta))
-    _check_gguf_rotary(meta, cfg, path)
+    cfg = config_from_gguf(meta, path)
     per_layer = GGUF_LAYER_NAMES | spec.gguf_names
     n_head, n_kv = cfg.num_heads, cfg.num_kv_heads
     tasks = []
@@ -334,7 +259,7 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     if model_type not in HF_TYPES:
         raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {tuple(HF_TYPES)}")
     spec = HF_TYPES[model_type]
-    cfg = ModelArchConfig(**_hf_config(hf, spec.name) | spec.from_hf(hf))
+    cfg = config_from_hf(hf)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")

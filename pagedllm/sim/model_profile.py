@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from pagedllm.gguf_file import GGUFFile
+from pagedllm.model.arch import ModelArchConfig, config_from_gguf, config_from_hf
+from pagedllm.model.archs import GGUFMeta
 from pagedllm.sim.hardware import COMPUTE_DTYPES
 
 
@@ -198,27 +200,29 @@ _PRESETS = (
 PRESETS = MappingProxyType({p.name: p for p in _PRESETS})
 
 
+def _from_arch(cfg: ModelArchConfig, name: str, path: str, scheme: "QuantScheme | None" = None) -> ModelProfile:
+    """The shapes of the model loader's own reading of a checkpoint (``model.arch``: one parser for both)."""
+    if cfg.num_experts:
+        raise ValueError(f"{path}: mixture-of-experts models are not simulated yet (their active weights per token "
+                         "differ from a dense model's)")
+    return ModelProfile(
+        name=name, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+        tie_word_embeddings=cfg.tie_word_embeddings, head_dim=cfg.head_dim, max_position=cfg.max_position,
+        attention_bias=cfg.attention_bias, gguf_scheme=scheme,
+    )
+
+
 def from_hf_config(path: str) -> ModelProfile:
-    """A HuggingFace ``config.json`` (or the directory holding it)."""
+    """A HuggingFace ``config.json`` (or the directory holding it), read as the model loader reads it."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     with open(path) as f:
         c = json.load(f)
     if "text_config" in c:  # multimodal wrappers keep the language model's config inside
-        c = c["text_config"]
-    if c.get("num_experts") or c.get("num_local_experts"):
-        raise ValueError(f"{path}: mixture-of-experts models are not simulated yet (their active weights per token "
-                         "differ from a dense model's)")
-    heads = int(c["num_attention_heads"])
-    hidden = int(c["hidden_size"])
-    return ModelProfile(
-        name=c.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-model",
-        num_layers=int(c["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads), intermediate_size=int(c["intermediate_size"]),
-        vocab_size=int(c["vocab_size"]), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        head_dim=int(c.get("head_dim") or hidden // heads), max_position=int(c.get("max_position_embeddings", 8192)),
-        attention_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
-    )
+        c = {"model_type": c.get("model_type")} | c["text_config"]  # the text model's own type where it says
+    name = c.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-model"
+    return _from_arch(config_from_hf(c), name, path)
 
 
 def _gguf_format(type_name: str, block: int, type_size: int) -> WeightFormat:
@@ -233,30 +237,24 @@ def _gguf_format(type_name: str, block: int, type_size: int) -> WeightFormat:
 
 
 def from_gguf(path: str) -> ModelProfile:
-    """Shapes from a GGUF header (``pagedllm.gguf_file``; numpy only) and the file's tensor formats: the format
-    holding most bytes of the decoder layers' linears, and those of the embedding and the output head."""
+    """Shapes from a GGUF header (``pagedllm.gguf_file``; numpy only), read as the model loader reads them
+    (``model.arch.config_from_gguf``), and the file's tensor formats: the format holding most bytes of the decoder
+    layers' linears, and those of the embedding and the output head."""
     from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
 
     reader = GGUFFile(path)
-    field = reader.get
-
-    arch = field("general.architecture")
-    if arch is None:
+    by_name = {t.name: t for t in reader.tensors}
+    meta = GGUFMeta(reader.get("general.architecture"), reader.get, set(by_name),
+                    lambda n: dequantize(by_name[n].data, by_name[n].tensor_type).astype("float32"))
+    if meta.arch is None:
         raise ValueError(f"{path}: no general.architecture in the GGUF header")
-
-    def kv(name, default=None):
-        return field(f"{arch}.{name}", default)
-
-    if kv("expert_count"):
+    if meta.kv("expert_count"):
         raise ValueError(f"{path}: mixture-of-experts models are not simulated yet (their active weights per token "
                          "differ from a dense model's)")
-    hidden = int(kv("embedding_length"))
-    heads = int(kv("attention.head_count"))
     layer_bytes: dict[str, float] = {}
     fmt_of: dict[str, WeightFormat] = {}
-    names = set()
     for t in reader.tensors:
-        names.add(t.name)
         ttype = t.tensor_type
         block, type_size = GGML_QUANT_SIZES[ttype]
         fmt = _gguf_format(ttype.name, block, type_size)
@@ -272,17 +270,8 @@ def from_gguf(path: str) -> ModelProfile:
     linear = fmt_of[max(layer_bytes, key=layer_bytes.get)]
     embed = fmt_of.get("__embed", FORMATS["bf16"])
     head = fmt_of.get("__head", embed)
-    tokens = field("tokenizer.ggml.tokens")
-    vocab = int(kv("vocab_size", len(tokens) if tokens is not None else 0))
-    return ModelProfile(
-        name=str(field("general.name") or os.path.basename(path)),
-        num_layers=int(kv("block_count")), hidden_size=hidden, num_heads=heads,
-        num_kv_heads=int(kv("attention.head_count_kv", heads)), intermediate_size=int(kv("feed_forward_length")),
-        vocab_size=vocab, tie_word_embeddings="output.weight" not in names,
-        head_dim=int(kv("attention.key_length", hidden // heads)), max_position=int(kv("context_length", 8192)),
-        attention_bias="blk.0.attn_q.bias" in names,
-        gguf_scheme=QuantScheme(f"gguf:{linear.name}", linear, embed, head),
-    )
+    return _from_arch(config_from_gguf(meta, path), str(reader.get("general.name") or os.path.basename(path)), path,
+                      QuantScheme(f"gguf:{linear.name}", linear, embed, head))
 
 
 def load_model_profile(spec: str) -> ModelProfile:

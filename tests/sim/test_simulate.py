@@ -349,3 +349,25 @@ def test_chunked_prefill_off_uses_the_default_budget_of_serve():
     over 2,048 tokens run whole (with a fixed 2,048 they were never admitted)."""
     res = simulate(dep(), _burst(4, 3000, 16), EngineSettings(enable_chunked_prefill=False))
     assert len(res.records) == 4 and all(r.output_len == 16 for r in res.records)
+
+
+def test_simulator_reads_a_checkpoint_as_the_model_loader_does(tmp_path):
+    """One parser (``model.arch``): the simulator's shapes of a config.json and of the default GGUF file are the
+    loader's, defaults included (a Qwen 2 config without ``attention_bias`` or ``max_position_embeddings``)."""
+    from pagedllm.model.arch import config_from_hf
+    from pagedllm.model.loader import load_model_files
+    from pagedllm.sim.model_profile import from_gguf
+
+    cfg = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+           "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    fields = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
+              "tie_word_embeddings", "head_dim", "max_position", "attention_bias")
+    m, ref = from_hf_config(str(tmp_path)), config_from_hf(cfg)
+    assert [getattr(m, f) for f in fields] == [getattr(ref, f) for f in fields]
+    assert m.attention_bias and m.max_position == ref.max_position
+    from pagedllm.config import default_model_path
+
+    path = default_model_path()
+    g, (loaded, _) = from_gguf(path), load_model_files(path, native=True, lazy=True)
+    assert [getattr(g, f) for f in fields] == [getattr(loaded, f) for f in fields]
