@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pagedllm.sampling_params import POOLING
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+ACTIVATION_BITS_CHOICES = ("auto", "8", "16")
 # weight formats the engine can run (`--quantization`); None/"none": the checkpoint's own weights
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -258,6 +260,11 @@ class EngineConfig:
         512, "--dtype auto on CPU: the most memory (MiB) the measured weight plan may add as float32 copies of the "
         "packed weights for large steps (prefill); a copy that does not fit is not made and those steps run on the "
         "packed blocks; 0 = weights at file size")
+    activation_bits: str = option(
+        "auto", "packed GGUF blocks on CPU: the activations' precision per block of 32 inputs, 16 (two int8 levels, "
+        "~15 bits) or 8 (one level, as llama.cpp's Q8_0 rows: the kernels skip half their integer products, up to "
+        "1.28x); auto: 8 where `pagedllm eval --candidate-activation-bits 8` passed the quality gate on this very "
+        "file (its verdict is kept in the cache directory), else 16", choices=ACTIVATION_BITS_CHOICES)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = option(
@@ -271,6 +278,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dense_copy_budget_mib < 0:
             raise ValueError(f"dense_copy_budget_mib must be >= 0, got {self.dense_copy_budget_mib}")
+        object.__setattr__(self, "activation_bits", str(self.activation_bits))  # 8 and "8" alike
+        if self.activation_bits not in ACTIVATION_BITS_CHOICES:
+            raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS_CHOICES}, got {self.activation_bits!r}")
         if self.quant_dense_min_tokens < 0:
             raise ValueError(f"quant_dense_min_tokens must be >= 0, got {self.quant_dense_min_tokens}")
         if self.tensor_parallel_size < 1:
@@ -395,3 +405,36 @@ def resolve_model_path(model: str | None) -> str:
     if not os.path.exists(model):
         raise FileNotFoundError(f"model path does not exist: {model!r} (a .gguf file or a HuggingFace-style directory)")
     return model
+
+
+# ---------------------------------------------------------------------------------------------- quality verdicts
+def _verdicts_path() -> str:
+    return os.path.join(cache_dir(), "activation_bits.json")
+
+
+def record_activation_verdict(model_path: str, bits: int, passed: bool, summary: str) -> None:
+    """``pagedllm eval``'s verdict on ``bits``-bit activations for this model file (``activation_bits`` auto reads
+    it): kept per file (path, size, modification time) in the cache directory."""
+    path = _verdicts_path()
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    data[f"{file_cache_key(model_path)}:{bits}"] = {"model": os.path.abspath(model_path), "bits": bits,
+                                                     "passed": passed, "summary": summary,
+                                                     "date": time.strftime("%Y-%m-%d %H:%M")}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def activation_verdict(model_path: str, bits: int) -> dict | None:
+    """The recorded verdict on ``bits``-bit activations for this model file, or None."""
+    try:
+        with open(_verdicts_path()) as f:
+            return json.load(f).get(f"{file_cache_key(model_path)}:{bits}")
+    except (OSError, ValueError):
+        return None

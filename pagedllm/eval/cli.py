@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from pagedllm.config import KV_CACHE_DTYPE_CHOICES
+from pagedllm.config import KV_CACHE_DTYPE_CHOICES, record_activation_verdict, resolve_model_path
 from pagedllm.engine.llm import LLM
 from pagedllm.eval.quality import (
     BUSINESS_SET, answer_items, eval_chunks, gate, is_correct, load_items, score_model, table, to_json)
@@ -20,6 +21,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the engine's default path on this machine (e.g. packed GGUF blocks on CPU)")
     p.add_argument("--candidate-kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="the candidate's KV cache dtype (auto: as the engine chooses it for the candidate's dtype)")
+    p.add_argument("--candidate-activation-bits", type=int, default=16, choices=[8, 16],
+                   help="the candidate's --activation-bits (packed GGUF blocks on CPU: 8-bit or ~15-bit activations)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative perplexity increase allowed")
     p.add_argument("--max-accuracy-drop", type=float, default=0.01, help="absolute accuracy drop allowed")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out text tokens for perplexity/KL")
@@ -32,8 +35,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write", default=None)
 
 
-def _llm(path: str, quantization: str | None, dtype: str = "float32", kv_cache_dtype: str = "auto"):
-    return LLM(model=path, quantization=quantization, max_model_len=1024, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+def _llm(path: str, quantization: str | None, dtype: str = "float32", kv_cache_dtype: str = "auto",
+         activation_bits: int = 16):
+    return LLM(model=path, quantization=quantization, max_model_len=1024, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+               activation_bits=activation_bits)
 
 
 def main(args) -> int:
@@ -57,11 +62,14 @@ def main(args) -> int:
     base, base_lp, _ = score_model(base_llm, f"baseline {args.baseline} ({args.baseline_quantization or 'none'})",
                                    chunks, items)
     del base_llm
-    cand_llm = _llm(args.candidate, args.candidate_quantization, args.candidate_dtype, args.candidate_kv_cache_dtype)
+    cand_llm = _llm(args.candidate, args.candidate_quantization, args.candidate_dtype, args.candidate_kv_cache_dtype,
+                    args.candidate_activation_bits)
     rt = cand_llm.engine.runtime
     label = f"candidate {args.candidate} ({args.candidate_quantization or 'none'}, dtype {args.candidate_dtype})"
     if args.candidate_dtype == "auto":
         label += f": {rt['weights']}"
+    if "activation_bits" in rt:
+        label += f", {rt['activation_bits']}-bit activations"
     label += f", KV cache {rt['kv_cache_dtype']}"
     cand, _, _ = score_model(cand_llm, label, chunks, items, base_lp)
     fails = gate(base, cand, args.max_ppl_increase, args.max_accuracy_drop)
@@ -69,6 +77,16 @@ def main(args) -> int:
     print(f"\ngate: perplexity increase <= {args.max_ppl_increase:.2%}, accuracy drop <= {args.max_accuracy_drop:.2%} "
           f"({len(items)} items, {sum(len(c) for c in chunks)} text tokens)")
     print("PASS" if not fails else "FAIL: " + "; ".join(fails))
+    cand_path = os.path.abspath(resolve_model_path(args.candidate))
+    if (args.candidate_activation_bits == 8 and args.candidate_dtype == "auto" and args.candidate_quantization is None
+            and cand_path.endswith(".gguf") and os.path.isfile(cand_path) and args.baseline_quantization is None
+            and cand_path == os.path.abspath(resolve_model_path(args.baseline))):
+        # the file against its own float32 numbers: what --activation-bits auto reads
+        summary = (f"perplexity {base.perplexity:.3f} -> {cand.perplexity:.3f}, KL {cand.kl:.4f}, top-1 "
+                   f"{cand.top1_agreement:.2%}, {cand.correct}/{len(items)} items")
+        record_activation_verdict(cand_path, 8, not fails, summary)
+        print(f"recorded for --activation-bits auto: 8-bit activations {'pass' if not fails else 'fail'} on "
+              f"{cand_path}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"scores": to_json([base, cand]), "passed": not fails, "failures": fails}, f, indent=2)

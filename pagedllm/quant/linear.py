@@ -197,6 +197,9 @@ class BlockQuantLinear(_Packed):
         self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(dtype)
         self.bias = None if bias is None else bias.to(device, dtype)
         self.out_dtype = dtype
+        # the activations' quantization per block of 32 (kernels' QuantizedRows): 2 int8 levels (~15 bits), or 1
+        # (8 bits, --activation-bits 8: the fine level's products skipped)
+        self.act_levels = 2
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
@@ -205,8 +208,9 @@ class BlockQuantLinear(_Packed):
             x = x * self.input_scale.to(x.dtype)
         if self.super_scales is not None:
             return self.ops.qlinear_k(x.contiguous(), self.codes, self.scales, self.offsets, self.super_scales,
-                                      self.super_offsets, self.bits, self.out_features)
-        return self.ops.qlinear(x.contiguous(), self.codes, self.scales, self.offsets, self.bits, self.out_features)
+                                      self.super_offsets, self.bits, self.out_features, self.act_levels)
+        return self.ops.qlinear(x.contiguous(), self.codes, self.scales, self.offsets, self.bits, self.out_features,
+                                self.act_levels)
 
     def _rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Float32 weight rows ``ids`` (all rows when None), decoded from the interleaved layout."""

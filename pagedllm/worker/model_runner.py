@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 import zlib
 from typing import NamedTuple
 
 import torch
 
-from pagedllm.config import EngineConfig, resolve_model_path
+from pagedllm.config import EngineConfig, activation_verdict, resolve_model_path
 from pagedllm.distributed.launcher import join_tensor_parallel, rank_device
 from pagedllm.distributed.sharding import check_shardable, shard_weights
 from pagedllm.errors import TensorParallelError
@@ -59,6 +60,19 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[requested]
+
+
+def _activation_bits(requested: str, model_path: str) -> tuple[int, str]:
+    """The block kernels' activation bits and why: as asked, or (auto) 8 where ``pagedllm eval`` recorded a passing
+    8-bit quality gate for this file, else 16."""
+    if requested != "auto":
+        return int(requested), "as asked"
+    verdict = activation_verdict(model_path, 8) if os.path.isfile(model_path) else None
+    if verdict is not None and verdict.get("passed"):
+        return 8, f"pagedllm eval passed 8-bit activations on this file ({verdict.get('date')}: {verdict.get('summary')})"
+    if verdict is not None:
+        return 16, f"pagedllm eval failed 8-bit activations on this file ({verdict.get('date')})"
+    return 16, "no 8-bit quality gate recorded for this file (pagedllm eval --candidate-activation-bits 8)"
 
 
 def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: bool) -> torch.dtype:
@@ -120,6 +134,8 @@ class ModelRunner:
         self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
                                       kv_dtype=self.kv_dtype, **dense)
         del weights
+        self.activation_bits, why = _activation_bits(config.activation_bits, path)
+        self.model.set_activation_bits(self.activation_bits)
         max_len = config.model.max_model_len or arch.max_position
         if max_len > arch.max_position:
             raise ValueError(
@@ -132,6 +148,7 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model" and rank == 0:
             # with tensor parallelism: whole, on rank 0 only
             self.draft_model = load_draft_model(spec.model, arch, max_len, self.device, self.dtype, self.kv_dtype)
+            self.draft_model.set_activation_bits(_activation_bits(config.activation_bits, spec.model)[0])
         self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
         num_blocks = self.kv.budget_blocks()
         if self.tp is not None:
@@ -156,6 +173,8 @@ class ModelRunner:
             self.model.weight_bytes() / 2**20, self.kernel_path, self.num_blocks, self.block_size,
             str(self.kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20,
         )
+        if any(hasattr(lin, "act_levels") for lin in self.model.linears().values()):
+            logger.info("activations: %d-bit per block of 32 (%s)", self.activation_bits, why)
         if self.tp is not None and rank == 0:
             logger.info("tensor parallelism: %d ranks, weights per rank %s MiB (%.1f MiB in all), KV cache per rank "
                         "%d heads of %d", self.tp.world_size,
@@ -194,6 +213,8 @@ class ModelRunner:
         d = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
              "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
              "weights": self.quantization, "kernels": self.kernel_path}
+        if any(hasattr(lin, "act_levels") for lin in self.model.linears().values()):  # the block kernels run
+            d["activation_bits"] = self.activation_bits
         if self.weight_plan is not None:
             d["weight_plan"] = plan_summary(self.weight_plan)
         return d

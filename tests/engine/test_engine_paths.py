@@ -126,3 +126,24 @@ def test_bfloat16_kv_cache_chunked_and_preempted_match_alone():
             assert o.outputs[0].token_ids == ref[p], (mode, p)
         core.kv_cache_manager.check_integrity()
         del tight
+
+
+def test_8_bit_activations_batched_chunked_match_alone():
+    """``--activation-bits 8`` on the default path (packed GGUF blocks): every block linear runs one activation
+    level, /health says so, the logprobs move off the 16-bit engine's (the flag takes effect) and a request's greedy
+    tokens are the same alone as batched with chunked prefill."""
+    from helpers import model_of
+
+    sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+    eight = LLM(activation_bits=8, enable_prefix_caching=False)
+    assert eight.engine.runtime["activation_bits"] == 8
+    levels = {lin.act_levels for lin in model_of(eight).linears().values() if hasattr(lin, "act_levels")}
+    assert levels == {1}
+    alone8 = [eight.generate(p, sp, use_tqdm=False)[0].outputs[0] for p in PROMPTS[:4]]
+    batched = LLM(activation_bits=8, enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=4)
+    for a, b in zip(alone8, batched.generate(PROMPTS[:4], sp, use_tqdm=False)):
+        assert b.outputs[0].token_ids == a.token_ids
+    sixteen = LLM(enable_prefix_caching=False).generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
+    assert sixteen.logprobs[0] != alone8[0].logprobs[0]
+    with pytest.raises(ValueError, match="activation_bits"):
+        LLM(activation_bits=4)

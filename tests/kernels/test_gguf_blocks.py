@@ -194,8 +194,9 @@ def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
         assert torch.equal(lin(x[:1]), y[:1])  # a row's result does not depend on its batch
 
 
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("kind", sorted(DECODERS))
-def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(kind):
+def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(kind, levels):
     """Where the build has AMX and the OS grants its tile state (Sapphire Rapids and later Xeons), qlinear's steps of
     8+ rows run on the tile unit (under 16 rows: one shorter tile): the same integer sums and float steps as the
     AVX-512 VNNI tiles, so each result is bitwise the VNNI one (row tails past a 16-row tile, a partial pair of
@@ -208,6 +209,7 @@ def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(kind):
     n, k = 44, 768  # 6 groups of 8 rows (the last partial): a run of 4 groups, then a run of 2
     lin = BlockQuantLinear(decode(random_blocks(kind, n, k, seed=2), kind), None, torch.device("cpu"), torch.float32,
                            ops)
+    lin.act_levels = levels  # 1: 8-bit activations, their fine-level tiles skipped
     try:
         on = ops.set_qlinear_amx(True)
         assert on == ("+amx" in ops.isa())
@@ -222,6 +224,38 @@ def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(kind):
             assert torch.equal(lin(x), y), (kind, m, dtype)
     finally:
         ops.set_qlinear_amx(True)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_0", "Q6_K", "Q8_0", "Q3_K"])
+def test_8_bit_activations_are_the_coarse_level_alone(kind):
+    """``act_levels`` 1 (``--activation-bits 8``): each block of 32 activations as round(x * 127 / max|x|), one int8
+    per input (llama.cpp's Q8_0 rows). The result is the float matmul of those values (to float rounding), every row
+    the same alone and batched, and further from the exact product than the two-level default."""
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    n, k = 44, 768
+    raw = random_blocks(kind, n, k, seed=4)
+    w = reference(raw, kind).double()
+    lin = BlockQuantLinear(decode(raw, kind), None, torch.device("cpu"), torch.float32, cpu_ops())
+    torch.manual_seed(1)
+    for m in (1, 3, 8, 17, 40):
+        x = torch.randn(m, k)
+        two = lin(x)
+        lin.act_levels = 1
+        one = lin(x)
+        lin.act_levels = 2
+        blocks = x.numpy().reshape(m, -1, 32)
+        amax = np.abs(blocks).max(-1, keepdims=True)
+        q = np.rint(blocks * (np.float32(127) / amax))  # the kernel's float32 steps, rounded to nearest even
+        x8 = torch.from_numpy(q.astype(np.float64) * (amax.astype(np.float64) / 127)).reshape(m, k)
+        scale = x.abs().double() @ w.abs().T
+        assert ((one.double() - x8 @ w.T).abs() <= 1e-5 * scale + 1e-6).all(), (kind, m)
+        exact = x.double() @ w.T
+        assert (one.double() - exact).abs().mean() > 5 * (two.double() - exact).abs().mean()
+        lin.act_levels = 1
+        assert torch.equal(lin(x[:1]), one[:1])
+        lin.act_levels = 2
 
 
 def test_mixed_types_fuse_exactly():

@@ -185,3 +185,29 @@ def test_server_serves_a_quantized_checkpoint(awq_checkpoint, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
+    """`--activation-bits auto` (the default) is 16 until `pagedllm eval --candidate-activation-bits 8` passes the
+    gate on the file (its verdict kept in the cache directory), then 8; a failing verdict, or none, keeps 16; an
+    explicit value is taken as it is."""
+    from pagedllm import LLM
+    from pagedllm.cli.main import main
+    from pagedllm.config import activation_verdict, default_model_path
+    from pagedllm.eval.quality import load_items
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    assert LLM().engine.runtime["activation_bits"] == 16
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(it) + "\n" for it in load_items()[:8]))
+    args = ["eval", "--candidate", "default", "--candidate-dtype", "auto", "--candidate-activation-bits", "8",
+            "--eval-tokens", "256", "--items", str(items)]
+    assert main(args + ["--max-ppl-increase", "0.5", "--max-accuracy-drop", "1.0"]) == 0
+    out = capsys.readouterr().out
+    assert "8-bit activations" in out and "recorded for --activation-bits auto: 8-bit activations pass" in out
+    assert activation_verdict(default_model_path(), 8)["passed"] is True
+    assert LLM().engine.runtime["activation_bits"] == 8
+    assert LLM(activation_bits=16).engine.runtime["activation_bits"] == 16
+    assert main(args + ["--max-ppl-increase", "-0.5"]) == 1  # an impossible gate: the verdict becomes a failure
+    assert activation_verdict(default_model_path(), 8)["passed"] is False
+    assert LLM().engine.runtime["activation_bits"] == 16

@@ -39,9 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", nogil);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GELU(gate, tanh approximation) * up", nogil);
-  m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block)", nogil);
+  m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block); levels "
+        "of the activations: 2 (~15 bits) or 1 (8 bits)", py::arg("x"), py::arg("w"), py::arg("d"), py::arg("m"),
+        py::arg("bits"), py::arg("N"), py::arg("levels") = 2, nogil);
   m.def("qlinear_k", &qlinear_k, "qlinear with GGUF K-quant scales: int8 sub-block scales x float16 super-block "
-        "scales", nogil);
+        "scales", py::arg("x"), py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"),
+        py::arg("bits"), py::arg("N"), py::arg("levels") = 2, nogil);
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
   // raw blocks as any contiguous buffer (a read-only numpy view of the memory-mapped file), read without the GIL
   m.def("gguf_codes", [](py::buffer raw, const std::string& kind, const at::Tensor& out) {

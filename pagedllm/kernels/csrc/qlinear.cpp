@@ -29,7 +29,7 @@ bool set_qlinear_amx(bool on) {
 // d, m: (ceil(N/8), K/32 * sub * 8), both float32 or both float16, sub 1 or 2 scales per block (2: blocks of 16);
 // m empty: every offset 0 (8-bit codes only). Returns (M, N) in x's dtype.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
-                   int64_t N) {
+                   int64_t N, int64_t levels) {
   check_qlinear(x, w, bits, N);
   const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8, nb = K / QB;
   const bool half = d.scalar_type() == at::kHalf, offsets = m.numel() > 0;
@@ -43,13 +43,15 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   with_sub(sub, [&](auto sub_tag) {
     constexpr int S = decltype(sub_tag)::value;
     if (half && offsets)
-      qlinear_run(x, w, bits, N, QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb}, y);
+      qlinear_run(x, w, bits, N, QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb}, y,
+                  levels);
     else if (half)
-      qlinear_run(x, w, bits, N, QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb}, y);
+      qlinear_run(x, w, bits, N, QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb}, y, levels);
     else if (offsets)
-      qlinear_run(x, w, bits, N, QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb}, y);
+      qlinear_run(x, w, bits, N, QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb}, y,
+                  levels);
     else
-      qlinear_run(x, w, bits, N, QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb}, y);
+      qlinear_run(x, w, bits, N, QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb}, y, levels);
   });
   return y;
 }

@@ -47,11 +47,15 @@ struct QuantizedRows {
   std::vector<int32_t> isum;  // (M, K/32) sum(254 q + q2): 8-bit codes run as unsigned (s + 128) and subtract it
   std::vector<float> ss2;      // (M, K/16): ss per half block (weights with a scale per 16 inputs)
   std::vector<int32_t> isum2;  // (M, K/16): isum per half block
+  int levels = 2;  // 1: the coarse level alone (q2 all zero: 8-bit activations; the tiles skip its products)
 };
 
 // padded_rows (>= M): q and q2 hold that many rows, those past M zero (whole AMX tiles).
+// levels 1: q2 = 0, x ~ 254 s q (8 bits per activation and a scale per block of 32, as llama.cpp's Q8_0 rows): every
+// path then sums the same integers (a zero fine level adds nothing), and the tiles skip its products.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t padded_rows = 0) {
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t padded_rows = 0, int levels = 2) {
+  out.levels = levels;
   const int64_t nb = K / QB, rows = std::max(M, padded_rows);  // rows past M: zero codes and scales
 #if defined(PAGEDLLM_QWIDE)
   out.v.resize(M * K);
@@ -92,8 +96,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t
             const __m256 rest = _mm256_fnmadd_ps(q1f, vsx, v[j]);
             q1i[j] = _mm256_cvtps_epi32(q1f);
             // the fine level saturates at +-127 (a rounding of x * 127 / max to exactly .5 above can ask for 128)
-            q2i[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(rest, vinv2)),
-                                                       _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+            q2i[j] = levels == 1 ? _mm256_setzero_si256() : _mm256_max_epi32(_mm256_min_epi32(
+                _mm256_cvtps_epi32(_mm256_mul_ps(rest, vinv2)), _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
             vi[j] = _mm256_add_epi32(_mm256_mullo_epi32(q1i[j], _mm256_set1_epi32(LEVEL)), q2i[j]);
             sum = _mm256_add_epi32(sum, vi[j]);
             if (j == 1) sum_lo = sum;  // inputs 0-15
@@ -142,8 +146,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t
         for (int i = 0; i < QB; ++i) {
           if (i == QB / 2) sum_lo = sum;
           const float q1f = std::nearbyint(buf[i] * inv);
-          const int v2 = std::max(-127, std::min(127, static_cast<int>(std::nearbyint((buf[i] - q1f * sx) *
-                                                                                      (inv * LEVEL)))));
+          const int v2 = levels == 1 ? 0 : std::max(-127, std::min(127, static_cast<int>(std::nearbyint(
+                                                    (buf[i] - q1f * sx) * (inv * LEVEL)))));
           q[i] = static_cast<int8_t>(q1f);
           q2[i] = static_cast<int8_t>(v2);
           sum += static_cast<int>(q1f) * LEVEL + v2;
@@ -385,6 +389,7 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const bool two = xa.levels == 2;  // 1: q2 is zero, its products are skipped
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xq[MT];
     const int8_t* xq2[MT];
@@ -414,7 +419,7 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
               const __m256i x2 = _mm256_set1_epi32(load_i32(xq2[r] + 4 * i));
               for (int g = 0; g < GT; ++g) {
                 hi[g][r] = dot_acc(hi[g][r], ul[g], x1);
-                lo[g][r] = dot_acc(lo[g][r], ul[g], x2);
+                if (two) lo[g][r] = dot_acc(lo[g][r], ul[g], x2);
               }
             }
             if (SUB == 1 || half == 1) {
@@ -422,7 +427,7 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
               const __m256i y2 = _mm256_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
               for (int g = 0; g < GT; ++g) {
                 hi[g][r] = dot_acc(hi[g][r], uh[g], y1);
-                lo[g][r] = dot_acc(lo[g][r], uh[g], y2);
+                if (two) lo[g][r] = dot_acc(lo[g][r], uh[g], y2);
               }
             }
           }
@@ -444,10 +449,10 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
             for (int g = 0; g < GT; ++g) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
               hi[g][r] = dot_acc(hi[g][r], ua[g], x1);
-              lo[g][r] = dot_acc(lo[g][r], ua[g], x2);
+              if (two) lo[g][r] = dot_acc(lo[g][r], ua[g], x2);
 #else
               hi[g][r] = dot_acc(hi[g][r], ua[g], _mm256_sign_epi8(x1, u[g]));
-              lo[g][r] = dot_acc(lo[g][r], ua[g], _mm256_sign_epi8(x2, u[g]));
+              if (two) lo[g][r] = dot_acc(lo[g][r], ua[g], _mm256_sign_epi8(x2, u[g]));
 #endif
             }
           }
@@ -511,6 +516,7 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
   for (int p = 0; p < PT; ++p)
     for (int r = 0; r < MT; ++r) acc[p][r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const bool two = xa.levels == 2;  // 1: q2 is zero, its products are skipped
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xq[MT];
     const int8_t* xq2[MT];
@@ -537,7 +543,7 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
               const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
               for (int p = 0; p < PT; ++p) {
                 hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], ul[p], x1);
-                lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], ul[p], x2);
+                if (two) lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], ul[p], x2);
               }
             }
             if (SUB == 1 || half == 1) {
@@ -545,7 +551,7 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
               const __m512i y2 = _mm512_set1_epi32(load_i32(xq2[r] + 16 + 4 * i));
               for (int p = 0; p < PT; ++p) {
                 hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], uh[p], y1);
-                lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], uh[p], y2);
+                if (two) lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], uh[p], y2);
               }
             }
           }
@@ -561,7 +567,7 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
             const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
             for (int p = 0; p < PT; ++p) {
               hi[p][r] = _mm512_dpbusd_epi32(hi[p][r], u[p], x1);
-              lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], u[p], x2);
+              if (two) lo[p][r] = _mm512_dpbusd_epi32(lo[p][r], u[p], x2);
             }
           }
         }
@@ -767,14 +773,14 @@ static_assert(ROW_CHUNK % AMX_ROWS == 0, "a chunk's AMX tiles must start at a mu
 #endif
 
 template <int BITS, typename T, typename SC>
-void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y) {
+void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y, int levels) {
   const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32;
   QuantizedRows xa;
 #if defined(PAGEDLLM_QAMX)
   const bool amx = M >= AMX_MIN_ROWS && pagedllm::amx_enabled();
-  quantize_rows(x, M, K, xa, amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : 0);
+  quantize_rows(x, M, K, xa, amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : 0, levels);
 #else
-  quantize_rows(x, M, K, xa);
+  quantize_rows(x, M, K, xa, 0, levels);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   // Rows go in chunks of ROW_CHUNK: a chunk's activations (2 bytes per input) stay in L2 while weights pass,
@@ -831,16 +837,20 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
 #endif
 }
 
-// Runs qlinear_impl for the scales layout `sc` (QScales or KScales) on x's dtype.
+// Runs qlinear_impl for the scales layout `sc` (QScales or KScales) on x's dtype; levels: of the activations (1: 8-bit,
+// 2: ~15-bit, see QuantizedRows).
 template <typename SC>
-void qlinear_run(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t N, const SC& sc, at::Tensor& y) {
+void qlinear_run(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t N, const SC& sc, at::Tensor& y,
+                 int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "qlinear: activation levels must be 1 (8-bit) or 2, got ", levels);
   const int64_t M = x.size(0), K = x.size(1);
+  const int lv = static_cast<int>(levels);
   dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (SC::offsets) {
-      if (bits == 4) return qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+      if (bits == 4) return qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>(), lv);
     }
-    qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+    qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>(), lv);
   });
 }
 

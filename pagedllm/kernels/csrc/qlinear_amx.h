@@ -64,6 +64,7 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
   int64_t gs[4];
   for (int j = 0; j < 4; ++j) gs[j] = std::min(g0 + j, g1 - 1);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const bool two = xa.levels == 2;  // 1: q2 is zero, its tiles are skipped
   for (int64_t b = 0; b < nb; ++b) {
     for (int t = 0; t < 2; ++t) {
       const uint8_t* wa = w + gs[2 * t] * gstride + b * gbytes;
@@ -89,33 +90,39 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
       for (int64_t rt = r0; rt < r1; rt += AMX_ROWS) {
         const int64_t off = rt * K + b * QB + 16 * h;
         _tile_loadd(0, xa.q.data() + off, K);
-        _tile_loadd(1, xa.q2.data() + off, K);
         _tile_zero(4);
-        _tile_zero(5);
         _tile_zero(6);
-        _tile_zero(7);
         if constexpr (BITS == 4) {
           _tile_dpbsud(4, 0, 2);
-          _tile_dpbsud(5, 1, 2);
           _tile_dpbsud(6, 0, 3);
-          _tile_dpbsud(7, 1, 3);
         } else {
           _tile_dpbssd(4, 0, 2);
-          _tile_dpbssd(5, 1, 2);
           _tile_dpbssd(6, 0, 3);
-          _tile_dpbssd(7, 1, 3);
         }
         _tile_stored(4, c[0], 64);
-        _tile_stored(5, c[1], 64);
         _tile_stored(6, c[2], 64);
-        _tile_stored(7, c[3], 64);
+        if (two) {  // the fine level (8-bit activations: none)
+          _tile_loadd(1, xa.q2.data() + off, K);
+          _tile_zero(5);
+          _tile_zero(7);
+          if constexpr (BITS == 4) {
+            _tile_dpbsud(5, 1, 2);
+            _tile_dpbsud(7, 1, 3);
+          } else {
+            _tile_dpbssd(5, 1, 2);
+            _tile_dpbssd(7, 1, 3);
+          }
+          _tile_stored(5, c[1], 64);
+          _tile_stored(7, c[3], 64);
+        }
         const int64_t nr = std::min<int64_t>(AMX_ROWS, r1 - rt);
         for (int64_t i = 0; i < nr; ++i) {
           const int64_t row = (rt + i) * nb + b;
           const float sx = xa.s[row], ss = act_ss<SUB>(xa, row, h);
           float* a = acc[rt - r0 + i];
           for (int t = 0; t < 2; ++t) {
-            const __m512i hi = _mm512_load_si512(c[2 * t][i]), lo = _mm512_load_si512(c[2 * t + 1][i]);
+            const __m512i hi = _mm512_load_si512(c[2 * t][i]);
+            const __m512i lo = two ? _mm512_load_si512(c[2 * t + 1][i]) : _mm512_setzero_si512();
             // 254 hi + lo (exact: |254 hi + lo| < 2^31), as qtile512's mullo
             const __m512i s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)),
                                                lo);

@@ -7,7 +7,7 @@ namespace pagedllm {
 // (mn empty: none), D, Dm: (ceil(N/8), K/256 * 8) float16 super-block scales; a block's scale is D * s and its
 // offset Dm * mn. K is a multiple of 256.
 at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn,
-                     const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N) {
+                     const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N, int64_t levels) {
   check_qlinear(x, w, bits, N);
   const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8, nb = K / QB;
   TORCH_CHECK(K % (8 * QB) == 0, "qlinear_k: in_features ", K, " is not a multiple of 256");
@@ -27,9 +27,10 @@ at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     constexpr int S = decltype(sub_tag)::value;
     const int8_t* sp = s.data_ptr<int8_t>();
     if (offsets)
-      qlinear_run(x, w, bits, N, KScales<true, S>{dp, sp, Dm.data_ptr<at::Half>(), mn.data_ptr<int8_t>(), nb}, y);
+      qlinear_run(x, w, bits, N, KScales<true, S>{dp, sp, Dm.data_ptr<at::Half>(), mn.data_ptr<int8_t>(), nb}, y,
+                  levels);
     else
-      qlinear_run(x, w, bits, N, KScales<false, S>{dp, sp, dp, sp, nb}, y);
+      qlinear_run(x, w, bits, N, KScales<false, S>{dp, sp, dp, sp, nb}, y, levels);
   });
   return y;
 }
