@@ -412,17 +412,20 @@ def _verdicts_path() -> str:
     return os.path.join(cache_dir(), "activation_bits.json")
 
 
-def record_activation_verdict(model_path: str, bits: int, passed: bool, summary: str) -> None:
+def record_activation_verdict(model_path: str, bits: int, passed: bool, summary: str, standard: bool) -> None:
     """``pagedllm eval``'s verdict on ``bits``-bit activations for this model file (``activation_bits`` auto reads
-    it): kept per file (path, size, modification time) in the cache directory."""
+    it): kept per file (path, size, modification time) in the cache directory. ``standard``: the gate ran with its
+    default thresholds on the shipped text and items (auto trusts no other)."""
     path = _verdicts_path()
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError):
         data = {}
+    if not isinstance(data, dict):
+        data = {}
     data[f"{file_cache_key(model_path)}:{bits}"] = {"model": os.path.abspath(model_path), "bits": bits,
-                                                     "passed": passed, "summary": summary,
+                                                     "passed": passed, "standard": standard, "summary": summary,
                                                      "date": time.strftime("%Y-%m-%d %H:%M")}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -435,6 +438,8 @@ def activation_verdict(model_path: str, bits: int) -> dict | None:
     """The recorded verdict on ``bits``-bit activations for this model file, or None."""
     try:
         with open(_verdicts_path()) as f:
-            return json.load(f).get(f"{file_cache_key(model_path)}:{bits}")
+            data = json.load(f)
     except (OSError, ValueError):
         return None
+    verdict = data.get(f"{file_cache_key(model_path)}:{bits}") if isinstance(data, dict) else None
+    return verdict if isinstance(verdict, dict) else None

@@ -156,7 +156,7 @@ def wait_healthy(proc: subprocess.Popen, base: str, log_path: str, timeout: floa
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)  # the start-up column's resolution (0.5 s before)
     proc.kill()
     raise RuntimeError(f"server did not become healthy within {timeout:.0f} s; see {log_path}")
 

@@ -251,7 +251,8 @@ def to_offset_form(qw: QuantizedWeight) -> QuantizedWeight:
         return qw
     zeros = torch.zeros_like(qw.scales, dtype=torch.float32) if qw.zeros is None else qw.zeros.float()
     m = zeros - qw.scales.float() * (2 ** (qw.bits - 1)) if qw.bits == 4 else zeros
-    return dataclasses.replace(qw, zeros=m, offset_form=True)  # the codes (or their parts) unchanged
+    # the codes (or their parts) unchanged; K-quant scales described the old zeros: dropped
+    return dataclasses.replace(qw, zeros=m, offset_form=True, kscales=None)
 
 
 def reorder_rows(qw: QuantizedWeight, perm_fn) -> QuantizedWeight:

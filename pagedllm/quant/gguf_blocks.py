@@ -118,6 +118,8 @@ class RawCodes:
         cpu_ops().gguf_codes(self.data, self.kind, out)
         if self.widen:
             out |= 0x80
+        if self.release is not None:
+            self.release()  # decoded: the file's pages need not stay resident (they stay readable)
         return out
 
 

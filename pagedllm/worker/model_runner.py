@@ -68,6 +68,8 @@ def _activation_bits(requested: str, model_path: str) -> tuple[int, str]:
     if requested != "auto":
         return int(requested), "as asked"
     verdict = activation_verdict(model_path, 8) if os.path.isfile(model_path) else None
+    if verdict is not None and not verdict.get("standard"):
+        return 16, f"the 8-bit quality gate recorded for this file was not the standard one ({verdict.get('date')})"
     if verdict is not None and verdict.get("passed"):
         return 8, f"pagedllm eval passed 8-bit activations on this file ({verdict.get('date')}: {verdict.get('summary')})"
     if verdict is not None:

@@ -139,6 +139,8 @@ def test_packing_raw_blocks_equals_packing_their_decoded_codes(kind):
     assert torch.equal(dequantize(deferred), dequantize(decode(raw, kind)))
     with pytest.raises(RuntimeError, match="a part of 21 rows has"):  # bytes that are not the rows they claim
         ops.pack_parts([(raw[:20], kind, 21, False)], bits, 512)
+    with pytest.raises(RuntimeError, match="must be widened"):  # codes of the other width than the layout's
+        ops.pack_parts([rc.source()], 12 - bits, 512)
 
 
 def test_fused_deferred_weight_packs_as_the_concatenated_one():

@@ -188,16 +188,18 @@ def test_server_serves_a_quantized_checkpoint(awq_checkpoint, tmp_path_factory):
 
 
 def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
-    """`--activation-bits auto` (the default) is 16 until `pagedllm eval --candidate-activation-bits 8` passes the
-    gate on the file (its verdict kept in the cache directory), then 8; a failing verdict, or none, keeps 16; an
-    explicit value is taken as it is."""
+    """`--activation-bits auto` (the default) is 16 until `pagedllm eval --candidate-activation-bits 8` has passed
+    the standard gate on the file (its verdict kept in the cache directory), then 8; a failing verdict, a gate with
+    looser settings or a shorter text, a damaged verdict file, or none, keep 16; an explicit value is taken as is."""
     from pagedllm import LLM
     from pagedllm.cli.main import main
-    from pagedllm.config import activation_verdict, default_model_path
+    from pagedllm.config import activation_verdict, default_model_path, record_activation_verdict
     from pagedllm.eval.quality import load_items
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    assert LLM().engine.runtime["activation_bits"] == 16
+    path = default_model_path()
+    bits = lambda **kw: LLM(**kw).engine.runtime["activation_bits"]  # noqa: E731
+    assert bits() == 16
     items = tmp_path / "items.jsonl"
     items.write_text("".join(json.dumps(it) + "\n" for it in load_items()[:8]))
     args = ["eval", "--candidate", "default", "--candidate-dtype", "auto", "--candidate-activation-bits", "8",
@@ -205,9 +207,13 @@ def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
     assert main(args + ["--max-ppl-increase", "0.5", "--max-accuracy-drop", "1.0"]) == 0
     out = capsys.readouterr().out
     assert "8-bit activations" in out and "recorded for --activation-bits auto: 8-bit activations pass" in out
-    assert activation_verdict(default_model_path(), 8)["passed"] is True
-    assert LLM().engine.runtime["activation_bits"] == 8
-    assert LLM(activation_bits=16).engine.runtime["activation_bits"] == 16
-    assert main(args + ["--max-ppl-increase", "-0.5"]) == 1  # an impossible gate: the verdict becomes a failure
-    assert activation_verdict(default_model_path(), 8)["passed"] is False
-    assert LLM().engine.runtime["activation_bits"] == 16
+    assert activation_verdict(path, 8)["passed"] is True and activation_verdict(path, 8)["standard"] is False
+    assert bits() == 16  # a pass of a looser, shorter gate is not trusted
+    assert main(args + ["--max-ppl-increase", "-0.5"]) == 1  # an impossible gate: recorded as a failure
+    assert activation_verdict(path, 8)["passed"] is False
+    record_activation_verdict(path, 8, True, "the standard gate (as pagedllm eval records it)", standard=True)
+    assert bits() == 8 and bits(activation_bits=16) == 16
+    record_activation_verdict(path, 8, False, "the standard gate, failed", standard=True)
+    assert bits() == 16 and bits(activation_bits=8) == 8
+    (tmp_path / "activation_bits.json").write_text("[]")  # damaged: read as no verdict
+    assert activation_verdict(path, 8) is None and bits() == 16

@@ -128,9 +128,9 @@ void pack_groups(const uint8_t* const* row, int64_t ng, int64_t nb, uint8_t* out
   }
 }
 
-struct BlockType { const char* name; int block, bytes; };
-constexpr BlockType TYPES[] = {{"Q4_0", 32, 18}, {"Q4_1", 32, 20}, {"Q4_K", 256, 144}, {"Q5_K", 256, 176},
-                               {"Q6_K", 256, 210}, {"Q5_0", 32, 22}, {"Q8_0", 32, 34}};
+struct BlockType { const char* name; int block, bytes, bits; };  // bits: of the codes gguf_codes gives
+constexpr BlockType TYPES[] = {{"Q4_0", 32, 18, 4}, {"Q4_1", 32, 20, 4}, {"Q4_K", 256, 144, 4}, {"Q5_K", 256, 176, 8},
+                               {"Q6_K", 256, 210, 8}, {"Q5_0", 32, 22, 8}, {"Q8_0", 32, 34, 8}};
 
 const BlockType& block_type(const std::string& kind, const char* op) {
   for (const auto& t : TYPES)
@@ -209,7 +209,10 @@ at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_
     TORCH_CHECK(t == nullptr || K % t->block == 0, "pack_parts: K ", K, " is not whole ", p.kind, " blocks");
     TORCH_CHECK(p.nbytes == p.rows * row_bytes, "pack_parts: a part of ", p.rows, " rows has ", p.nbytes,
                 " bytes, not ", p.rows * row_bytes);
-    TORCH_CHECK(!p.widen || t != nullptr, "pack_parts: only raw blocks are widened");
+    TORCH_CHECK(!p.widen || (t != nullptr && t->bits == 4 && bits == 8), "pack_parts: only raw blocks of 4-bit "
+                "codes are widened, into an 8-bit layout");
+    TORCH_CHECK(t == nullptr || t->bits == bits || p.widen, "pack_parts: ", p.kind, "'s ", t == nullptr ? 0 : t->bits,
+                "-bit codes in a ", bits, "-bit layout (4-bit codes in an 8-bit one must be widened)");
     for (int64_t i = 0; i < p.rows; ++i) row.emplace_back(static_cast<int>(src.size()), i);
     src.push_back({p.data, t, row_bytes, p.widen});
   }
