@@ -412,18 +412,21 @@ def _verdicts_path() -> str:
     return os.path.join(cache_dir(), "activation_bits.json")
 
 
+def _read_verdicts() -> dict:
+    """The verdicts file's entries ({} when it is missing or damaged)."""
+    try:
+        with open(_verdicts_path()) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def record_activation_verdict(model_path: str, bits: int, passed: bool, summary: str, standard: bool) -> None:
     """``pagedllm eval``'s verdict on ``bits``-bit activations for this model file (``activation_bits`` auto reads
     it): kept per file (path, size, modification time) in the cache directory. ``standard``: the gate ran with its
     default thresholds on the shipped text and items (auto trusts no other)."""
-    path = _verdicts_path()
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        data = {}
-    if not isinstance(data, dict):
-        data = {}
+    path, data = _verdicts_path(), _read_verdicts()
     data[f"{file_cache_key(model_path)}:{bits}"] = {"model": os.path.abspath(model_path), "bits": bits,
                                                      "passed": passed, "standard": standard, "summary": summary,
                                                      "date": time.strftime("%Y-%m-%d %H:%M")}
@@ -436,10 +439,5 @@ def record_activation_verdict(model_path: str, bits: int, passed: bool, summary:
 
 def activation_verdict(model_path: str, bits: int) -> dict | None:
     """The recorded verdict on ``bits``-bit activations for this model file, or None."""
-    try:
-        with open(_verdicts_path()) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    verdict = data.get(f"{file_cache_key(model_path)}:{bits}") if isinstance(data, dict) else None
+    verdict = _read_verdicts().get(f"{file_cache_key(model_path)}:{bits}")
     return verdict if isinstance(verdict, dict) else None

@@ -159,13 +159,15 @@ class CausalLM:
         # fused CPU kernels for the small per-layer operations (None: the same math as torch operations)
         self.ops = cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
 
-    def set_activation_bits(self, bits: int) -> None:
-        """The block kernels' activation precision (``--activation-bits``): 16 (two int8 levels) or 8 (one)."""
+    def set_activation_bits(self, bits: int) -> bool:
+        """The block kernels' activation precision (``--activation-bits``): 16 (two int8 levels) or 8 (one).
+        Returns whether any linear runs the block kernels (else the setting has nothing to act on)."""
         if bits not in (8, 16):
             raise ValueError(f"activation bits must be 8 or 16, got {bits}")
-        for lin in self.linears().values():
-            if hasattr(lin, "act_levels"):
-                lin.act_levels = 1 if bits == 8 else 2
+        blocks = [lin for lin in self.linears().values() if hasattr(lin, "act_levels")]
+        for lin in blocks:
+            lin.act_levels = 1 if bits == 8 else 2
+        return bool(blocks)
 
     def linears(self) -> dict[str, object]:
         out = {"lm_head": self.lm_head, "embed": self.embed}

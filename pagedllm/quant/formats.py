@@ -273,10 +273,9 @@ def row_slice(qw: QuantizedWeight, n: int) -> QuantizedWeight:
             break
         parts.append(c[:left] if isinstance(c, torch.Tensor) else c.rows(left))
         left -= parts[-1].shape[0]
-    s = lambda x: None if x is None else x[:n]  # noqa: E731
-    return dataclasses.replace(qw, codes=qw.codes[:n], scales=qw.scales[:n], zeros=s(qw.zeros),
-                               kscales=None if qw.kscales is None else qw.kscales.map(lambda x: x[:n]),
-                               code_parts=tuple(parts))
+    # every other field as reorder_rows slices it (the meta codes included), then the parts' first n rows
+    sliced = reorder_rows(dataclasses.replace(qw, code_parts=None), lambda x: x[:n])
+    return dataclasses.replace(sliced, code_parts=tuple(parts))
 
 
 def weight_error_bound(qw: QuantizedWeight) -> torch.Tensor:

@@ -277,9 +277,7 @@ def decode(data: np.ndarray, kind: str, defer: bool = False, release=None) -> Qu
             raw = RawCodes(data, kind, release=release)
             codes = given = torch.empty(raw.shape, dtype=torch.uint8, device="meta")
         else:
-            values, nbytes = FAST_CODES[kind]
-            codes = torch.empty(rows, data.shape[1] // nbytes * values, dtype=torch.uint8)
-            ops.gguf_codes(data, kind, codes)
+            codes = RawCodes(data, kind).tensor()
             given = codes.numpy()
     chunk = lambda r: DECODERS[kind](data[r:r + CHUNK_ROWS], codes=given[r:r + CHUNK_ROWS]) if (  # noqa: E731
         given is not None) else DECODERS[kind](data[r:r + CHUNK_ROWS])

@@ -136,8 +136,9 @@ class ModelRunner:
         self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
                                       kv_dtype=self.kv_dtype, **dense)
         del weights
-        self.activation_bits, why = _activation_bits(config.activation_bits, path)
-        self.model.set_activation_bits(self.activation_bits)
+        bits, why = _activation_bits(config.activation_bits, path)
+        # None: no block kernel runs (dense weights), so the setting acts on nothing
+        self.activation_bits = bits if self.model.set_activation_bits(bits) else None
         max_len = config.model.max_model_len or arch.max_position
         if max_len > arch.max_position:
             raise ValueError(
@@ -175,7 +176,7 @@ class ModelRunner:
             self.model.weight_bytes() / 2**20, self.kernel_path, self.num_blocks, self.block_size,
             str(self.kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20,
         )
-        if any(hasattr(lin, "act_levels") for lin in self.model.linears().values()):
+        if self.activation_bits is not None:
             logger.info("activations: %d-bit per block of 32 (%s)", self.activation_bits, why)
         if self.tp is not None and rank == 0:
             logger.info("tensor parallelism: %d ranks, weights per rank %s MiB (%.1f MiB in all), KV cache per rank "
@@ -215,7 +216,7 @@ class ModelRunner:
         d = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
              "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
              "weights": self.quantization, "kernels": self.kernel_path}
-        if any(hasattr(lin, "act_levels") for lin in self.model.linears().values()):  # the block kernels run
+        if self.activation_bits is not None:  # the block kernels run
             d["activation_bits"] = self.activation_bits
         if self.weight_plan is not None:
             d["weight_plan"] = plan_summary(self.weight_plan)

@@ -47,6 +47,26 @@ inline void amx_configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
+// One activation level's sums: A tile A (rows of x at `x`, stride K) against both weight tiles (2, 3) into C tiles C0
+// and C1, stored to c0 and c1. A macro: the tile intrinsics take their tile numbers as literal tokens (GCC pastes
+// them into the instruction), so neither a function argument nor a template argument can carry them. BITS: the
+// enclosing template's.
+#define PAGEDLLM_AMX_LEVEL(A, C0, C1, x, K, c0, c1) \
+  do {                                              \
+    _tile_loadd(A, x, K);                           \
+    _tile_zero(C0);                                 \
+    _tile_zero(C1);                                 \
+    if constexpr (BITS == 4) {                      \
+      _tile_dpbsud(C0, A, 2);                       \
+      _tile_dpbsud(C1, A, 3);                       \
+    } else {                                        \
+      _tile_dpbssd(C0, A, 2);                       \
+      _tile_dpbssd(C1, A, 3);                       \
+    }                                               \
+    _tile_stored(C0, c0, 64);                       \
+    _tile_stored(C1, c1, 64);                       \
+  } while (0)
+
 // Groups [g0, g1) (at most 4) against rows [r0, r1) (r1 - r0 <= ROW_CHUNK), stored to y. xa's q and q2 hold whole
 // 16-row tiles (quantize_rows pads them with zero rows). A slot past g1 repeats the last group; its outputs are
 // not stored.
@@ -89,32 +109,8 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
       }
       for (int64_t rt = r0; rt < r1; rt += AMX_ROWS) {
         const int64_t off = rt * K + b * QB + 16 * h;
-        _tile_loadd(0, xa.q.data() + off, K);
-        _tile_zero(4);
-        _tile_zero(6);
-        if constexpr (BITS == 4) {
-          _tile_dpbsud(4, 0, 2);
-          _tile_dpbsud(6, 0, 3);
-        } else {
-          _tile_dpbssd(4, 0, 2);
-          _tile_dpbssd(6, 0, 3);
-        }
-        _tile_stored(4, c[0], 64);
-        _tile_stored(6, c[2], 64);
-        if (two) {  // the fine level (8-bit activations: none)
-          _tile_loadd(1, xa.q2.data() + off, K);
-          _tile_zero(5);
-          _tile_zero(7);
-          if constexpr (BITS == 4) {
-            _tile_dpbsud(5, 1, 2);
-            _tile_dpbsud(7, 1, 3);
-          } else {
-            _tile_dpbssd(5, 1, 2);
-            _tile_dpbssd(7, 1, 3);
-          }
-          _tile_stored(5, c[1], 64);
-          _tile_stored(7, c[3], 64);
-        }
+        PAGEDLLM_AMX_LEVEL(0, 4, 6, xa.q.data() + off, K, c[0], c[2]);
+        if (two) PAGEDLLM_AMX_LEVEL(1, 5, 7, xa.q2.data() + off, K, c[1], c[3]);  // the fine level (8-bit: none)
         const int64_t nr = std::min<int64_t>(AMX_ROWS, r1 - rt);
         for (int64_t i = 0; i < nr; ++i) {
           const int64_t row = (rt + i) * nb + b;
@@ -136,6 +132,8 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t g = g0; g < g1; ++g) store_group(y + r * N, N, 8 * g, acc[r - r0] + 8 * (g - g0));
 }
+
+#undef PAGEDLLM_AMX_LEVEL
 
 }  // namespace
 #endif
