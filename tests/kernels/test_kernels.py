@@ -307,21 +307,25 @@ def test_block_quant_linear_matches_dequantized_matmul(ops, bits, group_size, sy
     torch.testing.assert_close(lin.dequantized(), w, rtol=0, atol=1e-5)
     x = torch.randn(11, k, dtype=dtype)
     x[3] = 0.0  # an all-zero row (scale 0) must give exactly the bias
-    y = lin(x)
-    assert y.dtype == dtype and y.shape == (11, n)
-    ref = F.linear(x.float(), w, bias)
-    rel = ((y.float() - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
-    assert rel < (1e-3 if dtype == torch.float32 else 0.02), rel
-    torch.testing.assert_close(y[3].float(), bias.to(dtype).float(), rtol=0, atol=0)
-    for m in (1, 2, 3, 4, 5, 6, 7, 10):  # every row-tile shape and remainder: batch-invariant rows
-        assert torch.equal(lin(x[:m]), y[:m]), m
-    for r in (0, 5, 10):
-        assert torch.equal(lin(x[r:r + 1]), y[r:r + 1]), r
     xl = torch.randn(100, k, dtype=dtype)  # more rows than one sweep of the groups (48): chunks of rows
-    yl = lin(xl)
-    refl = F.linear(xl.float(), w, bias)
-    assert ((yl.float() - refl).norm(dim=1) / refl.norm(dim=1)).max().item() < (1e-3 if dtype == torch.float32 else 0.02)
-    assert torch.equal(lin(xl[47:52]), yl[47:52]) and torch.equal(lin(xl[99:]), yl[99:])
+    ref, refl = F.linear(x.float(), w, bias), F.linear(xl.float(), w, bias)
+    for levels in (2, 1):  # 1: 8-bit activations (one int8 per input), on every vector path of this build
+        lin.act_levels = levels
+        tol = (1e-3 if levels == 2 else 1e-2) if dtype == torch.float32 else 0.02
+        y = lin(x)
+        assert y.dtype == dtype and y.shape == (11, n)
+        rel = ((y.float() - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
+        assert rel < tol, (levels, rel)
+        torch.testing.assert_close(y[3].float(), bias.to(dtype).float(), rtol=0, atol=0)
+        for m in (1, 2, 3, 4, 5, 6, 7, 10):  # every row-tile shape and remainder: batch-invariant rows
+            assert torch.equal(lin(x[:m]), y[:m]), (levels, m)
+        for r in (0, 5, 10):
+            assert torch.equal(lin(x[r:r + 1]), y[r:r + 1]), (levels, r)
+        yl = lin(xl)
+        assert ((yl.float() - refl).norm(dim=1) / refl.norm(dim=1)).max().item() < tol
+        assert torch.equal(lin(xl[47:52]), yl[47:52]) and torch.equal(lin(xl[99:]), yl[99:])
+        assert torch.equal(lin(xl[:1]), yl[:1]) and torch.equal(lin(xl[16:40]), yl[16:40])
+    lin.act_levels = 2
     ids = torch.tensor([0, 7, n - 1])
     torch.testing.assert_close(lin.embedding(ids), w[ids].to(dtype), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
 

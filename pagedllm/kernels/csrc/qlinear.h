@@ -48,14 +48,19 @@ struct QuantizedRows {
   std::vector<float> ss2;      // (M, K/16): ss per half block (weights with a scale per 16 inputs)
   std::vector<int32_t> isum2;  // (M, K/16): isum per half block
   int levels = 2;  // 1: the coarse level alone (q2 all zero: 8-bit activations; the tiles skip its products)
+  // the integer sum of a block is level * (sum with q) + (sum with q2): 254 with two levels; 1 with one (s is then
+  // max / 127 and isum sum(q), so a kernel's sum is the coarse level's products alone, with no multiply)
+  int level = LEVEL;
 };
 
 // padded_rows (>= M): q and q2 hold that many rows, those past M zero (whole AMX tiles).
-// levels 1: q2 = 0, x ~ 254 s q (8 bits per activation and a scale per block of 32, as llama.cpp's Q8_0 rows): every
-// path then sums the same integers (a zero fine level adds nothing), and the tiles skip its products.
+// levels 1: q2 = 0, x ~ s q with s = max / 127 (8 bits per activation and a scale per block of 32, as llama.cpp's Q8_0
+// rows; out.level 1): every path sums the coarse level's products alone, with no factor 254 to apply (the AMX tiles'
+// scaling of a block is then 4 vector operations instead of 8), and the tiles skip the fine level's products.
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t padded_rows = 0, int levels = 2) {
   out.levels = levels;
+  const int lvl = out.level = levels == 1 ? 1 : LEVEL;
   const int64_t nb = K / QB, rows = std::max(M, padded_rows);  // rows past M: zero codes and scales
 #if defined(PAGEDLLM_QWIDE)
   out.v.resize(M * K);
@@ -98,7 +103,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t
             // the fine level saturates at +-127 (a rounding of x * 127 / max to exactly .5 above can ask for 128)
             q2i[j] = levels == 1 ? _mm256_setzero_si256() : _mm256_max_epi32(_mm256_min_epi32(
                 _mm256_cvtps_epi32(_mm256_mul_ps(rest, vinv2)), _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
-            vi[j] = _mm256_add_epi32(_mm256_mullo_epi32(q1i[j], _mm256_set1_epi32(LEVEL)), q2i[j]);
+            vi[j] = _mm256_add_epi32(_mm256_mullo_epi32(q1i[j], _mm256_set1_epi32(lvl)), q2i[j]);
             sum = _mm256_add_epi32(sum, vi[j]);
             if (j == 1) sum_lo = sum;  // inputs 0-15
           }
@@ -126,7 +131,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
             return _mm_cvtsi128_si32(s4);
           };
-          const float s = amax / (127.f * LEVEL);
+          const float s = amax / (127.f * static_cast<float>(lvl));
           out.s[r * nb + b] = s;
           const int32_t isum = hsum(sum), isum_lo = hsum(sum_lo);
           out.isum[r * nb + b] = isum;
@@ -150,9 +155,9 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t
                                                     (buf[i] - q1f * sx) * (inv * LEVEL)))));
           q[i] = static_cast<int8_t>(q1f);
           q2[i] = static_cast<int8_t>(v2);
-          sum += static_cast<int>(q1f) * LEVEL + v2;
+          sum += static_cast<int>(q1f) * lvl + v2;
         }
-        const float s = amax / (127.f * LEVEL);
+        const float s = amax / (127.f * static_cast<float>(lvl));
         out.s[r * nb + b] = s;
         out.isum[r * nb + b] = sum;
         out.ss[r * nb + b] = s * static_cast<float>(sum);
@@ -459,7 +464,7 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
         }
       }
       add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, half, [&](int g, int r) {
-        __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(hi[g][r], _mm256_set1_epi32(LEVEL)), lo[g][r]);
+        __m256i s = two ? _mm256_add_epi32(_mm256_mullo_epi32(hi[g][r], _mm256_set1_epi32(LEVEL)), lo[g][r]) : hi[g][r];
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         if constexpr (BITS == 8)
           s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * act_isum<SUB>(xa, (r0 + r) * nb + b, half)));
@@ -578,7 +583,8 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
                                       : _mm512_setzero_ps();
         for (int r = 0; r < MT; ++r) {
           const int64_t row = (r0 + r) * nb + b;
-          __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r]);
+          __m512i s = two ? _mm512_add_epi32(_mm512_mullo_epi32(hi[p][r], _mm512_set1_epi32(LEVEL)), lo[p][r])
+                          : hi[p][r];
           if constexpr (BITS == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * act_isum<SUB>(xa, row, half)));
           acc[p][r] = block_step512<SC::offsets>(acc[p][r], s, dv, mv, xa.s[row], act_ss<SUB>(xa, row, half));
         }
@@ -667,10 +673,10 @@ inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const Quan
           const uint8_t byte = wb[32 * i + 4 * j + t];
           const int k = 4 * i + t;
           if constexpr (BITS == 4) {
-            s[0][j] += (byte & 0x0F) * (LEVEL * xq[k] + xq2[k]);
-            s[SUB - 1][j] += (byte >> 4) * (LEVEL * xq[16 + k] + xq2[16 + k]);
+            s[0][j] += (byte & 0x0F) * (xa.level * xq[k] + xq2[k]);
+            s[SUB - 1][j] += (byte >> 4) * (xa.level * xq[16 + k] + xq2[16 + k]);
           } else {
-            s[SUB == 2 && k >= 16][j] += static_cast<int8_t>(byte) * (LEVEL * xq[k] + xq2[k]);
+            s[SUB == 2 && k >= 16][j] += static_cast<int8_t>(byte) * (xa.level * xq[k] + xq2[k]);
           }
         }
     const float sx = xa.s[row * nb + b];
@@ -740,8 +746,8 @@ inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const Quanti
     }
     const auto dv = sc.dp(g, b);
     const float sx = xa.s[row * nb + b], ss = xa.ss[row * nb + b];
-    acc0 = vfmaq_f32(acc0, vcvtq_f32_s32(vmlaq_n_s32(l0, h0, LEVEL)), vmulq_n_f32(load4(dv), sx));
-    acc1 = vfmaq_f32(acc1, vcvtq_f32_s32(vmlaq_n_s32(l1, h1, LEVEL)), vmulq_n_f32(load4(dv + 4), sx));
+    acc0 = vfmaq_f32(acc0, vcvtq_f32_s32(vmlaq_n_s32(l0, h0, xa.level)), vmulq_n_f32(load4(dv), sx));
+    acc1 = vfmaq_f32(acc1, vcvtq_f32_s32(vmlaq_n_s32(l1, h1, xa.level)), vmulq_n_f32(load4(dv + 4), sx));
     if constexpr (SC::offsets) {
       const auto mv = sc.mp(g, b);
       acc0 = vfmaq_f32(acc0, load4(mv), vdupq_n_f32(ss));

@@ -47,24 +47,27 @@ inline void amx_configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// One activation level's sums: A tile A (rows of x at `x`, stride K) against both weight tiles (2, 3) into C tiles C0
-// and C1, stored to c0 and c1. A macro: the tile intrinsics take their tile numbers as literal tokens (GCC pastes
-// them into the instruction), so neither a function argument nor a template argument can carry them. BITS: the
-// enclosing template's.
-#define PAGEDLLM_AMX_LEVEL(A, C0, C1, x, K, c0, c1) \
-  do {                                              \
-    _tile_loadd(A, x, K);                           \
-    _tile_zero(C0);                                 \
-    _tile_zero(C1);                                 \
-    if constexpr (BITS == 4) {                      \
-      _tile_dpbsud(C0, A, 2);                       \
-      _tile_dpbsud(C1, A, 3);                       \
-    } else {                                        \
-      _tile_dpbssd(C0, A, 2);                       \
-      _tile_dpbssd(C1, A, 3);                       \
-    }                                               \
-    _tile_stored(C0, c0, 64);                       \
-    _tile_stored(C1, c1, 64);                       \
+// One activation level's products: A tile A (rows of x at `x`, stride K) against both weight tiles (2, 3) into C
+// tiles C0 and C1 (PAGEDLLM_AMX_STORE: to c[0] and c[1]). Macros: the tile intrinsics take their tile numbers as
+// literal tokens (GCC pastes them into the instruction), so neither a function argument nor a template argument
+// can carry them. BITS: the enclosing template's.
+#define PAGEDLLM_AMX_ISSUE(A, C0, C1, x, K) \
+  do {                                      \
+    _tile_loadd(A, x, K);                   \
+    _tile_zero(C0);                         \
+    _tile_zero(C1);                         \
+    if constexpr (BITS == 4) {              \
+      _tile_dpbsud(C0, A, 2);               \
+      _tile_dpbsud(C1, A, 3);               \
+    } else {                                \
+      _tile_dpbssd(C0, A, 2);               \
+      _tile_dpbssd(C1, A, 3);               \
+    }                                       \
+  } while (0)
+#define PAGEDLLM_AMX_STORE(C0, C1, c) \
+  do {                                \
+    _tile_stored(C0, (c)[0], 64);     \
+    _tile_stored(C1, (c)[1], 64);     \
   } while (0)
 
 // Groups [g0, g1) (at most 4) against rows [r0, r1) (r1 - r0 <= ROW_CHUNK), stored to y. xa's q and q2 hold whole
@@ -77,7 +80,7 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
   constexpr int SUB = SC::sub;
   amx_configure<SUB>(static_cast<int>(std::min<int64_t>(AMX_ROWS, r1 - r0)));  // fewer rows: shorter tiles
   alignas(64) uint8_t bt[2][8][64];   // weight tiles of this block: row i = unit i of 2 groups
-  alignas(64) int32_t c[4][16][16];   // sums: (coarse, fine) x (weight tile 0, 1)
+  alignas(64) int32_t c[2][2][16][16];  // sums: (coarse, fine; or two sets of the coarse) x weight tile 0, 1
   alignas(64) float acc[ROWS][32];    // float sums of 4 groups
   for (int64_t r = 0; r < r1 - r0; ++r)
     for (int j = 0; j < 32; j += 16) _mm512_store_ps(&acc[r][j], _mm512_setzero_ps());
@@ -107,23 +110,48 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
         dv[t] = load_pair(sc.dp(gs[2 * t], b, h), sc.dp(gs[2 * t + 1], b, h));
         mv[t] = SC::offsets ? load_pair(sc.mp(gs[2 * t], b, h), sc.mp(gs[2 * t + 1], b, h)) : _mm512_setzero_ps();
       }
-      for (int64_t rt = r0; rt < r1; rt += AMX_ROWS) {
-        const int64_t off = rt * K + b * QB + 16 * h;
-        PAGEDLLM_AMX_LEVEL(0, 4, 6, xa.q.data() + off, K, c[0], c[2]);
-        if (two) PAGEDLLM_AMX_LEVEL(1, 5, 7, xa.q2.data() + off, K, c[1], c[3]);  // the fine level (8-bit: none)
+      // the float steps of row tile rt from its sums (cc: coarse level per weight tile; cf: fine level)
+      auto scale = [&](int64_t rt, int32_t (*cc)[16][16], int32_t (*cf)[16][16]) {
         const int64_t nr = std::min<int64_t>(AMX_ROWS, r1 - rt);
         for (int64_t i = 0; i < nr; ++i) {
           const int64_t row = (rt + i) * nb + b;
           const float sx = xa.s[row], ss = act_ss<SUB>(xa, row, h);
           float* a = acc[rt - r0 + i];
           for (int t = 0; t < 2; ++t) {
-            const __m512i hi = _mm512_load_si512(c[2 * t][i]);
-            const __m512i lo = two ? _mm512_load_si512(c[2 * t + 1][i]) : _mm512_setzero_si512();
-            // 254 hi + lo (exact: |254 hi + lo| < 2^31), as qtile512's mullo
-            const __m512i s = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)),
-                                               lo);
+            const __m512i hi = _mm512_load_si512(cc[t][i]);
+            // 254 hi + lo (exact: |254 hi + lo| < 2^31), as qtile512's mullo; one level: hi alone
+            const __m512i s = two ? _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(hi, 1)),
+                                                     _mm512_load_si512(cf[t][i]))
+                                  : hi;
             _mm512_store_ps(a + 16 * t,
                             block_step512<SC::offsets>(_mm512_load_ps(a + 16 * t), s, dv[t], mv[t], sx, ss));
+          }
+        }
+      };
+      auto off = [&](int64_t rt) { return rt * K + b * QB + 16 * h; };
+      if (two) {
+        for (int64_t rt = r0; rt < r1; rt += AMX_ROWS) {
+          PAGEDLLM_AMX_ISSUE(0, 4, 6, xa.q.data() + off(rt), K);
+          PAGEDLLM_AMX_ISSUE(1, 5, 7, xa.q2.data() + off(rt), K);
+          PAGEDLLM_AMX_STORE(4, 6, c[0]);
+          PAGEDLLM_AMX_STORE(5, 7, c[1]);
+          scale(rt, c[0], c[1]);
+        }
+      } else {  // one level: two sets of tiles (A 0 -> C 4, 6; A 1 -> C 5, 7), the next row tile's products issued
+                // before this one's float steps
+        PAGEDLLM_AMX_ISSUE(0, 4, 6, xa.q.data() + off(r0), K);
+        PAGEDLLM_AMX_STORE(4, 6, c[0]);
+        int set = 0;
+        for (int64_t rt = r0; rt < r1; rt += AMX_ROWS, set ^= 1) {
+          const bool next = rt + AMX_ROWS < r1;
+          if (next) {
+            if (set == 0) PAGEDLLM_AMX_ISSUE(1, 5, 7, xa.q.data() + off(rt + AMX_ROWS), K);
+            else PAGEDLLM_AMX_ISSUE(0, 4, 6, xa.q.data() + off(rt + AMX_ROWS), K);
+          }
+          scale(rt, c[set], c[set]);
+          if (next) {
+            if (set == 0) PAGEDLLM_AMX_STORE(5, 7, c[1]);
+            else PAGEDLLM_AMX_STORE(4, 6, c[0]);
           }
         }
       }
@@ -133,7 +161,8 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
     for (int64_t g = g0; g < g1; ++g) store_group(y + r * N, N, 8 * g, acc[r - r0] + 8 * (g - g0));
 }
 
-#undef PAGEDLLM_AMX_LEVEL
+#undef PAGEDLLM_AMX_ISSUE
+#undef PAGEDLLM_AMX_STORE
 
 }  // namespace
 #endif
