@@ -9,6 +9,7 @@ tensor parallelism (``distributed``).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -46,6 +47,28 @@ logger = logging.getLogger(__name__)
 # prompts, which it takes without a per-sequence gather: docs/history.md)
 ROW_KERNEL_MAX_CONTEXT = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# glibc's malloc options (mallopt's parameter numbers) and what keep_freed_memory sets them to
+_MALLOC_OPTIONS = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20), "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30),
+                   "MALLOC_TOP_PAD_": (-2, 64 << 20)}
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc keep freed memory for the next step instead of returning it to the system. By default a block of
+    over 128 KiB-32 MiB is its own mmap, unmapped on free: a step's activations (MiBs per layer) then come back as
+    fresh pages, each zeroed by the kernel on its first touch (a page fault per 4 KiB: 10% of a 32-request run's
+    time on the 1.5B model). Blocks up to 32 MiB now come from the heap, which keeps up to 1 GiB free at its top;
+    the peak RSS stays the peak of what is live. A ``MALLOC_*_`` variable the user set wins; elsewhere than glibc,
+    nothing changes. Returns whether the options were set."""
+    if any(name in os.environ for name in _MALLOC_OPTIONS):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(param, value) == 1 for param, value in _MALLOC_OPTIONS.values())
 
 
 def choose_device(requested: str) -> torch.device:
@@ -168,6 +191,8 @@ class ModelRunner:
             else:
                 self.proposer = NgramProposer(spec, max_len)
         self.sampler = Sampler(ops)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.structured: StructuredOutputs | None = None  # set by the engine (it owns the tokenizer)
         self.requests: dict[str, CachedRequestState] = {}
         logger.info(

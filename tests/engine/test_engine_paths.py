@@ -147,3 +147,33 @@ def test_8_bit_activations_batched_chunked_match_alone():
     assert sixteen.logprobs[0] != alone8[0].logprobs[0]
     with pytest.raises(ValueError, match="activation_bits"):
         LLM(activation_bits=4)
+
+
+def test_mlp_in_row_pieces_equals_one_call(monkeypatch):
+    """The fused CPU path runs a long step's MLP in pieces of ``MLP_ROWS`` rows (bounded activations, reused from
+    the heap): on the default path's packed blocks, the same numbers as one call over all rows, and each row as it
+    is alone."""
+    import torch
+
+    import pagedllm.model.decoder as decoder
+    from helpers import model_of
+
+    model = model_of(LLM(enable_prefix_caching=False))
+    assert model.ops is not None
+    layer = model.layers[0]
+    assert hasattr(layer["gate_up"], "act_levels") and hasattr(layer["down"], "act_levels")  # block linears
+    torch.manual_seed(0)
+    x = torch.randn(decoder.MLP_ROWS + 45, model.cfg.hidden_size)
+    calls = []
+    gate_up = layer["gate_up"]
+
+    def counted(rows):
+        calls.append(rows.shape[0])
+        return gate_up(rows)
+
+    pieces = model._gated(counted, layer["down"], x)
+    assert calls == [decoder.MLP_ROWS, 45]
+    monkeypatch.setattr(decoder, "MLP_ROWS", 10**6)
+    whole = model._gated(gate_up, layer["down"], x)
+    assert torch.equal(pieces, whole)
+    assert torch.equal(model._gated(gate_up, layer["down"], x[-1:]), whole[-1:])
