@@ -5,6 +5,7 @@ block copies between them."""
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 import torch
@@ -17,16 +18,24 @@ KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, count: int = 1) -> list[torch.Tensor]:
-    """``count`` zero-filled KV tensors of ``shape``. On CPU they are views of one calloc'd buffer, so pages are
+    """``count`` zero-filled KV tensors of ``shape``. On CPU they are views of one anonymous mapping, so pages are
     committed only when first written: the process's resident memory grows with the KV cache actually used, not
     with the budget. One buffer, not one per tensor: glibc serves a freed-then-requested block below its mmap
-    threshold (up to 32 MiB, raised by every free of a larger block) from the heap and must clear it, so a
-    per-tensor cache made every engine start after the first in a process zero the whole cache (the measured
-    cost: docs/history.md)."""
+    threshold from the heap and must clear it, so a per-tensor cache made every engine start after the first in a
+    process zero the whole cache (the measured cost: docs/history.md). In 4 KiB pages (``MADV_NOHUGEPAGE``; numpy's
+    ``zeros`` asks for transparent huge pages): under a hypervisor a huge page's first touch can cost ~12 ms (256
+    MiB: 1.6 s against 58 ms in small pages, on the Sapphire Rapids VM), and a step writing the first tokens of its
+    blocks touches a new one every 2 MiB of each layer's cache: a fresh server's first 32-request run was 15-20%
+    slower than the next."""
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
     nbytes = math.prod(shape) * dtype.itemsize
-    flat = torch.from_numpy(np.zeros(nbytes * count, dtype=np.uint8))
+    if hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        buf = mmap.mmap(-1, max(1, nbytes * count), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping alive
+    else:
+        flat = torch.from_numpy(np.zeros(nbytes * count, dtype=np.uint8))
     return [flat[i * nbytes:(i + 1) * nbytes].view(dtype).view(shape) for i in range(count)]
 
 

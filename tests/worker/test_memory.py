@@ -30,3 +30,35 @@ def test_keep_freed_memory_sets_glibc_options_unless_the_user_did(monkeypatch):
     libc.free(block)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")  # the user's choice wins: nothing is changed
     assert keep_freed_memory() is False
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="/proc/self/status, anonymous mappings")
+def test_kv_tensors_are_zero_and_committed_only_when_written():
+    """The CPU KV cache: zero-filled views of one mapping in small pages, resident only as far as written (a 256 MiB
+    budget costs nothing until blocks are used), alive after the call that made them; no transparent huge pages
+    for it (their first touch cost ~12 ms each on the Sapphire Rapids VM)."""
+    import torch
+
+    from pagedllm.worker.kv_cache import zeros
+
+    before = _rss_kib()
+    k, v = zeros((1024, 16, 2, 1024), torch.bfloat16, torch.device("cpu"), count=2)  # 2 x 64 MiB
+    assert k.shape == v.shape == (1024, 16, 2, 1024) and k.dtype == torch.bfloat16
+    assert _rss_kib() - before < 16 * 1024
+    k[:8].fill_(1.0)  # 8 blocks of 64 KiB written
+    assert _rss_kib() - before < 16 * 1024
+    assert float(k[8:].abs().sum()) == 0.0 and float(v.abs().sum()) == 0.0 and float(k[:8].sum()) == 8 * 16 * 2048
+    with open("/proc/self/smaps") as f:  # the mapping holding k: marked "nh" (no huge pages)
+        lines = f.read().splitlines()
+    start = k.data_ptr()
+    for i, line in enumerate(lines):
+        lo, _, hi = line.split(" ", 1)[0].partition("-")
+        if hi and all(c in "0123456789abcdef" for c in lo + hi) and int(lo, 16) <= start < int(hi, 16):
+            break
+    flags = next(line for line in lines[i + 1:] if line.startswith("VmFlags:"))
+    assert "nh" in flags.split(), flags
