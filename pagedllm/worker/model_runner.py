@@ -58,9 +58,10 @@ def keep_freed_memory() -> bool:
     """Let glibc keep freed memory for the next step instead of returning it to the system. By default a block of
     over 128 KiB-32 MiB is its own mmap, unmapped on free: a step's activations (MiBs per layer) then come back as
     fresh pages, each zeroed by the kernel on its first touch (a page fault per 4 KiB: 10% of a 32-request run's
-    time on the 1.5B model). Blocks up to 32 MiB now come from the heap, which keeps up to 1 GiB free at its top;
-    the peak RSS stays the peak of what is live. A ``MALLOC_*_`` variable the user set wins; elsewhere than glibc,
-    nothing changes. Returns whether the options were set."""
+    time on the 1.5B model). Blocks up to 32 MiB now come from the heap, which keeps up to 1 GiB free at its top: the
+    resident memory after a busy step stays near that step's peak (SmolLM2 after 32 requests: 675 against 600 MiB
+    with glibc's defaults). A ``MALLOC_*_`` variable the user set wins; elsewhere than glibc, nothing changes.
+    Returns whether the options were set."""
     if any(name in os.environ for name in _MALLOC_OPTIONS):
         return False
     try:

@@ -48,19 +48,19 @@ struct QuantizedRows {
   std::vector<float> ss2;      // (M, K/16): ss per half block (weights with a scale per 16 inputs)
   std::vector<int32_t> isum2;  // (M, K/16): isum per half block
   int levels = 2;  // 1: the coarse level alone (q2 all zero: 8-bit activations; the tiles skip its products)
-  // the integer sum of a block is level * (sum with q) + (sum with q2): 254 with two levels; 1 with one (s is then
-  // max / 127 and isum sum(q), so a kernel's sum is the coarse level's products alone, with no multiply)
-  int level = LEVEL;
+  // the integer sum of a block is level() * (sum with q) + (sum with q2): 254 with two levels; 1 with one (s is
+  // then max / 127 and isum sum(q), so a kernel's sum is the coarse level's products alone, with no multiply)
+  int level() const { return levels == 1 ? 1 : LEVEL; }
 };
 
 // padded_rows (>= M): q and q2 hold that many rows, those past M zero (whole AMX tiles).
 // levels 1: q2 = 0, x ~ s q with s = max / 127 (8 bits per activation and a scale per block of 32, as llama.cpp's Q8_0
-// rows; out.level 1): every path sums the coarse level's products alone, with no factor 254 to apply (the AMX tiles'
+// rows; out.level() 1): every path sums the coarse level's products alone, with no factor 254 to apply (the AMX tiles'
 // scaling of a block is then 4 vector operations instead of 8), and the tiles skip the fine level's products.
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t padded_rows = 0, int levels = 2) {
   out.levels = levels;
-  const int lvl = out.level = levels == 1 ? 1 : LEVEL;
+  const int lvl = out.level();
   const int64_t nb = K / QB, rows = std::max(M, padded_rows);  // rows past M: zero codes and scales
 #if defined(PAGEDLLM_QWIDE)
   out.v.resize(M * K);
@@ -673,10 +673,10 @@ inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const Quan
           const uint8_t byte = wb[32 * i + 4 * j + t];
           const int k = 4 * i + t;
           if constexpr (BITS == 4) {
-            s[0][j] += (byte & 0x0F) * (xa.level * xq[k] + xq2[k]);
-            s[SUB - 1][j] += (byte >> 4) * (xa.level * xq[16 + k] + xq2[16 + k]);
+            s[0][j] += (byte & 0x0F) * (xa.level() * xq[k] + xq2[k]);
+            s[SUB - 1][j] += (byte >> 4) * (xa.level() * xq[16 + k] + xq2[16 + k]);
           } else {
-            s[SUB == 2 && k >= 16][j] += static_cast<int8_t>(byte) * (xa.level * xq[k] + xq2[k]);
+            s[SUB == 2 && k >= 16][j] += static_cast<int8_t>(byte) * (xa.level() * xq[k] + xq2[k]);
           }
         }
     const float sx = xa.s[row * nb + b];
@@ -746,8 +746,8 @@ inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const Quanti
     }
     const auto dv = sc.dp(g, b);
     const float sx = xa.s[row * nb + b], ss = xa.ss[row * nb + b];
-    acc0 = vfmaq_f32(acc0, vcvtq_f32_s32(vmlaq_n_s32(l0, h0, xa.level)), vmulq_n_f32(load4(dv), sx));
-    acc1 = vfmaq_f32(acc1, vcvtq_f32_s32(vmlaq_n_s32(l1, h1, xa.level)), vmulq_n_f32(load4(dv + 4), sx));
+    acc0 = vfmaq_f32(acc0, vcvtq_f32_s32(vmlaq_n_s32(l0, h0, xa.level())), vmulq_n_f32(load4(dv), sx));
+    acc1 = vfmaq_f32(acc1, vcvtq_f32_s32(vmlaq_n_s32(l1, h1, xa.level())), vmulq_n_f32(load4(dv + 4), sx));
     if constexpr (SC::offsets) {
       const auto mv = sc.mp(g, b);
       acc0 = vfmaq_f32(acc0, load4(mv), vdupq_n_f32(ss));
