@@ -1,8 +1,8 @@
 """AsyncLLM: the engine's continuous-batching loop in a background thread, with per-request asyncio queues.
 
 Callers (the HTTP server) submit requests from the event loop; the loop thread steps the engine while any request
-is unfinished and hands each request's outputs back through ``loop.call_soon_threadsafe``. Every concurrent
-request joins the same running batch. A failure while stepping fails the requests of that step (each gets the
+is unfinished and hands a step's outputs back through one ``loop.call_soon_threadsafe`` per event loop. Every
+concurrent request joins the same running batch. A failure while stepping fails the requests of that step (each gets the
 error) and the loop keeps serving the rest.
 """
 
@@ -30,6 +30,12 @@ logger = logging.getLogger(__name__)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+
+
+def _put_all(items: list) -> None:
+    """Runs in the caller's event loop: each (queue, item) of one step, in order."""
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class RequestStream:
@@ -201,15 +207,17 @@ class AsyncLLM:
                     for rid in self._pending_aborts:
                         self.engine.abort_request(rid)
                     self._pending_aborts.clear()
+                batch: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outputs:
                     exc = next((e for c in out.outputs if (e := _finish_error(c.finish_reason, c.stop_reason))),
                                None)
                     if exc is not None:
                         with self._lock:
                             self.engine.abort_request(out.request_id)  # its other samples, if n > 1
-                        self._deliver(out.request_id, exc, True)
+                        self._collect(batch, out.request_id, exc, True)
                     else:
-                        self._deliver(out.request_id, out, out.finished)
+                        self._collect(batch, out.request_id, out, out.finished)
+                self._send(batch)
                 self._interval.add(stats, sched_stats)
                 for sl in self.stat_loggers:
                     try:
@@ -245,10 +253,23 @@ class AsyncLLM:
         return outputs, self.engine.last_iteration_stats, self.engine.stats()
 
     def _deliver(self, rid: str, item, final: bool) -> None:
+        batch: dict[asyncio.AbstractEventLoop, list] = {}
+        self._collect(batch, rid, item, final)
+        self._send(batch)
+
+    def _collect(self, batch: dict, rid: str, item, final: bool) -> None:
+        """Adds (the request's queue, item) to its event loop's list in ``batch`` (the stream is forgotten if final)."""
         stream = self._streams.pop(rid, None) if final else self._streams.get(rid)
         if stream is not None:
+            batch.setdefault(stream.loop, []).append((stream.queue, item))
+
+    @staticmethod
+    def _send(batch: dict) -> None:
+        """A step's outputs reach each event loop in one call: one wake-up of the loop (a write to its self-pipe)
+        per step instead of one per request, which on 2 cores took the engine thread ~1.5% of a 32-request run."""
+        for loop, items in batch.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the caller's event loop is closed
                 pass
 

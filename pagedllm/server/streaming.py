@@ -114,6 +114,13 @@ async def final_outputs(gens: list[AsyncIterator], raw: Request) -> list[Request
 
 async def merged(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the outputs of several streams as they come: (prompt index, output)."""
+    if len(gens) == 1:  # one prompt: its stream read directly (no pump task and second queue per token)
+        try:
+            async for out in gens[0]:
+                yield 0, out
+        finally:
+            await close_all(gens)
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
