@@ -34,6 +34,7 @@ class ModelArchConfig:
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (gemma)
     embed_scale: float | None = None  # embedding rows times this, rounded to the model dtype (gemma: sqrt(hidden))
     sandwich_norm: bool = False  # RMSNorm on the attention and MLP outputs too, before the residual add (gemma)
+    norm_float32: bool = False  # RMSNorm's weight multiplies the normalized x in float32, rounded once (gemma)
     attn_scale: float | None = None  # the query scale (None: head_dim ** -0.5)
     sliding_window: int | None = None  # keys a sliding layer sees, its own token included
     layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; empty: all "full"

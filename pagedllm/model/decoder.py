@@ -75,6 +75,9 @@ class CausalLM:
         def take(name: str) -> torch.Tensor:
             return pop(name).to(device=device, dtype=dtype).contiguous()
 
+        def take_norm(name: str) -> torch.Tensor:  # float32 where the architecture's norm multiplies in float32
+            return pop(name).to(device=device, dtype=torch.float32 if cfg.norm_float32 else dtype).contiguous()
+
         def linear(fused: str, parts: list[str], layer_type: str, bias: torch.Tensor | None = None,
                    dense: bool = True):
             if fused in weights:
@@ -94,7 +97,7 @@ class CausalLM:
                 min_tokens = min(dense_min_tokens, LM_HEAD_DENSE_MIN_TOKENS)
             return build_linear(w, bias, device, dtype, min_tokens, block_ops, dense_dtype)
 
-        self.norm = take("norm")
+        self.norm = take_norm("norm")
         self.kv_group = cfg.kv_groups().group  # per layer: its KV group (the metadata it reads, when a list)
         self.layers = []
         for i in range(cfg.num_layers):
@@ -104,8 +107,8 @@ class CausalLM:
                 bias = pop(p + "qkv_bias") if p + "qkv_bias" in weights else torch.cat(
                     [pop(p + "q_bias"), pop(p + "k_bias"), pop(p + "v_bias")])
             layer = {
-                "input_norm": take(p + "input_norm"),
-                "post_norm": take(p + "post_norm"),  # before the MLP
+                "input_norm": take_norm(p + "input_norm"),
+                "post_norm": take_norm(p + "post_norm"),  # before the MLP
                 "qkv": linear(p + "qkv", [p + "q", p + "k", p + "v"], "attn", bias),  # (Q+2K, H)
                 "o": linear(p + "o", [p + "o"], "attn"),
                 "window": cfg.window(i),
@@ -125,7 +128,7 @@ class CausalLM:
                 layer["down"] = linear(p + "down", [p + "down"], "mlp")
             for name in (("q_norm", "k_norm") if cfg.qk_norm else ()) + (
                     ("attn_out_norm", "mlp_out_norm") if cfg.sandwich_norm else ()):
-                layer[name] = take(p + name)
+                layer[name] = take_norm(p + name)
             self.layers.append(layer)
         # the embedding table doubles as the LM head when tied; an int8 head then serves lookups as well
         if cfg.tie_word_embeddings:

@@ -118,6 +118,39 @@ def test_rms_norms(ops, dtype):
     _close(out, rms_norm(h + delta, w, 1e-5), dtype)
 
 
+def test_float32_norm_weight_multiplies_in_float32(ops):
+    """Gemma's RMSNorm under bfloat16 activations (a float32 1 + w): x normalized and times the weight in float32,
+    rounded once, as HF computes ``x * (1 + w.float())``. The torch path, rms_norm, add_rms_norm and qk_norm all
+    give the once-rounded values; rounding the normalized x first (llama's order) or the weight to bfloat16 does not.
+    """
+    torch.manual_seed(3)
+    t, nq, nkv, d = 6, 4, 1, 256
+    w = 1 + torch.randn(d) * 0.3  # float32, not representable in bfloat16
+    h = (torch.randn(t, d) * 3).bfloat16()
+    delta = torch.randn(t, d).bfloat16()
+
+    def once(x: torch.Tensor) -> torch.Tensor:  # float64 arithmetic, one rounding
+        xd = x.double()
+        return (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).bfloat16()
+
+    def agree(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a == b).float().mean().item()
+
+    ref = once(h)
+    assert agree(rms_norm(h, w, 1e-6), ref) > 0.99
+    assert agree(ops.rms_norm(h, w, 1e-6), ref) > 0.99
+    h2 = h.clone()
+    assert agree(ops.add_rms_norm(h2, delta, w, 1e-6), once(h + delta)) > 0.99
+    assert torch.equal(h2, h + delta)
+    qkv = (torch.randn(t, (nq + 2 * nkv) * d) * 3).bfloat16()
+    heads = qkv[:, : (nq + nkv) * d].reshape(t, nq + nkv, d).clone()
+    ops.qk_norm(qkv, w, w, nq, nkv, 1e-6)
+    assert agree(qkv[:, : (nq + nkv) * d].reshape(t, nq + nkv, d), once(heads)) > 0.99
+    # what the float32 weight changes: llama's order with the weight in bfloat16 misses the once-rounded values
+    assert agree(ops.rms_norm(h, w.bfloat16(), 1e-6), ref) < 0.9
+    assert agree(rms_norm(h, w.bfloat16(), 1e-6), ref) < 0.9
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_write_kv(ops, dtype):
     torch.manual_seed(2)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.norm import rms_norm
 from helpers import model_of
 
 MAX_TOKENS = 16
@@ -101,6 +102,29 @@ def test_hf_directory_matches_transformers(tmp_path, llm, kind):
     model.save_pretrained(d, safe_serialization=True)
     llm.get_tokenizer().save_pretrained(d)
     _check(str(d), model, {"mistral": "llama", "llama3": "llama", "mixtral": "llama"}.get(kind, kind))
+
+
+def test_gemma_norms_multiply_in_float32_under_bfloat16(tmp_path, llm):
+    """Under bfloat16, Gemma's RMSNorm weights stay float32 (1 + w, as HF adds it in float32) and each norm rounds
+    once, as HF's bfloat16 model computes it: rounding 1 + w to bfloat16 moved every weight by up to 0.4%. The
+    checkpoint is HF's bfloat16 model; our final norm equals HF's on the same hidden states (the torch path bit
+    for bit, the fused kernel's other reduction order within an ulp), and the model generates."""
+    from pagedllm.model.decoder import NORMS
+
+    model = _hf_model("gemma3", llm.engine.core.vocab_size).to(torch.bfloat16)
+    d = tmp_path / "gemma3_bf16"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    ours = LLM(model=str(d), max_model_len=128, dtype="bfloat16", enable_prefix_caching=False)
+    m = ours.engine.runner.model
+    assert all(t.dtype == torch.float32 for t in [m.norm] + [la[n] for la in m.layers for n in NORMS if n in la])
+    h = (torch.randn(9, 64) * 4).bfloat16()
+    with torch.inference_mode():
+        ref = model.model.norm(h)
+    assert torch.equal(rms_norm(h, m.norm, 1e-6), ref)
+    assert (m.ops.rms_norm(h, m.norm, 1e-6) == ref).float().mean() > 0.97
+    out = ours.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_sliding_layers_hold_only_their_window(tmp_path, llm):

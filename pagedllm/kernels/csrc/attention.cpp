@@ -240,8 +240,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 // ------------------------------------------------------------------ RMSNorm (+ residual add)
 // Row r of h (and of out and delta) starts at (r / heads) * stride + (r % heads) * n: rows one after another
 // (heads 1, stride n), or the heads of a token's row of width stride (the per-head q/k norms, in place).
-template <typename T>
-void rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t rows, int64_t n, double eps,
+// WT: the weight's dtype. The normalized row is rounded to T before the weight multiplies it when WT is T (HF's
+// llama: weight * x.to(dtype)); a float32 weight under bfloat16 activations multiplies the float32 row, rounded
+// once at the end (HF's gemma: x * (1 + w.float()) in float32).
+template <typename T, typename WT = T>
+void rms_norm_impl(T* out, T* h, const T* delta, const WT* w, int64_t rows, int64_t n, double eps,
                    int64_t heads = 1, int64_t stride = 0) {
   if (stride == 0) stride = n;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -263,8 +266,10 @@ void rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t rows, int64
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) x[i] *= inv;
-      store_row(x.data(), tmp.data(), n);  // normalized, rounded to the dtype, then times the weight
-      load_row(tmp.data(), x.data(), n);
+      if constexpr (std::is_same_v<WT, T>) {
+        store_row(x.data(), tmp.data(), n);  // normalized, rounded to the dtype, then times the weight
+        load_row(tmp.data(), x.data(), n);
+      }
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) x[i] *= wf[i];
       store_row(x.data(), out + off, n);
@@ -275,8 +280,9 @@ void rms_norm_impl(T* out, T* h, const T* delta, const T* w, int64_t rows, int64
 at::Tensor rms_norm_common(at::Tensor& h, const at::Tensor* delta, const at::Tensor& weight, double eps) {
   check_cpu(h, "hidden");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "hidden must be contiguous (T, H)");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == h.size(1) && weight.scalar_type() == h.scalar_type(),
-              "weight must be (H,) in the hidden dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == h.size(1) &&
+                  (weight.scalar_type() == h.scalar_type() || weight.scalar_type() == at::kFloat),
+              "weight must be (H,) in the hidden dtype or float32");
   if (delta != nullptr)
     TORCH_CHECK(delta->is_contiguous() && delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(),
                 "the residual branch must be contiguous and shaped like hidden");
@@ -284,8 +290,12 @@ at::Tensor rms_norm_common(at::Tensor& h, const at::Tensor* delta, const at::Ten
   const int64_t rows = h.size(0), n = h.size(1);
   dispatch_float_bf16(h.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_impl<T>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
-                     weight.data_ptr<T>(), rows, n, eps);
+    if (weight.scalar_type() == at::kFloat)
+      rms_norm_impl<T, float>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
+                              weight.data_ptr<float>(), rows, n, eps);
+    else
+      rms_norm_impl<T>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
+                       weight.data_ptr<T>(), rows, n, eps);
   });
   return out;
 }
@@ -463,14 +473,20 @@ void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_wei
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (nq + nkv) * D,
               "qkv must be (T, width >= (nq + nkv) * head_dim) with unit column stride");
   TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && k_weight.numel() == D &&
-                  q_weight.scalar_type() == qkv.scalar_type() && k_weight.scalar_type() == qkv.scalar_type(),
-              "the q and k norm weights must be (head_dim,) in qkv's dtype");
+                  q_weight.scalar_type() == k_weight.scalar_type() &&
+                  (q_weight.scalar_type() == qkv.scalar_type() || q_weight.scalar_type() == at::kFloat),
+              "the q and k norm weights must be (head_dim,) in qkv's dtype or float32");
   const int64_t T_ = qkv.size(0), stride = qkv.stride(0);
   dispatch_float_bf16(qkv.scalar_type(), "qk_norm", [&](auto tag) {
     using T = decltype(tag);
     T* q = qkv.data_ptr<T>();
-    rms_norm_impl<T>(q, q, nullptr, q_weight.data_ptr<T>(), T_ * nq, D, eps, nq, stride);
-    rms_norm_impl<T>(q + nq * D, q + nq * D, nullptr, k_weight.data_ptr<T>(), T_ * nkv, D, eps, nkv, stride);
+    auto both = [&](auto wtag) {
+      using WT = decltype(wtag);
+      rms_norm_impl<T, WT>(q, q, nullptr, q_weight.data_ptr<WT>(), T_ * nq, D, eps, nq, stride);
+      rms_norm_impl<T, WT>(q + nq * D, q + nq * D, nullptr, k_weight.data_ptr<WT>(), T_ * nkv, D, eps, nkv, stride);
+    };
+    if (q_weight.scalar_type() == at::kFloat) both(float{});
+    else both(T{});
   });
 }
 

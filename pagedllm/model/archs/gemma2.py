@@ -9,7 +9,7 @@ from pagedllm.model.archs import Arch, GGUFMeta
 
 
 def _common(hidden: int, layers: int, window: int) -> dict:
-    return {"hidden_act": "gelu_tanh", "sandwich_norm": True, "embed_scale": math.sqrt(hidden),
+    return {"hidden_act": "gelu_tanh", "sandwich_norm": True, "norm_float32": True, "embed_scale": math.sqrt(hidden),
             "sliding_window": window,  # even layers slide (transformers' and llama.cpp's layout)
             "layer_types": tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))}
 

@@ -10,8 +10,8 @@ PATTERN = 6  # every 6th layer is global (llama.cpp's and transformers' default 
 
 
 def _common(hidden: int, layers: int, window: int, pattern: int = PATTERN) -> dict:
-    return {"qk_norm": True, "hidden_act": "gelu_tanh", "sandwich_norm": True, "embed_scale": math.sqrt(hidden),
-            "sliding_window": window,
+    return {"qk_norm": True, "hidden_act": "gelu_tanh", "sandwich_norm": True, "norm_float32": True,
+            "embed_scale": math.sqrt(hidden), "sliding_window": window,
             "layer_types": tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(layers))}
 
 
