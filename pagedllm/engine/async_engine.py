@@ -246,9 +246,7 @@ class AsyncLLM:
             running = set(self.engine.running_request_ids()) | set(scheduled)
             for pid in self.engine.request_ids_of(running):
                 self.engine.abort_request(pid)
-                stream = self._streams.pop(pid, None)
-                if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestFailedError(str(e)))
+                self._deliver(pid, RequestFailedError(str(e)), True)
             return [], IterationStats(), self.engine.stats()
         return outputs, self.engine.last_iteration_stats, self.engine.stats()
 
@@ -282,12 +280,10 @@ class AsyncLLM:
                 self._wake.wait(timeout=max(deadline - time.monotonic(), 0.01))
             for rid in self.engine.unfinished_request_ids():
                 out = self.engine.abort_request(rid)
-                stream = self._streams.pop(rid, None)
-                if stream is not None and out is not None:
-                    try:
-                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-                    except RuntimeError:
-                        pass
+                if out is not None:
+                    self._deliver(rid, out, True)
+                else:
+                    self._streams.pop(rid, None)
             self._stop = True
             self._wake.notify_all()
         self._thread.join(timeout)
