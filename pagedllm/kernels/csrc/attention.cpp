@@ -290,12 +290,11 @@ at::Tensor rms_norm_common(at::Tensor& h, const at::Tensor* delta, const at::Ten
   const int64_t rows = h.size(0), n = h.size(1);
   dispatch_float_bf16(h.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    if (weight.scalar_type() == at::kFloat)
-      rms_norm_impl<T, float>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
-                              weight.data_ptr<float>(), rows, n, eps);
-    else
-      rms_norm_impl<T>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
-                       weight.data_ptr<T>(), rows, n, eps);
+    dispatch_float_bf16(weight.scalar_type(), "rms_norm (weight)", [&](auto wtag) {  // T's, or float32
+      using WT = decltype(wtag);
+      rms_norm_impl<T, WT>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
+                           weight.data_ptr<WT>(), rows, n, eps);
+    });
   });
   return out;
 }
@@ -480,13 +479,11 @@ void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_wei
   dispatch_float_bf16(qkv.scalar_type(), "qk_norm", [&](auto tag) {
     using T = decltype(tag);
     T* q = qkv.data_ptr<T>();
-    auto both = [&](auto wtag) {
+    dispatch_float_bf16(q_weight.scalar_type(), "qk_norm (weights)", [&](auto wtag) {  // T's, or float32
       using WT = decltype(wtag);
       rms_norm_impl<T, WT>(q, q, nullptr, q_weight.data_ptr<WT>(), T_ * nq, D, eps, nq, stride);
       rms_norm_impl<T, WT>(q + nq * D, q + nq * D, nullptr, k_weight.data_ptr<WT>(), T_ * nkv, D, eps, nkv, stride);
-    };
-    if (q_weight.scalar_type() == at::kFloat) both(float{});
-    else both(T{});
+    });
   });
 }
 
