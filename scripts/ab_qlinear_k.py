@@ -1,4 +1,4 @@
-"""A/B of kernel builds' ``qlinear_k`` on Qwen2.5-Coder-1.5B's shapes (random GGUF K-quant blocks), in one process.
+"""A/B of kernel builds' ``qlinear_k`` on Qwen2.5-Coder-1.5B's shapes (and Gemma 3 270M's, the 0.5B's) (random GGUF K-quant blocks), in one process.
 
 ``python3 scripts/ab_qlinear_k.py OLD_CSRC NEW_CSRC`` (a ``csrc`` directory each, e.g. ``git archive REV
 pagedllm/kernels/csrc | tar -x -C /tmp/old`` gives /tmp/old/pagedllm/kernels/csrc; one directory alone times that
@@ -6,7 +6,8 @@ build) builds each version for ``-march=native`` and, per shape and row count, t
 same weights and input (``ROUNDS`` rounds, medians), printing ms and G multiply-adds per second, the ratio of the
 first build's time to the second's, and whether the outputs are bitwise equal. Environment: ``L`` activation levels
 (1: 8-bit, the default on a file whose 8-bit gate passed; 2: ~15-bit), ``MS`` row counts (default "8 32 128"),
-``ONLY`` shape names (qkv o gate_up down4 down6), ``ROUNDS`` (5)."""
+``ONLY`` shape names (qkv o gate_up down4 down6 of the 1.5B; g_gate_up g_down4 g_down6 g_head of Gemma 3 270M;
+h_gate_up h_head of the 0.5B), ``ROUNDS`` (5)."""
 
 import os
 import pathlib
@@ -24,11 +25,17 @@ from pagedllm.quant.gguf_blocks import decode  # noqa: E402
 from pagedllm.quant.linear import BlockQuantLinear  # noqa: E402
 
 SHAPES = [("qkv", "Q4_K", 2048, 1536), ("o", "Q4_K", 1536, 1536), ("gate_up", "Q4_K", 17920, 1536),
-          ("down4", "Q4_K", 1536, 8960), ("down6", "Q6_K", 1536, 8960)]
+          ("down4", "Q4_K", 1536, 8960), ("down6", "Q6_K", 1536, 8960),
+          # Gemma 3 270M's and Qwen2.5-Coder-0.5B's (Q5_0 / Q8_0 run as 8-bit codes; the heads are the tied embeddings)
+          ("g_gate_up", "Q5_0", 4096, 640), ("g_down4", "Q4_K", 640, 2048), ("g_down6", "Q6_K", 640, 2048),
+          ("g_head", "Q8_0", 262144, 640), ("h_gate_up", "Q5_0", 9728, 896), ("h_head", "Q8_0", 151936, 896)]
 
 
 def main() -> None:
     torch.set_num_threads(2)
+    from pagedllm.worker.model_runner import keep_freed_memory
+
+    keep_freed_memory()  # as the engine: freed outputs are reused, not page-faulted in again per call
     mods = [K.build("native", source=pathlib.Path(p)) for p in sys.argv[1:]]
     levels = int(os.environ.get("L", "1"))
     only = os.environ.get("ONLY", "").split()

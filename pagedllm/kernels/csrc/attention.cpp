@@ -247,32 +247,48 @@ template <typename T, typename WT = T>
 void rms_norm_impl(T* out, T* h, const T* delta, const WT* w, int64_t rows, int64_t n, double eps,
                    int64_t heads = 1, int64_t stride = 0) {
   if (stride == 0) stride = n;
+  constexpr bool F32 = std::is_same_v<T, float>;  // rows are read and written in place, with no float32 copies
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(n), d(n), wf(n);
-    std::vector<T> tmp(n);
-    load_row(w, wf.data(), n);
+    std::vector<float> x(F32 ? 0 : n), d(F32 ? 0 : n), wf(std::is_same_v<WT, float> ? 0 : n);
+    std::vector<T> tmp(F32 ? 0 : n);
+    const float* wr = as_float_row(w, wf.data(), n);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t off = (r / heads) * stride + (r % heads) * n;
       T* hr = h + off;
-      load_row(hr, x.data(), n);
-      if (delta != nullptr) {  // h += delta, rounded to the storage dtype as a separate add would round it
-        load_row(delta + off, d.data(), n);
+      const float* xr;  // the row (plus delta), as float32
+      if constexpr (F32) {
+        if (delta != nullptr)
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) x[i] += d[i];
-        store_row(x.data(), hr, n);
+          for (int64_t i = 0; i < n; ++i) hr[i] += delta[off + i];
+        xr = hr;
+      } else {
         load_row(hr, x.data(), n);
+        if (delta != nullptr) {  // h += delta, rounded to the storage dtype as a separate add would round it
+          load_row(delta + off, d.data(), n);
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i) x[i] += d[i];
+          store_row(x.data(), hr, n);
+          load_row(hr, x.data(), n);
+        }
+        xr = x.data();
       }
-      const float ss = dot(x.data(), x.data(), n);
+      const float ss = dot(xr, xr, n);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      if constexpr (F32) {
+        float* o = out + off;  // may be hr itself (element by element: in place is safe)
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) x[i] *= inv;
-      if constexpr (std::is_same_v<WT, T>) {
-        store_row(x.data(), tmp.data(), n);  // normalized, rounded to the dtype, then times the weight
-        load_row(tmp.data(), x.data(), n);
+        for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inv * wr[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+        if constexpr (std::is_same_v<WT, T>) {
+          store_row(x.data(), tmp.data(), n);  // normalized, rounded to the dtype, then times the weight
+          load_row(tmp.data(), x.data(), n);
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) x[i] *= wr[i];
+        store_row(x.data(), out + off, n);
       }
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) x[i] *= wf[i];
-      store_row(x.data(), out + off, n);
     }
   });
 }
@@ -369,22 +385,26 @@ inline float gate_exponent(float x) {
 
 template <typename T, bool GELU>
 void act_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
+  constexpr bool F32 = std::is_same_v<T, float>;  // float32 rows: read and written where they are
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(n), u(n);
+    std::vector<float> g(F32 ? 0 : n), u(F32 ? 0 : n);
     for (int64_t r = begin; r < end; ++r) {
-      load_row(gu + r * 2 * n, g.data(), n);
-      load_row(gu + r * 2 * n + n, u.data(), n);
+      const float* gr = as_float_row(gu + r * 2 * n, g.data(), n);
+      const float* ur = as_float_row(gu + r * 2 * n + n, u.data(), n);
+      float* o;
+      if constexpr (F32) o = out + r * n;
+      else o = g.data();  // over gr, element by element
       int64_t i = 0;
 #if PAGEDLLM_VEC
       for (; i + W <= n; i += W) {
-        const vf x = vload(g.data() + i);
+        const vf x = vload(gr + i);
         const vf a = GELU ? vmul(vset1(-1.5957691216057308f), vfma(vmul(vset1(0.044715f), vmul(x, x)), x, x))
                           : vsub(vzero(), x);
-        vstore(g.data() + i, vmul(vdiv(x, vadd(vset1(1.f), vexp(a))), vload(u.data() + i)));
+        vstore(o + i, vmul(vdiv(x, vadd(vset1(1.f), vexp(a))), vload(ur + i)));
       }
 #endif
-      for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(gate_exponent<GELU>(g[i]))) * u[i];
-      store_row(g.data(), out + r * n, n);
+      for (; i < n; ++i) o[i] = gr[i] / (1.f + std::exp(gate_exponent<GELU>(gr[i]))) * ur[i];
+      if constexpr (!F32) store_row(g.data(), out + r * n, n);
     }
   });
 }

@@ -67,6 +67,13 @@ inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = from_f<at::BFloat16>(src[i]);
 }
 
+// A row as float32: the row itself where it is float32 (no copy), else converted into buf (n floats).
+inline const float* as_float_row(const float* src, float*, int64_t) { return src; }
+inline const float* as_float_row(const at::BFloat16* src, float* buf, int64_t n) {
+  load_row(src, buf, n);
+  return buf;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
