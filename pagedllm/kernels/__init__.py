@@ -15,6 +15,7 @@ separate torch operations (the start-up log names the path in use).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -143,13 +144,36 @@ def build(march: str = "native", verbose: bool = False, source: Path | None = No
     if unity and source is None:
         sources = (_unity(Path(tempfile.gettempdir()), f"unity_{march}_{key}"),)
         key += "_unity"
-    return load(
-        name=f"pagedllm_cpu_ops_{_ident(march)}_{key}",  # a module name: no "-", "." or "+"
-        sources=[str(s) for s in sources],
-        extra_cflags=[*BASE_CFLAGS, f"-march={march}"],
-        extra_ldflags=["-fopenmp"],
-        verbose=verbose,
-    )
+    name = f"pagedllm_cpu_ops_{_ident(march)}_{key}"  # a module name: no "-", "." or "+"
+    with _build_lock(name):
+        return load(name=name, sources=[str(s) for s in sources], extra_cflags=[*BASE_CFLAGS, f"-march={march}"],
+                    extra_ldflags=["-fopenmp"], verbose=verbose)
+
+
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """Held around torch's ``load``: one process at a time builds or loads ``name`` (an OS file lock, released when
+    its holder exits, however it exits), and a ``lock`` file that torch's own lock left behind is removed first.
+    torch creates that file for the length of every build or load and waits, with no timeout, while it exists: a
+    start killed during the first build (Ctrl-C, a timeout) left it, and every later start hung silently. Logs
+    that a build starts where none is cached (it takes about a minute, before any other start-up line)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: torch's own lock alone
+        yield
+        return
+    with open(build_dir / "pagedllm.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():  # no other pagedllm process is inside load() for this name: nobody holds it
+            logger.warning("removing %s, left by a kernel build that was interrupted", stale)
+            stale.unlink(missing_ok=True)
+        if not (build_dir / f"{name}.so").exists():
+            logger.info("building the CPU kernels (%s): about a minute, once per machine kind and version", name)
+        yield
 
 
 def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None = None, openmp: bool = True) -> Path:

@@ -639,3 +639,26 @@ def test_kernels_compile_for_arm(target, arm_objects):
     magic, (offset, size, cpu), path = ARM_TARGETS[target]
     assert data[:4] == magic and int.from_bytes(data[offset:offset + size], "little") == cpu, (target, data[:20])
     assert len(data) > 100_000 and f"pagedllm-vector-path:{path}\x00".encode() in data and b"avx2" not in data
+
+
+def test_a_lock_left_by_an_interrupted_build_does_not_hang_the_next_start(ops):
+    """torch's extension loader waits, with no timeout, while its ``lock`` file exists in the build directory: a start
+    killed during the first build left it, and every later start hung before its first log line. The next build
+    removes it (under a file lock of its own) and loads the cached module."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(ops.__name__, False)) / "lock"
+    lock.touch()  # what a killed build leaves
+    try:
+        run = subprocess.run([sys.executable, "-c", "from pagedllm.kernels import cpu_ops; assert cpu_ops() is not None"],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        stale = lock.exists()
+        lock.unlink(missing_ok=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not stale
+    assert "left by a kernel build that was interrupted" in run.stderr

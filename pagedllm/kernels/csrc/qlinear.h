@@ -822,9 +822,10 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
     // 32 rows: 29.0 -> 26.4 ms)
     constexpr int64_t RUN = 4;
     const int64_t runs = (NG + RUN - 1) / RUN, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
-    // a claim is an atomic add on a line both cores write: claims of many items when there are thousands (a prefill
-    // step's 2048 rows x 512 runs: one item per claim spent ~4% of the step in the claims' lock xadd), one item
-    // where there are few (decode: the last items still balance)
+    // a claim is an atomic add on a line both cores write: 1/16 of a thread's share per claim (one item per claim
+    // spent ~3.5% of a prefill step of ~2040 rows x 128 runs in the claims' lock xadd, and the threads took
+    // alternate runs instead of streaming their weights in order); at least one item, so a decode step's small
+    // linears (a few dozen runs) still balance
     const int64_t items = chunks * runs, per = std::max<int64_t>(1, items / (16 * at::get_num_threads()));
     parallel_claims(items, per, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
