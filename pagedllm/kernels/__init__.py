@@ -29,6 +29,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    import fcntl  # the build lock (POSIX)
+except ImportError:
+    fcntl = None
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -160,9 +165,7 @@ def _build_lock(name: str):
     from torch.utils.cpp_extension import _get_build_directory
 
     build_dir = Path(_get_build_directory(name, verbose=False))
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system: torch's own lock alone
+    if fcntl is None:  # not a POSIX system: torch's own lock alone
         yield
         return
     with open(build_dir / "pagedllm.flock", "a") as held:
