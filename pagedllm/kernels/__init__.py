@@ -162,12 +162,12 @@ def _build_lock(name: str):
     torch creates that file for the length of every build or load and waits, with no timeout, while it exists: a
     start killed during the first build (Ctrl-C, a timeout) left it, and every later start hung silently. Logs
     that a build starts where none is cached (it takes about a minute, before any other start-up line)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    build_dir = Path(_get_build_directory(name, verbose=False))
     if fcntl is None:  # not a POSIX system: torch's own lock alone
         yield
         return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
     with open(build_dir / "pagedllm.flock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         stale = build_dir / "lock"
