@@ -24,6 +24,7 @@ from pagedllm.sampling_params import POOLING
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 ACTIVATION_BITS_CHOICES = ("auto", "8", "16")
+LARGE_STEP_WEIGHTS_CHOICES = ("auto", "blocks", "bf16")
 # weight formats the engine can run (`--quantization`); None/"none": the checkpoint's own weights
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -265,6 +266,13 @@ class EngineConfig:
         "~15 bits) or 8 (one level, as llama.cpp's Q8_0 rows: the kernels skip half their integer products, up to "
         "1.28x); auto: 8 where `pagedllm eval --candidate-activation-bits 8` passed the quality gate on this very "
         "file (its verdict is kept in the cache directory), else 16", choices=ACTIVATION_BITS_CHOICES)
+    large_step_weights: str = option(
+        "auto", "packed GGUF blocks on CPU: how steps of at least 256 rows (prefill) run the layers' linears: blocks "
+        "(the block kernels, as small steps) or bf16 (each weight decoded to bfloat16 a stripe at a time, held only "
+        "while torch's GEMM multiplies it with bfloat16 activations: ~2x the prefill speed where oneDNN has AMX "
+        "tiles; nothing is kept in memory); auto: bf16 on CPUs with AMX-BF16 where `pagedllm eval "
+        "--candidate-large-step-weights bf16` passed the quality gate on this very file (with the activation bits "
+        "chosen for it), else blocks", choices=LARGE_STEP_WEIGHTS_CHOICES)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = option(
@@ -281,6 +289,9 @@ class EngineConfig:
         object.__setattr__(self, "activation_bits", str(self.activation_bits))  # 8 and "8" alike
         if self.activation_bits not in ACTIVATION_BITS_CHOICES:
             raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS_CHOICES}, got {self.activation_bits!r}")
+        if self.large_step_weights not in LARGE_STEP_WEIGHTS_CHOICES:
+            raise ValueError(f"large_step_weights must be one of {LARGE_STEP_WEIGHTS_CHOICES}, got "
+                             f"{self.large_step_weights!r}")
         if self.quant_dense_min_tokens < 0:
             raise ValueError(f"quant_dense_min_tokens must be >= 0, got {self.quant_dense_min_tokens}")
         if self.tensor_parallel_size < 1:
@@ -422,14 +433,20 @@ def _read_verdicts() -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def record_activation_verdict(model_path: str, bits: int, passed: bool, summary: str, standard: bool) -> None:
-    """``pagedllm eval``'s verdict on ``bits``-bit activations for this model file (``activation_bits`` auto reads
-    it): kept per file (path, size, modification time) in the cache directory. ``standard``: the gate ran with its
-    default thresholds on the shipped text and items (auto trusts no other)."""
+def _verdict_key(model_path: str, bits: int, large_steps: str) -> str:
+    return f"{file_cache_key(model_path)}:{bits}" + ("" if large_steps == "blocks" else f":{large_steps}")
+
+
+def record_activation_verdict(model_path: str, bits: int, passed: bool, summary: str, standard: bool,
+                              large_steps: str = "blocks") -> None:
+    """``pagedllm eval``'s verdict on ``bits``-bit activations (with ``large_steps``: the large steps' weights,
+    ``blocks`` or ``bf16``) for this model file (``activation_bits`` and ``large_step_weights`` auto read it): kept
+    per file (path, size, modification time) in the cache directory. ``standard``: the gate ran with its default
+    thresholds on the shipped text and items (auto trusts no other)."""
     path, data = _verdicts_path(), _read_verdicts()
-    data[f"{file_cache_key(model_path)}:{bits}"] = {"model": os.path.abspath(model_path), "bits": bits,
-                                                     "passed": passed, "standard": standard, "summary": summary,
-                                                     "date": time.strftime("%Y-%m-%d %H:%M")}
+    data[_verdict_key(model_path, bits, large_steps)] = {
+        "model": os.path.abspath(model_path), "bits": bits, "large_steps": large_steps, "passed": passed,
+        "standard": standard, "summary": summary, "date": time.strftime("%Y-%m-%d %H:%M")}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -437,7 +454,7 @@ def record_activation_verdict(model_path: str, bits: int, passed: bool, summary:
     os.replace(tmp, path)
 
 
-def activation_verdict(model_path: str, bits: int) -> dict | None:
-    """The recorded verdict on ``bits``-bit activations for this model file, or None."""
-    verdict = _read_verdicts().get(f"{file_cache_key(model_path)}:{bits}")
+def activation_verdict(model_path: str, bits: int, large_steps: str = "blocks") -> dict | None:
+    """The recorded verdict on ``bits``-bit activations (and ``large_steps``) for this model file, or None."""
+    verdict = _read_verdicts().get(_verdict_key(model_path, bits, large_steps))
     return verdict if isinstance(verdict, dict) else None

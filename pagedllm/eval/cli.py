@@ -6,7 +6,8 @@ import argparse
 import json
 import os
 
-from pagedllm.config import KV_CACHE_DTYPE_CHOICES, record_activation_verdict, resolve_model_path
+from pagedllm.config import (
+    KV_CACHE_DTYPE_CHOICES, LARGE_STEP_WEIGHTS_CHOICES, record_activation_verdict, resolve_model_path)
 from pagedllm.engine.llm import LLM
 from pagedllm.eval.quality import (
     BUSINESS_SET, answer_items, eval_chunks, gate, is_correct, load_items, score_model, table, to_json)
@@ -23,6 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the candidate's KV cache dtype (auto: as the engine chooses it for the candidate's dtype)")
     p.add_argument("--candidate-activation-bits", type=int, default=16, choices=[8, 16],
                    help="the candidate's --activation-bits (packed GGUF blocks on CPU: 8-bit or ~15-bit activations)")
+    p.add_argument("--candidate-large-step-weights", default="blocks", choices=LARGE_STEP_WEIGHTS_CHOICES,
+                   help="the candidate's --large-step-weights (packed GGUF blocks on CPU: steps of 256+ rows on the "
+                        "block kernels or on bfloat16 weight stripes)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative perplexity increase allowed")
     p.add_argument("--max-accuracy-drop", type=float, default=0.01, help="absolute accuracy drop allowed")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out text tokens for perplexity/KL")
@@ -36,9 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _llm(path: str, quantization: str | None, dtype: str = "float32", kv_cache_dtype: str = "auto",
-         activation_bits: int = 16):
+         activation_bits: int = 16, large_step_weights: str = "blocks"):
     return LLM(model=path, quantization=quantization, max_model_len=1024, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-               activation_bits=activation_bits)
+               activation_bits=activation_bits, large_step_weights=large_step_weights)
 
 
 def main(args) -> int:
@@ -63,13 +67,15 @@ def main(args) -> int:
                                    chunks, items)
     del base_llm
     cand_llm = _llm(args.candidate, args.candidate_quantization, args.candidate_dtype, args.candidate_kv_cache_dtype,
-                    args.candidate_activation_bits)
+                    args.candidate_activation_bits, args.candidate_large_step_weights)
     rt = cand_llm.engine.runtime
     label = f"candidate {args.candidate} ({args.candidate_quantization or 'none'}, dtype {args.candidate_dtype})"
     if args.candidate_dtype == "auto":
         label += f": {rt['weights']}"
     if "activation_bits" in rt:
         label += f", {rt['activation_bits']}-bit activations"
+    if rt.get("large_step_weights") == "bf16":
+        label += ", bf16 weight stripes for large steps"
     label += f", KV cache {rt['kv_cache_dtype']}"
     cand, _, _ = score_model(cand_llm, label, chunks, items, base_lp)
     fails = gate(base, cand, args.max_ppl_increase, args.max_accuracy_drop)
@@ -78,25 +84,28 @@ def main(args) -> int:
           f"({len(items)} items, {sum(len(c) for c in chunks)} text tokens)")
     print("PASS" if not fails else "FAIL: " + "; ".join(fails))
     cand_path = os.path.abspath(resolve_model_path(args.candidate))
-    if (args.candidate_activation_bits == 8 and args.candidate_dtype == "auto" and args.candidate_quantization is None
-            and cand_path.endswith(".gguf") and os.path.isfile(cand_path) and args.baseline_quantization is None
-            and cand_path == os.path.abspath(resolve_model_path(args.baseline))):
-        # the file against its own float32 numbers: what --activation-bits auto reads, when the candidate ran its
-        # blocks at 8 bits in every step (no dense copy took the prefill chunks) under the standard gate
+    large = args.candidate_large_step_weights
+    if ((args.candidate_activation_bits == 8 or large == "bf16") and args.candidate_dtype == "auto"
+            and args.candidate_quantization is None and cand_path.endswith(".gguf") and os.path.isfile(cand_path)
+            and args.baseline_quantization is None and cand_path == os.path.abspath(resolve_model_path(args.baseline))):
+        # the file against its own float32 numbers: what --activation-bits / --large-step-weights auto read, when the
+        # candidate ran its blocks at these bits in every step (no dense copy took the prefill chunks; bf16 large
+        # steps: those on bfloat16 stripes) under the standard gate
         plan = rt.get("weight_plan") or {}
-        ran = rt.get("activation_bits") == 8 and not plan.get("layer_dense_min_tokens") and not plan.get(
-            "head_dense_min_tokens")
+        bits = args.candidate_activation_bits
+        ran = (rt.get("activation_bits") == bits and not plan.get("layer_dense_min_tokens")
+               and not plan.get("head_dense_min_tokens") and rt.get("large_step_weights", "blocks") == large)
         standard = (args.eval_tokens >= 4096 and args.items is None and args.max_ppl_increase <= 0.05
                     and args.max_accuracy_drop <= 0.01)
+        what = f"{bits}-bit activations" + (", bf16 large steps" if large == "bf16" else "")
         if not ran:
-            print("not recorded for --activation-bits auto: the candidate's steps did not all run the block kernels "
-                  "at 8 bits")
+            print(f"not recorded for auto: the candidate's steps did not all run the block kernels at {what}")
         else:
             summary = (f"perplexity {base.perplexity:.3f} -> {cand.perplexity:.3f}, KL {cand.kl:.4f}, top-1 "
                        f"{cand.top1_agreement:.2%}, {cand.correct}/{len(items)} items")
-            record_activation_verdict(cand_path, 8, not fails, summary, standard)
-            print(f"recorded for --activation-bits auto: 8-bit activations {'pass' if not fails else 'fail'} on "
-                  f"{cand_path}" + ("" if standard else " (a non-standard gate: auto keeps 16 bits on it)"))
+            record_activation_verdict(cand_path, bits, not fails, summary, standard, large)
+            print(f"recorded for auto: {what} {'pass' if not fails else 'fail'} on {cand_path}"
+                  + ("" if standard else " (a non-standard gate: auto does not use it)"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"scores": to_json([base, cand]), "passed": not fails, "failures": fails}, f, indent=2)

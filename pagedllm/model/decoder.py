@@ -177,6 +177,16 @@ class CausalLM:
             lin.act_levels = 1 if bits == 8 else 2
         return bool(blocks)
 
+    def set_large_step_weights(self, min_tokens: int) -> bool:
+        """Steps of at least ``min_tokens`` rows run the layers' packed linears on bfloat16 stripes of their
+        weights (``BlockQuantLinear._stripes``; 0: never). The LM head keeps its blocks (a step's head computes a
+        few rows). Returns whether any linear takes the setting."""
+        head = {id(self.lm_head), id(self.embed)}
+        lins = [lin for lin in self.linears().values() if hasattr(lin, "bf16_min_tokens") and id(lin) not in head]
+        for lin in lins:
+            lin.bf16_min_tokens = min_tokens
+        return bool(lins)
+
     def linears(self) -> dict[str, object]:
         out = {"lm_head": self.lm_head, "embed": self.embed}
         for i, layer in enumerate(self.layers):
@@ -261,6 +271,10 @@ class CausalLM:
         """down(act(gate) * up) with gate and up from one fused projection."""
         if self.ops is not None:
             act_and_mul = self.ops.silu_and_mul if self.cfg.hidden_act == "silu" else self.ops.gelu_tanh_and_mul
+            # packed weights' own large-step path (bfloat16 stripes), where they have one
+            y = gate_up.gated(x, act_and_mul, down) if hasattr(gate_up, "gated") else None
+            if y is not None:
+                return y
             if x.shape[0] <= MLP_ROWS:
                 return down(act_and_mul(gate_up(x)))
             return torch.cat([down(act_and_mul(gate_up(x[i:i + MLP_ROWS]))) for i in range(0, x.shape[0], MLP_ROWS)])

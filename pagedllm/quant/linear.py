@@ -26,6 +26,7 @@ ACT_DTYPE = torch.bfloat16
 QBLOCK = 32  # input channels per block of BlockQuantLinear
 SUBBLOCK = 16  # the smallest group it runs: a scale (and offset) per half block
 KSUPER = 256  # inputs per GGUF K-quant super-block
+STRIPE_ROWS = 512  # weight rows decoded to bfloat16 at a time by BlockQuantLinear's large steps (1.5 MiB at K=1536)
 
 
 class _Packed:
@@ -200,12 +201,55 @@ class BlockQuantLinear(_Packed):
         # the activations' quantization per block of 32 (kernels' QuantizedRows): 2 int8 levels (~15 bits), or 1
         # (8 bits, --activation-bits 8: the fine level's products skipped)
         self.act_levels = 2
+        # steps of at least this many rows run on bfloat16 stripes of the weights (``_stripes``); 0: never
+        self.bf16_min_tokens = 0
+
+    def weight_bf16(self, g0: int, g1: int) -> torch.Tensor:
+        """Weight rows ``8 g0 .. min(8 g1, N) - 1`` decoded to bfloat16 by the kernels: (rows, K)."""
+        if self.super_scales is not None:
+            return self.ops.qweight_k_bf16(self.codes, self.scales, self.offsets, self.super_scales,
+                                           self.super_offsets, self.bits, self.out_features, g0, g1)
+        return self.ops.qweight_bf16(self.codes, self.scales, self.offsets, self.bits, self.out_features, g0, g1)
+
+    def _stripes(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T with W decoded to bfloat16 a stripe of ``STRIPE_ROWS`` outputs at a time (held only while its GEMM
+        runs) and bf16 activations, through torch's GEMM (oneDNN: AMX or AVX512-BF16 tiles): the path of large
+        steps (``bf16_min_tokens``), several times the block kernels' integer throughput on such CPUs."""
+        xb = x.to(torch.bfloat16)
+        n = self.out_features
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        step = STRIPE_ROWS // 8
+        for g0 in range(0, (n + 7) // 8, step):
+            g1 = min(g0 + step, (n + 7) // 8)
+            y[:, 8 * g0:min(8 * g1, n)] = F.linear(xb, self.weight_bf16(g0, g1))
+        return y
+
+    def gated(self, x: torch.Tensor, act_and_mul, down) -> torch.Tensor | None:
+        """``down(act_and_mul(self(x)))`` for this fused gate/up projection (gate rows, then as many up rows) on
+        bfloat16 stripes, where the step is large enough for them (``bf16_min_tokens``); None where it is not. Each
+        stripe of the intermediate columns decodes its gate and up rows together, and the activation product stays
+        bfloat16 (the down projection's stripes take bf16 inputs): no float32 gate/up output is written, and the
+        rows need not go in pieces (a piece would decode every weight again)."""
+        inter = self.out_features // 2
+        if not (self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens and inter % 8 == 0
+                and getattr(down, "bf16_min_tokens", 0) and self.input_scale is None and self.bias is None):
+            return None
+        xb = x.to(torch.bfloat16)
+        h = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+        step = STRIPE_ROWS // 2
+        for j in range(0, inter, step):
+            j1 = min(j + step, inter)
+            w = torch.cat([self.weight_bf16(j // 8, j1 // 8), self.weight_bf16((inter + j) // 8, (inter + j1) // 8)])
+            h[:, j:j1] = act_and_mul(F.linear(xb, w))
+        return down(h)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
+        if self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens:
+            return self._stripes(x)
         if self.super_scales is not None:
             return self.ops.qlinear_k(x.contiguous(), self.codes, self.scales, self.offsets, self.super_scales,
                                       self.super_offsets, self.bits, self.out_features, self.act_levels)

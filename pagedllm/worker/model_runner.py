@@ -23,7 +23,7 @@ from pagedllm.config import EngineConfig, activation_verdict, resolve_model_path
 from pagedllm.distributed.launcher import join_tensor_parallel, rank_device
 from pagedllm.distributed.sharding import check_shardable, shard_weights
 from pagedllm.errors import TensorParallelError
-from pagedllm.kernels import cpu_ops, kernel_path
+from pagedllm.kernels import cpu_info, cpu_ops, kernel_path
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.decoder import CausalLM
@@ -101,6 +101,30 @@ def _activation_bits(requested: str, model_path: str) -> tuple[int, str]:
     return 16, "no 8-bit quality gate recorded for this file (pagedllm eval --candidate-activation-bits 8)"
 
 
+# rows from which a step runs the layers on bfloat16 weight stripes (--large-step-weights bf16): on a Xeon with AMX
+# (2 cores) the stripes beat the block kernels from 128-256 rows on the 1.5B's shapes (gate_up 18.0 -> 15.1 ms at 256
+# rows, 7.6 -> 9.5 ms at 128; docs/benchmarks.md)
+BF16_STEP_MIN_TOKENS = 256
+
+
+def _large_step_weights(requested: str, model_path: str, bits: int) -> tuple[str, str]:
+    """``blocks`` or ``bf16`` for the large steps, and why: as asked, or (auto) bf16 on a CPU with AMX-BF16 where
+    ``pagedllm eval`` recorded a passing standard gate of bf16 large steps with ``bits``-bit activations for this
+    file."""
+    if requested != "auto":
+        return requested, "as asked"
+    if "amx_bf16" not in cpu_info()[1]:
+        return "blocks", "no AMX-BF16 on this CPU"
+    verdict = activation_verdict(model_path, bits, "bf16") if os.path.isfile(model_path) else None
+    if verdict is not None and verdict.get("passed") and verdict.get("standard"):
+        return "bf16", (f"pagedllm eval passed them with {bits}-bit activations on this file ({verdict.get('date')}: "
+                        f"{verdict.get('summary')})")
+    if verdict is not None:
+        return "blocks", f"the recorded quality gate of bf16 large steps ({verdict.get('date')}) did not pass or was not the standard one"
+    return "blocks", (f"no quality gate of bf16 large steps with {bits}-bit activations recorded for this file "
+                      "(pagedllm eval --candidate-large-step-weights bf16)")
+
+
 def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: bool) -> torch.dtype:
     """``--kv-cache-dtype``; auto: bfloat16 under the measured packed-weight plan of ``--dtype auto`` on CPU
     (decode attention reads half the bytes; passes ``pagedllm eval`` against float32, docs/benchmarks.md),
@@ -163,6 +187,11 @@ class ModelRunner:
         bits, why = _activation_bits(config.activation_bits, path)
         # None: no block kernel runs (dense weights), so the setting acts on nothing
         self.activation_bits = bits if self.model.set_activation_bits(bits) else None
+        large, large_why = _large_step_weights(config.large_step_weights, path, bits)
+        # None: no packed linear takes it
+        self.large_step_weights = None
+        if self.model.set_large_step_weights(BF16_STEP_MIN_TOKENS if large == "bf16" else 0):
+            self.large_step_weights = large
         max_len = config.model.max_model_len or arch.max_position
         if max_len > arch.max_position:
             raise ValueError(
@@ -204,6 +233,9 @@ class ModelRunner:
         )
         if self.activation_bits is not None:
             logger.info("activations: %d-bit per block of 32 (%s)", self.activation_bits, why)
+        if self.large_step_weights is not None:
+            logger.info("steps of %d+ rows: %s (%s)", BF16_STEP_MIN_TOKENS, "bfloat16 weight stripes" if
+                        self.large_step_weights == "bf16" else "the block kernels", large_why)
         if self.tp is not None and rank == 0:
             logger.info("tensor parallelism: %d ranks, weights per rank %s MiB (%.1f MiB in all), KV cache per rank "
                         "%d heads of %d", self.tp.world_size,
@@ -244,6 +276,8 @@ class ModelRunner:
              "weights": self.quantization, "kernels": self.kernel_path}
         if self.activation_bits is not None:  # the block kernels run
             d["activation_bits"] = self.activation_bits
+        if self.large_step_weights is not None:
+            d["large_step_weights"] = self.large_step_weights
         if self.weight_plan is not None:
             d["weight_plan"] = plan_summary(self.weight_plan)
         return d

@@ -367,3 +367,118 @@ def test_every_block_type_through_the_engine(tiny_gguf, monkeypatch):
     assert agree >= len(prompts) * 12 // 2, agree
     alone = [auto.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert alone == [g.outputs[0].token_ids for g in got]
+
+
+@pytest.mark.parametrize("kind", sorted(DECODERS))
+def test_bf16_stripes_decode_the_file_values_and_multiply_them(kind, monkeypatch):
+    """``qweight_bf16``: any range of groups of 8 rows (the last one partial) decodes to the file's numbers rounded
+    to bfloat16, bit for bit; a step of ``bf16_min_tokens`` rows or more runs x W^T on those stripes (bf16
+    activations, float32 sums), a smaller one on the block kernels."""
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.quant import linear as qlinear
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    ops = cpu_ops()
+    n, k = 44, 768
+    raw = random_blocks(kind, n, k, seed=2)
+    qw = decode(raw, kind)
+    w = reference(raw, kind)
+    lins = [BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, ops)]
+    if qw.kscales is not None:  # the file's two-level scales and the float32 ones: the same numbers
+        lins.append(BlockQuantLinear(dataclasses.replace(qw, kscales=None), None, torch.device("cpu"), torch.float32,
+                                     ops))
+    for lin in lins:
+        assert torch.equal(lin.weight_bf16(0, 6), w.bfloat16())
+        assert torch.equal(lin.weight_bf16(2, 4), w[16:32].bfloat16())
+        assert torch.equal(lin.weight_bf16(5, 6), w[40:].bfloat16())
+    with pytest.raises(RuntimeError, match="outside"):
+        lins[0].weight_bf16(3, 7)
+    lin = lins[0]
+    monkeypatch.setattr(qlinear, "STRIPE_ROWS", 16)  # several stripes, the last one partial
+    decoded = []
+    monkeypatch.setattr(lin, "weight_bf16", lambda g0, g1: decoded.append((g0, g1)) or BlockQuantLinear.weight_bf16(
+        lin, g0, g1))
+    lin.bf16_min_tokens = 40
+    torch.manual_seed(0)
+    x = torch.randn(40, k)
+    y = lin(x)
+    assert decoded == [(0, 2), (2, 4), (4, 6)]
+    ref = x.bfloat16().double() @ w.bfloat16().double().T
+    scale = x.abs().double() @ w.abs().double().T
+    assert ((y.double() - ref).abs() <= 4e-3 * scale + 1e-6).all()  # the bf16 output's rounding, 2^-9
+    decoded.clear()
+    small = lin(x[:39])
+    assert not decoded  # the block kernels
+    exact = x[:39].double() @ w.double().T
+    assert ((small.double() - exact).abs() <= 2e-4 * scale[:39] + 1e-6).all()  # the block kernels' precision
+
+
+def test_bf16_stripes_of_a_gated_mlp():
+    """``BlockQuantLinear.gated``: down(act(gate) * up) of a fused gate/up projection on bfloat16 stripes (gate and
+    up rows decoded together, the product kept in bf16) matches the float64 product of the file's numbers at bf16
+    precision; below ``bf16_min_tokens`` rows, or for a down projection that has no stripes, it declines (None)."""
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    ops = cpu_ops()
+    inter, hidden = 288, 256  # 288 intermediate columns: a whole stripe of 256 and a part
+    up_raw, down_raw = random_blocks("Q4_K", 2 * inter, hidden, seed=3), random_blocks("Q8_0", hidden, inter, seed=4)
+    gate_up = BlockQuantLinear(decode(up_raw, "Q4_K"), None, torch.device("cpu"), torch.float32, ops)
+    down = BlockQuantLinear(decode(down_raw, "Q8_0"), None, torch.device("cpu"), torch.float32, ops)
+    wg, wd = reference(up_raw, "Q4_K").double(), reference(down_raw, "Q8_0").double()
+    torch.manual_seed(0)
+    x = torch.randn(20, hidden)
+    assert gate_up.gated(x, ops.silu_and_mul, down) is None  # no stripes asked for
+    gate_up.bf16_min_tokens = down.bf16_min_tokens = 20
+    assert gate_up.gated(x[:19], ops.silu_and_mul, down) is None  # too few rows
+    y = gate_up.gated(x, ops.silu_and_mul, down)
+    g, u = (x.double() @ wg.T).chunk(2, dim=-1)
+    h = torch.nn.functional.silu(g) * u
+    ref = h @ wd.T
+    scale = h.abs() @ wd.abs().T
+    assert y.dtype == torch.float32 and ((y.double() - ref).abs() <= 2e-2 * scale + 1e-6).all()
+    down.bf16_min_tokens = 0
+    assert gate_up.gated(x, ops.silu_and_mul, down) is None
+
+
+def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
+    """``--large-step-weights bf16``: the layers' linears (not the LM head) take steps of 256+ rows on bfloat16
+    stripes, and a 300-token prompt's greedy tokens follow the float32 path's (logprobs within 0.05); auto takes
+    them only on a CPU with AMX-BF16 and a passing standard quality gate recorded for the file with the chosen
+    activation bits."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.config import record_activation_verdict
+    from pagedllm.worker import model_runner
+    from pagedllm.worker.autotune import WeightPlan
+
+    monkeypatch.setattr(model_runner, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    prompt = {"prompt_token_ids": [(i * 37) % 5000 + 10 for i in range(300)]}
+    ref = LLM(model=tiny_gguf, dtype="float32", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)
+    llm = LLM(model=tiny_gguf, enable_prefix_caching=False, kv_cache_dtype="float32", large_step_weights="bf16")
+    assert llm.engine.runtime["large_step_weights"] == "bf16"
+    lins = model_of(llm).linears()
+    assert {n for n, lin in lins.items() if getattr(lin, "bf16_min_tokens", 0) == 256} == {
+        n for n in lins if n.startswith("layers.")}
+    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    r = ref[0].outputs[0]
+    for i, (a, b) in enumerate(zip(got.token_ids, r.token_ids)):
+        assert abs(got.logprobs[i].logprob - r.logprobs[i].logprob) < 0.05
+        if a != b:
+            break
+    del llm
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tiny_gguf) + ".cache")
+    choice = lambda: model_runner._large_step_weights("auto", tiny_gguf, 16)[0]  # noqa: E731
+    amx = {"amx_bf16"}
+    monkeypatch.setattr(model_runner, "cpu_info", lambda: ("cpu", amx))
+    assert choice() == "blocks"  # no verdict
+    record_activation_verdict(tiny_gguf, 16, True, "a looser gate", standard=False, large_steps="bf16")
+    assert choice() == "blocks"
+    record_activation_verdict(tiny_gguf, 8, True, "the standard gate at 8 bits", standard=True, large_steps="bf16")
+    assert choice() == "blocks" and model_runner._large_step_weights("auto", tiny_gguf, 8)[0] == "bf16"
+    record_activation_verdict(tiny_gguf, 16, True, "the standard gate", standard=True, large_steps="bf16")
+    assert choice() == "bf16"
+    assert model_runner._large_step_weights("blocks", tiny_gguf, 16)[0] == "blocks"
+    amx.clear()  # a CPU without AMX-BF16: blocks unless asked
+    assert choice() == "blocks" and model_runner._large_step_weights("bf16", tiny_gguf, 16)[0] == "bf16"
+    assert LLM(model=tiny_gguf, enable_prefix_caching=False).engine.runtime["large_step_weights"] == "blocks"

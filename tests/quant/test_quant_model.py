@@ -206,7 +206,7 @@ def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
             "--eval-tokens", "256", "--items", str(items)]
     assert main(args + ["--max-ppl-increase", "0.5", "--max-accuracy-drop", "1.0"]) == 0
     out = capsys.readouterr().out
-    assert "8-bit activations" in out and "recorded for --activation-bits auto: 8-bit activations pass" in out
+    assert "8-bit activations" in out and "recorded for auto: 8-bit activations pass" in out
     assert activation_verdict(path, 8)["passed"] is True and activation_verdict(path, 8)["standard"] is False
     assert bits() == 16  # a pass of a looser, shorter gate is not trusted
     assert main(args + ["--max-ppl-increase", "-0.5"]) == 1  # an impossible gate: recorded as a failure

@@ -45,6 +45,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_k", &qlinear_k, "qlinear with GGUF K-quant scales: int8 sub-block scales x float16 super-block "
         "scales", py::arg("x"), py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"),
         py::arg("bits"), py::arg("N"), py::arg("levels") = 2, nogil);
+  m.def("qweight_bf16", &qweight_bf16, "qlinear's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
+        "(rows, K)", py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bits"), py::arg("N"), py::arg("g0"),
+        py::arg("g1"), nogil);
+  m.def("qweight_k_bf16", &qweight_k_bf16, "qlinear_k's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
+        "(rows, K)", py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"), py::arg("bits"),
+        py::arg("N"), py::arg("g0"), py::arg("g1"), nogil);
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
   // raw blocks as any contiguous buffer (a read-only numpy view of the memory-mapped file), read without the GIL
   m.def("gguf_codes", [](py::buffer raw, const std::string& kind, const at::Tensor& out) {

@@ -25,6 +25,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
                    int64_t N, int64_t levels = 2);
 at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn,
                      const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N, int64_t levels = 2);
+at::Tensor qweight_bf16(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t N,
+                        int64_t g0, int64_t g1);
+at::Tensor qweight_k_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn, const at::Tensor& D,
+                          const at::Tensor& Dm, int64_t bits, int64_t N, int64_t g0, int64_t g1);
 void gguf_codes(const uint8_t* raw, int64_t nbytes, const std::string& kind, const at::Tensor& out);
 at::Tensor gguf_k_scales(const uint8_t* raw, int64_t nbytes, const std::string& kind);
 // a part of pack_parts: rows of codes (kind empty: K bytes a row) or of a GGUF type's raw blocks, read in place

@@ -25,13 +25,11 @@ bool set_qlinear_amx(bool on) {
   return amx_enabled();
 }
 
-// x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout (qlinear.h);
-// d, m: (ceil(N/8), K/32 * sub * 8), both float32 or both float16, sub 1 or 2 scales per block (2: blocks of 16);
-// m empty: every offset 0 (8-bit codes only). Returns (M, N) in x's dtype.
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
-                   int64_t N, int64_t levels) {
-  check_qlinear(x, w, bits, N);
-  const int64_t M = x.size(0), K = x.size(1), NG = (N + 7) / 8, nb = K / QB;
+namespace {
+// Calls f with the QScales view of d and m (float32 or float16, 1 or 2 scales per block of 32).
+template <typename F>
+void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t N, int64_t K, F&& f) {
+  const int64_t NG = (N + 7) / 8, nb = K / QB;
   const bool half = d.scalar_type() == at::kHalf, offsets = m.numel() > 0;
   const int64_t per_sub = NG * nb * 8, sub = d.numel() == 2 * per_sub ? 2 : 1;
   TORCH_CHECK((half || d.scalar_type() == at::kFloat) && m.scalar_type() == d.scalar_type() && d.is_contiguous() &&
@@ -39,20 +37,39 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
               "qlinear: scales and offsets must be contiguous (ceil(N/8), K/32 * 8) or (ceil(N/8), K/16 * 8), both "
               "float32 or both float16 (offsets may be empty)");
   TORCH_CHECK(bits == 8 || offsets, "qlinear: 4-bit codes need their offsets");
-  auto y = at::empty({M, N}, x.options());
   with_sub(sub, [&](auto sub_tag) {
     constexpr int S = decltype(sub_tag)::value;
     if (half && offsets)
-      qlinear_run(x, w, bits, N, QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb}, y,
-                  levels);
+      f(QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb});
     else if (half)
-      qlinear_run(x, w, bits, N, QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb}, y, levels);
+      f(QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb});
     else if (offsets)
-      qlinear_run(x, w, bits, N, QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb}, y,
-                  levels);
+      f(QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb});
     else
-      qlinear_run(x, w, bits, N, QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb}, y, levels);
+      f(QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb});
   });
+}
+}  // namespace
+
+// x: (M, K) float32/bfloat16; w: (ceil(N/8), K/32 * bits*32) uint8 in the interleaved layout (qlinear.h);
+// d, m: (ceil(N/8), K/32 * sub * 8), both float32 or both float16, sub 1 or 2 scales per block (2: blocks of 16);
+// m empty: every offset 0 (8-bit codes only). Returns (M, N) in x's dtype.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
+                   int64_t N, int64_t levels) {
+  check_qlinear(x, w, bits, N);
+  auto y = at::empty({x.size(0), N}, x.options());
+  with_qscales(d, m, bits, N, x.size(1), [&](const auto& sc) { qlinear_run(x, w, bits, N, sc, y, levels); });
+  return y;
+}
+
+// Weight rows 8 g0 .. min(8 g1, N) - 1 of qlinear's w, d, m, decoded to bfloat16: (rows, K).
+at::Tensor qweight_bf16(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t N,
+                        int64_t g0, int64_t g1) {
+  TORCH_CHECK(w.dim() == 2 && (bits == 4 || bits == 8), "qweight_bf16: w must be (ceil(N/8), K*bits), bits 4 or 8");
+  const int64_t K = w.size(1) / bits;
+  check_weight(w, bits, N, K);
+  at::Tensor y;
+  with_qscales(d, m, bits, N, K, [&](const auto& sc) { y = dequant_run(w, bits, N, K, sc, g0, g1); });
   return y;
 }
 
