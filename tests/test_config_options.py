@@ -22,7 +22,8 @@ from pagedllm.engine.arg_utils import add_engine_args, config_from_args
 FLAGS = {
     "--model", "--dtype", "--device", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
     "--kv-cache-memory", "--gpu-memory-utilization", "--enable-prefix-caching", "--enable-chunked-prefill",
-    "--quantization", "--quant-dense-min-tokens", "--dense-copy-budget-mib", "--activation-bits", "--tensor-parallel-size",
+    "--quantization", "--quant-dense-min-tokens", "--dense-copy-budget-mib", "--activation-bits",
+    "--large-step-weights", "--tensor-parallel-size",
     "--distributed-init-method",
     "--tp-threads-per-rank", "--distributed-timeout-s", "--seed", "--scheduling-policy", "--preemption-mode",
     "--swap-space", "--kv-cache-dtype", "--target-ttft-ms", "--target-tpot-ms", "--max-waiting-requests",

@@ -24,7 +24,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the candidate's KV cache dtype (auto: as the engine chooses it for the candidate's dtype)")
     p.add_argument("--candidate-activation-bits", type=int, default=16, choices=[8, 16],
                    help="the candidate's --activation-bits (packed GGUF blocks on CPU: 8-bit or ~15-bit activations)")
-    p.add_argument("--candidate-large-step-weights", default="blocks", choices=LARGE_STEP_WEIGHTS_CHOICES,
+    p.add_argument("--candidate-large-step-weights", default="blocks",
+                   choices=[c for c in LARGE_STEP_WEIGHTS_CHOICES if c != "auto"],
                    help="the candidate's --large-step-weights (packed GGUF blocks on CPU: steps of 256+ rows on the "
                         "block kernels or on bfloat16 weight stripes)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative perplexity increase allowed")

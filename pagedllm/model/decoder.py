@@ -275,7 +275,8 @@ class CausalLM:
             y = gate_up.gated(x, act_and_mul, down) if hasattr(gate_up, "gated") else None
             if y is not None:
                 return y
-            if x.shape[0] <= MLP_ROWS:
+            # whole where a piece would take gate_up's stripes (each piece would decode every weight again)
+            if x.shape[0] <= MLP_ROWS or 0 < getattr(gate_up, "bf16_min_tokens", 0) <= MLP_ROWS:
                 return down(act_and_mul(gate_up(x)))
             return torch.cat([down(act_and_mul(gate_up(x[i:i + MLP_ROWS]))) for i in range(0, x.shape[0], MLP_ROWS)])
         gu = gate_up(x)

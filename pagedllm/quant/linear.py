@@ -27,6 +27,7 @@ QBLOCK = 32  # input channels per block of BlockQuantLinear
 SUBBLOCK = 16  # the smallest group it runs: a scale (and offset) per half block
 KSUPER = 256  # inputs per GGUF K-quant super-block
 STRIPE_ROWS = 512  # weight rows decoded to bfloat16 at a time by BlockQuantLinear's large steps (1.5 MiB at K=1536)
+assert STRIPE_ROWS % 16 == 0  # whole groups of 8 rows, also for the gate and the up half of a gated stripe
 
 
 class _Packed:
@@ -229,9 +230,11 @@ class BlockQuantLinear(_Packed):
         bfloat16 stripes, where the step is large enough for them (``bf16_min_tokens``); None where it is not. Each
         stripe of the intermediate columns decodes its gate and up rows together, and the activation product stays
         bfloat16 (the down projection's stripes take bf16 inputs): no float32 gate/up output is written, and the
-        rows need not go in pieces (a piece would decode every weight again)."""
+        rows need not go in pieces (a piece would decode every weight again). A dense copy the weight plan keeps
+        for large steps (``keep_dense``) takes precedence, as in ``__call__``."""
         inter = self.out_features // 2
-        if not (self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens and inter % 8 == 0
+        dense = self.dense is not None and x.shape[0] >= self.dense_min_tokens
+        if not (self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens and inter % 8 == 0 and not dense
                 and getattr(down, "bf16_min_tokens", 0) and self.input_scale is None and self.bias is None):
             return None
         xb = x.to(torch.bfloat16)

@@ -10,7 +10,9 @@ Each is timed on one decoder layer's linears (x number of layers) and on the LM 
 packed path serves small steps when it wins there; a dense copy is kept for steps of at least the batch size from
 which it is faster (per group: the layers and the LM head), or none when it never is. A bfloat16 copy (oneDNN,
 fast with AMX or AVX512-BF16) is not a candidate: used for prefill steps it changed business-set answers beyond
-what ``pagedllm eval``'s quality gate allows; ``--dtype bfloat16`` still runs the whole model in bf16. The plan
+what ``pagedllm eval``'s quality gate allows; ``--dtype bfloat16`` still runs the whole model in bf16, and
+``--large-step-weights`` (quality-gated per file) runs large steps on bfloat16 stripes decoded on the fly, which
+keep no copy. The plan
 is cached per CPU, model shapes, kernel source and torch version (``autotune.json`` in ``config.cache_dir()``),
 so later starts skip the measurement; the start-up log and ``/health`` show it.
 """

@@ -460,7 +460,17 @@ def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
     lins = model_of(llm).linears()
     assert {n for n, lin in lins.items() if getattr(lin, "bf16_min_tokens", 0) == 256} == {
         n for n in lins if n.startswith("layers.")}
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    decoded, gated = [], []
+    decode_rows, gated_mlp = BlockQuantLinear.weight_bf16, BlockQuantLinear.gated
+    monkeypatch.setattr(BlockQuantLinear, "weight_bf16", lambda self, g0, g1: decoded.append(self) or decode_rows(
+        self, g0, g1))
+    monkeypatch.setattr(BlockQuantLinear, "gated", lambda self, x, *a: gated.append(len(x)) or gated_mlp(self, x, *a))
     got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    # the prompt's step took the stripes in every layer linear (the MLPs through ``gated``), the decode steps did not
+    assert {id(lin) for lin in decoded} == {id(lin) for n, lin in lins.items() if n.startswith("layers.")}
+    assert gated[:2] == [300, 300] and set(gated[2:]) == {1}
     r = ref[0].outputs[0]
     for i, (a, b) in enumerate(zip(got.token_ids, r.token_ids)):
         assert abs(got.logprobs[i].logprob - r.logprobs[i].logprob) < 0.05

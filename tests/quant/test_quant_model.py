@@ -215,5 +215,11 @@ def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
     assert bits() == 8 and bits(activation_bits=16) == 16
     record_activation_verdict(path, 8, False, "the standard gate, failed", standard=True)
     assert bits() == 16 and bits(activation_bits=8) == 8
+    # bf16 large steps: recorded under their own key, for the activation bits the candidate ran
+    assert main(args[:5] + ["--candidate-activation-bits", "16", "--candidate-large-step-weights", "bf16",
+                            "--eval-tokens", "256", "--items", str(items), "--max-ppl-increase", "0.5",
+                            "--max-accuracy-drop", "1.0"]) == 0
+    assert "recorded for auto: 16-bit activations, bf16 large steps pass" in capsys.readouterr().out
+    assert activation_verdict(path, 16, "bf16")["passed"] is True and activation_verdict(path, 16) is None
     (tmp_path / "activation_bits.json").write_text("[]")  # damaged: read as no verdict
     assert activation_verdict(path, 8) is None and bits() == 16
