@@ -477,6 +477,11 @@ def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
         if a != b:
             break
     del llm
+    # the quality gate's perplexity chunks are single steps that reach the stripes (so a verdict measured them)
+    import inspect
+
+    from pagedllm.eval.quality import eval_chunks
+    assert inspect.signature(eval_chunks).parameters["chunk_len"].default >= model_runner.BF16_STEP_MIN_TOKENS
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tiny_gguf) + ".cache")
     choice = lambda: model_runner._large_step_weights("auto", tiny_gguf, 16)[0]  # noqa: E731
     amx = {"amx_bf16"}
