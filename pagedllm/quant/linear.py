@@ -53,8 +53,12 @@ class _Packed:
         self.bias = None if bias is None else bias.to(device, dtype)
         self.out_dtype = dtype
 
+    def _takes_dense(self, x: torch.Tensor) -> bool:
+        """Whether the dense copy (``keep_dense``) runs this step."""
+        return self.dense is not None and x.shape[0] >= self.dense_min_tokens
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_min_tokens:
+        if self._takes_dense(x):
             return self._finish(self.dense(x.to(self.dense.weight_dtype)))
         return self._finish(self._kernel(x))
 
@@ -233,8 +237,8 @@ class BlockQuantLinear(_Packed):
         rows need not go in pieces (a piece would decode every weight again). A dense copy the weight plan keeps
         for large steps (``keep_dense``) takes precedence, as in ``__call__``."""
         inter = self.out_features // 2
-        dense = self.dense is not None and x.shape[0] >= self.dense_min_tokens
-        if not (self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens and inter % 8 == 0 and not dense
+        if not (self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens and inter % 8 == 0
+                and not self._takes_dense(x)
                 and getattr(down, "bf16_min_tokens", 0) and self.input_scale is None and self.bias is None):
             return None
         xb = x.to(torch.bfloat16)

@@ -120,7 +120,8 @@ def _large_step_weights(requested: str, model_path: str, bits: int) -> tuple[str
         return "bf16", (f"pagedllm eval passed them with {bits}-bit activations on this file ({verdict.get('date')}: "
                         f"{verdict.get('summary')})")
     if verdict is not None:
-        return "blocks", f"the recorded quality gate of bf16 large steps ({verdict.get('date')}) did not pass or was not the standard one"
+        return "blocks", (f"the recorded quality gate of bf16 large steps ({verdict.get('date')}) did not pass or was "
+                          "not the standard one")
     return "blocks", (f"no quality gate of bf16 large steps with {bits}-bit activations recorded for this file "
                       "(pagedllm eval --candidate-large-step-weights bf16)")
 

@@ -65,9 +65,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
 // Weight rows 8 g0 .. min(8 g1, N) - 1 of qlinear's w, d, m, decoded to bfloat16: (rows, K).
 at::Tensor qweight_bf16(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t N,
                         int64_t g0, int64_t g1) {
-  TORCH_CHECK(w.dim() == 2 && (bits == 4 || bits == 8), "qweight_bf16: w must be (ceil(N/8), K*bits), bits 4 or 8");
-  const int64_t K = w.size(1) / bits;
-  check_weight(w, bits, N, K);
+  const int64_t K = decoded_weight_inputs(w, bits, N);
   at::Tensor y;
   with_qscales(d, m, bits, N, K, [&](const auto& sc) { y = dequant_run(w, bits, N, K, sc, g0, g1); });
   return y;

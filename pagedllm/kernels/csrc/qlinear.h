@@ -688,7 +688,9 @@ inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const Quan
     const int8_t* xq2 = xa.q2.data() + row * K + b * QB;
     const uint8_t* wb = wg + b * gbytes;
     int32_t s[SUB][8] = {};  // per half block (inputs 0-15, 16-31) with SUB 2
-    for_each_code<BITS>(wb, [&](int j, int k, int c) { s[SUB == 2 && k >= 16][j] += c * (xa.level() * xq[k] + xq2[k]); });
+    for_each_code<BITS>(wb, [&](int j, int k, int c) {
+      s[SUB == 2 && k >= 16][j] += c * (xa.level() * xq[k] + xq2[k]);
+    });
     const float sx = xa.s[row * nb + b];
     for (int h = 0; h < SUB; ++h) {
       const float ss = act_ss<SUB>(xa, row * nb + b, h);
@@ -942,6 +944,15 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
 #endif
 }
 
+// Calls f with std::integral_constant<int, 4> for 4-bit codes (only with offsets: SC::offsets), else <int, 8>.
+template <typename SC, typename F>
+void with_bits(int64_t bits, F&& f) {
+  if constexpr (SC::offsets) {
+    if (bits == 4) return f(std::integral_constant<int, 4>{});
+  }
+  f(std::integral_constant<int, 8>{});
+}
+
 // Runs qlinear_impl for the scales layout `sc` (QScales or KScales) on x's dtype; levels: of the activations (1: 8-bit,
 // 2: ~15-bit, see QuantizedRows).
 template <typename SC>
@@ -952,10 +963,10 @@ void qlinear_run(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t
   const int lv = static_cast<int>(levels);
   dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (SC::offsets) {
-      if (bits == 4) return qlinear_impl<4, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>(), lv);
-    }
-    qlinear_impl<8, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>(), lv);
+    with_bits<SC>(bits, [&](auto bits_tag) {
+      qlinear_impl<decltype(bits_tag)::value, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>(),
+                                                 lv);
+    });
   });
 }
 
@@ -983,17 +994,23 @@ void check_qlinear(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64
   check_weight(w, bits, N, x.size(1));
 }
 
+// The inputs K of a weight w decoded by qweight_bf16 / qweight_k_bf16, w checked as qlinear checks it.
+int64_t decoded_weight_inputs(const at::Tensor& w, int64_t bits, int64_t N) {
+  TORCH_CHECK(w.dim() == 2 && (bits == 4 || bits == 8), "qweight_bf16: w must be (ceil(N/8), K*bits), bits 4 or 8");
+  const int64_t K = w.size(1) / bits;
+  check_weight(w, bits, N, K);
+  return K;
+}
+
 // The weight rows 8 g0 .. min(8 g1, N) - 1 as bfloat16 (dequant_bf16) for the scales layout `sc`; K: w's inputs.
 template <typename SC>
 at::Tensor dequant_run(const at::Tensor& w, int64_t bits, int64_t N, int64_t K, const SC& sc, int64_t g0, int64_t g1) {
   TORCH_CHECK(0 <= g0 && g0 < g1 && g1 <= (N + 7) / 8, "qweight_bf16: groups [", g0, ", ", g1, ") outside [0, ",
               (N + 7) / 8, ")");
   auto y = at::empty({std::min(8 * g1, N) - 8 * g0, K}, w.options().dtype(at::kBFloat16));
-  auto* yp = y.data_ptr<at::BFloat16>();
-  if constexpr (SC::offsets) {
-    if (bits == 4) return dequant_bf16<4>(w.data_ptr<uint8_t>(), sc, g0, g1, K, N, yp), y;
-  }
-  dequant_bf16<8>(w.data_ptr<uint8_t>(), sc, g0, g1, K, N, yp);
+  with_bits<SC>(bits, [&](auto bits_tag) {
+    dequant_bf16<decltype(bits_tag)::value>(w.data_ptr<uint8_t>(), sc, g0, g1, K, N, y.data_ptr<at::BFloat16>());
+  });
   return y;
 }
 

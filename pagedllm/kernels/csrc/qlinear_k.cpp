@@ -46,9 +46,7 @@ at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // Weight rows 8 g0 .. min(8 g1, N) - 1 of qlinear_k's weight, decoded to bfloat16: (rows, K).
 at::Tensor qweight_k_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn, const at::Tensor& D,
                           const at::Tensor& Dm, int64_t bits, int64_t N, int64_t g0, int64_t g1) {
-  TORCH_CHECK(w.dim() == 2 && (bits == 4 || bits == 8), "qweight_bf16: w must be (ceil(N/8), K*bits), bits 4 or 8");
-  const int64_t K = w.size(1) / bits;
-  check_weight(w, bits, N, K);
+  const int64_t K = decoded_weight_inputs(w, bits, N);
   at::Tensor y;
   with_kscales(s, mn, D, Dm, bits, N, K, [&](const auto& sc) { y = dequant_run(w, bits, N, K, sc, g0, g1); });
   return y;
