@@ -4,6 +4,29 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _suite_cache_dir() -> str:
+    """The suite runs on its own cache directory, as a fresh machine would: no quality-gate verdicts
+    (``activation_bits.json``: they switch ``--activation-bits auto`` / ``--large-step-weights auto``) and no weight
+    plan (``autotune.json``) from this machine's earlier runs; the caches that only save work and are keyed by the
+    file (tokenizers, HF reference checkpoints, fetched models) are linked from the user's cache directory."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from pagedllm.config import cache_dir
+
+    user = cache_dir()
+    suite = tempfile.mkdtemp(prefix="pagedllm-suite-cache-")
+    for name in ("tokenizers", "hf_reference", "models"):
+        os.makedirs(os.path.join(user, name), exist_ok=True)
+        os.symlink(os.path.join(user, name), os.path.join(suite, name))
+    atexit.register(shutil.rmtree, suite, ignore_errors=True)  # removes the links, not what they point to
+    return suite
+
+
+os.environ["PAGEDLLM_CACHE_DIR"] = _suite_cache_dir()
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
