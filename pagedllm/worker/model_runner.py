@@ -86,19 +86,27 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     return _DTYPES[requested]
 
 
+def _recorded_gate(model_path: str, bits: int, large_steps: str, what: str, command: str) -> tuple[bool, str]:
+    """Whether ``pagedllm eval`` recorded a passing standard quality gate of ``what`` (``bits``-bit activations,
+    ``large_steps``) for this file, and why (``command``: the one that records it)."""
+    verdict = activation_verdict(model_path, bits, large_steps) if os.path.isfile(model_path) else None
+    if verdict is None:
+        return False, f"no quality gate of {what} recorded for this file ({command})"
+    if not verdict.get("standard"):
+        return False, f"the quality gate of {what} recorded for this file was not the standard one ({verdict.get('date')})"
+    if not verdict.get("passed"):
+        return False, f"pagedllm eval failed {what} on this file ({verdict.get('date')})"
+    return True, f"pagedllm eval passed {what} on this file ({verdict.get('date')}: {verdict.get('summary')})"
+
+
 def _activation_bits(requested: str, model_path: str) -> tuple[int, str]:
     """The block kernels' activation bits and why: as asked, or (auto) 8 where ``pagedllm eval`` recorded a passing
     8-bit quality gate for this file, else 16."""
     if requested != "auto":
         return int(requested), "as asked"
-    verdict = activation_verdict(model_path, 8) if os.path.isfile(model_path) else None
-    if verdict is not None and not verdict.get("standard"):
-        return 16, f"the 8-bit quality gate recorded for this file was not the standard one ({verdict.get('date')})"
-    if verdict is not None and verdict.get("passed"):
-        return 8, f"pagedllm eval passed 8-bit activations on this file ({verdict.get('date')}: {verdict.get('summary')})"
-    if verdict is not None:
-        return 16, f"pagedllm eval failed 8-bit activations on this file ({verdict.get('date')})"
-    return 16, "no 8-bit quality gate recorded for this file (pagedllm eval --candidate-activation-bits 8)"
+    passed, why = _recorded_gate(model_path, 8, "blocks", "8-bit activations",
+                                 "pagedllm eval --candidate-activation-bits 8")
+    return (8 if passed else 16), why
 
 
 # rows from which a step runs the layers on bfloat16 weight stripes (--large-step-weights bf16): on a Xeon with AMX
@@ -115,15 +123,9 @@ def _large_step_weights(requested: str, model_path: str, bits: int) -> tuple[str
         return requested, "as asked"
     if "amx_bf16" not in cpu_info()[1]:
         return "blocks", "no AMX-BF16 on this CPU"
-    verdict = activation_verdict(model_path, bits, "bf16") if os.path.isfile(model_path) else None
-    if verdict is not None and verdict.get("passed") and verdict.get("standard"):
-        return "bf16", (f"pagedllm eval passed them with {bits}-bit activations on this file ({verdict.get('date')}: "
-                        f"{verdict.get('summary')})")
-    if verdict is not None:
-        return "blocks", (f"the recorded quality gate of bf16 large steps ({verdict.get('date')}) did not pass or was "
-                          "not the standard one")
-    return "blocks", (f"no quality gate of bf16 large steps with {bits}-bit activations recorded for this file "
-                      "(pagedllm eval --candidate-large-step-weights bf16)")
+    passed, why = _recorded_gate(model_path, bits, "bf16", f"bf16 large steps with {bits}-bit activations",
+                                 "pagedllm eval --candidate-large-step-weights bf16")
+    return ("bf16" if passed else "blocks"), why
 
 
 def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: bool) -> torch.dtype:
