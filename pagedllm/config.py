@@ -14,7 +14,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -264,15 +263,16 @@ class EngineConfig:
     activation_bits: str = option(
         "auto", "packed GGUF blocks on CPU: the activations' precision per block of 32 inputs, 16 (two int8 levels, "
         "~15 bits) or 8 (one level, as llama.cpp's Q8_0 rows: the kernels skip half their integer products, up to "
-        "1.28x); auto: 8 where `pagedllm eval --candidate-activation-bits 8` passed the quality gate on this very "
-        "file (its verdict is kept in the cache directory), else 16", choices=ACTIVATION_BITS_CHOICES)
+        "1.28x); auto: 8 unless the file's quality verdict says it hurts (a `pagedllm eval "
+        "--candidate-activation-bits 8` run recorded here, else the shipped table of known files; a file in neither "
+        "takes 8, as llama.cpp does), else 16", choices=ACTIVATION_BITS_CHOICES)
     large_step_weights: str = option(
         "auto", "packed GGUF blocks on CPU: how steps of at least 256 rows (prefill) run the layers' linears: blocks "
         "(the block kernels, as small steps) or bf16 (each weight decoded to bfloat16 a stripe at a time, held only "
         "while torch's GEMM multiplies it with bfloat16 activations: ~2x the prefill speed where oneDNN has AMX "
-        "tiles; nothing is kept in memory); auto: bf16 on CPUs with AMX-BF16 where `pagedllm eval "
-        "--candidate-large-step-weights bf16` passed the quality gate on this very file (with the activation bits "
-        "chosen for it), else blocks", choices=LARGE_STEP_WEIGHTS_CHOICES)
+        "tiles; nothing is kept in memory); auto: bf16 on CPUs with AMX-BF16 unless the file's quality verdict "
+        "says it hurts (a `pagedllm eval --candidate-large-step-weights bf16` run recorded here, else the shipped "
+        "table), else blocks", choices=LARGE_STEP_WEIGHTS_CHOICES)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = option(
@@ -416,45 +416,3 @@ def resolve_model_path(model: str | None) -> str:
     if not os.path.exists(model):
         raise FileNotFoundError(f"model path does not exist: {model!r} (a .gguf file or a HuggingFace-style directory)")
     return model
-
-
-# ---------------------------------------------------------------------------------------------- quality verdicts
-def _verdicts_path() -> str:
-    return os.path.join(cache_dir(), "activation_bits.json")
-
-
-def _read_verdicts() -> dict:
-    """The verdicts file's entries ({} when it is missing or damaged)."""
-    try:
-        with open(_verdicts_path()) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _verdict_key(model_path: str, bits: int, large_steps: str) -> str:
-    return f"{file_cache_key(model_path)}:{bits}" + ("" if large_steps == "blocks" else f":{large_steps}")
-
-
-def record_activation_verdict(model_path: str, bits: int, passed: bool, summary: str, standard: bool,
-                              large_steps: str = "blocks") -> None:
-    """``pagedllm eval``'s verdict on ``bits``-bit activations (with ``large_steps``: the large steps' weights,
-    ``blocks`` or ``bf16``) for this model file (``activation_bits`` and ``large_step_weights`` auto read it): kept
-    per file (path, size, modification time) in the cache directory. ``standard``: the gate ran with its default
-    thresholds on the shipped text and items (auto trusts no other)."""
-    path, data = _verdicts_path(), _read_verdicts()
-    data[_verdict_key(model_path, bits, large_steps)] = {
-        "model": os.path.abspath(model_path), "bits": bits, "large_steps": large_steps, "passed": passed,
-        "standard": standard, "summary": summary, "date": time.strftime("%Y-%m-%d %H:%M")}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
-def activation_verdict(model_path: str, bits: int, large_steps: str = "blocks") -> dict | None:
-    """The recorded verdict on ``bits``-bit activations (and ``large_steps``) for this model file, or None."""
-    verdict = _read_verdicts().get(_verdict_key(model_path, bits, large_steps))
-    return verdict if isinstance(verdict, dict) else None

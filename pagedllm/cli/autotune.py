@@ -31,7 +31,7 @@ def main(args: argparse.Namespace) -> int:
     arch, weights = load_model_files(path, native=True)
     if not blocks_for_autotune(weights, arch.num_layers):
         raise ValueError(f"{path}: not every linear is a block type the kernel runs; no plan to measure")
-    plan = choose_plan(weights, arch.num_layers, ops, remeasure=args.remeasure)
+    plan = choose_plan(weights, arch.num_layers, ops, remeasure=args.remeasure, measure_here=True)
     if args.json:
         print(json.dumps(plan_summary(plan), indent=1))
         return 0

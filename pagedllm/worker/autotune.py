@@ -14,7 +14,9 @@ what ``pagedllm eval``'s quality gate allows; ``--dtype bfloat16`` still runs th
 ``--large-step-weights`` (quality-gated per file) runs large steps on bfloat16 stripes decoded on the fly, which
 keep no copy. The plan
 is cached per CPU, model shapes, kernel source and torch version (``autotune.json`` in ``config.cache_dir()``),
-so later starts skip the measurement; the start-up log and ``/health`` show it.
+so later starts skip the measurement; the start-up log and ``/health`` show it. Where the kernels have int8 dot
+products (VNNI, AMX) nothing is measured unless ``pagedllm autotune`` asks: the blocks win at every size there
+(``integer_dot_products``), so a first start is as quick as a later one.
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ def plan_from_timings(timings: dict, source: str) -> WeightPlan:
         return 0, "dense-float32"
 
     if not timings.get("consistent", True):  # measured under load: the arithmetic's plan, no dense copy
-        return WeightPlan(True, 0, 0, "float32", "arithmetic (timings inconsistent)", timings)
+        return arithmetic_plan("timings inconsistent", timings)
     layers, head = timings["layers"], timings["head"]
     best = min((n for n in layers if n.startswith("dense-")), key=lambda n: layers[n][1])
     if layers[best][1] < DENSE_MARGIN * layers["block"][1]:  # a dense path wins clearly even for one row
@@ -260,10 +262,26 @@ def cache_key(weights: dict, num_layers: int, isa: str) -> str:
     return h.hexdigest()[:16]
 
 
-def choose_plan(weights: dict, num_layers: int, ops, remeasure: bool = False) -> WeightPlan:
-    """The cached plan for this CPU and model shapes, or a new measurement (a few seconds), cached. A cached entry
-    whose timings are inconsistent is measured again; ``remeasure``: measure again in any case."""
-    key = cache_key(weights, num_layers, ops.isa())  # "+amx" or not: the block kernel's speed differs
+def integer_dot_products(isa: str) -> bool:
+    """Whether the block kernel's build has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX-INT8). Then a
+    dense float32 copy cannot beat the blocks by ``DENSE_MARGIN`` at any step size: the blocks read 0.5-1 byte per
+    weight against its 4, and a VNNI instruction does 64 int8 products where an FMA does 16 float32 ones (measured
+    on Zen 4 and on Sapphire Rapids: every model's plan kept no copy, docs/benchmarks.md "Start-up")."""
+    return "vnni" in isa or "amx" in isa
+
+
+def arithmetic_plan(why: str, timings: dict | None = None) -> WeightPlan:
+    """Packed blocks at every step size, no dense copy."""
+    return WeightPlan(True, 0, 0, "float32", f"arithmetic ({why})", timings or {})
+
+
+def choose_plan(weights: dict, num_layers: int, ops, remeasure: bool = False, measure_here: bool = False) -> WeightPlan:
+    """The cached plan for this CPU and model shapes, else the arithmetic's where the kernels have integer dot
+    products (``integer_dot_products``: a first start measures nothing), else a new measurement (a few seconds),
+    cached. A cached entry whose timings are inconsistent is measured again; ``remeasure``: measure again in any
+    case; ``measure_here``: measure where nothing is cached, whatever the instructions (``pagedllm autotune``)."""
+    isa = ops.isa()
+    key = cache_key(weights, num_layers, isa)  # "+amx" or not: the block kernel's speed differs
     path = _cache_path()
     try:
         cached = json.loads(path.read_text())
@@ -281,6 +299,8 @@ def choose_plan(weights: dict, num_layers: int, ops, remeasure: bool = False) ->
             # an unchecked plan (an older version cached it) that fails the checks: measure again
         except (KeyError, TypeError, ValueError):
             pass  # a stale or damaged entry: measure again
+    if not remeasure and not measure_here and integer_dot_products(isa):
+        return arithmetic_plan(f"int8 dot products ({isa}): the blocks at every size")
     t = time.perf_counter()
     timings = measure(weights, num_layers, ops)
     logger.info("weight path measured in %.1f s", time.perf_counter() - t)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedllm.config import EngineConfig, activation_verdict, resolve_model_path
+from pagedllm.config import EngineConfig, resolve_model_path
 from pagedllm.distributed.launcher import join_tensor_parallel, rank_device
 from pagedllm.distributed.sharding import check_shardable, shard_weights
 from pagedllm.errors import TensorParallelError
@@ -30,6 +30,7 @@ from pagedllm.model.decoder import CausalLM
 from pagedllm.model.loader import load_model_files
 from pagedllm.model.weights import load_weights
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
+from pagedllm.quant.verdicts import BF16_DEFAULT, decide, default_for_blocks
 from pagedllm.sample.metadata import CachedRequestState, build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.sample.structured import StructuredOutputs, grammar_masks, sync_matcher
@@ -86,27 +87,20 @@ def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
     return _DTYPES[requested]
 
 
-def _recorded_gate(model_path: str, bits: int, large_steps: str, what: str, command: str) -> tuple[bool, str]:
-    """Whether ``pagedllm eval`` recorded a passing standard quality gate of ``what`` (``bits``-bit activations,
-    ``large_steps``) for this file, and why (``command``: the one that records it)."""
-    verdict = activation_verdict(model_path, bits, large_steps) if os.path.isfile(model_path) else None
-    if verdict is None:
-        return False, f"no quality gate of {what} recorded for this file ({command})"
-    if not verdict.get("standard"):
-        return False, f"the quality gate of {what} recorded for this file was not the standard one ({verdict.get('date')})"
-    if not verdict.get("passed"):
-        return False, f"pagedllm eval failed {what} on this file ({verdict.get('date')})"
-    return True, f"pagedllm eval passed {what} on this file ({verdict.get('date')}: {verdict.get('summary')})"
-
-
-def _activation_bits(requested: str, model_path: str) -> tuple[int, str]:
-    """The block kernels' activation bits and why: as asked, or (auto) 8 where ``pagedllm eval`` recorded a passing
-    8-bit quality gate for this file, else 16."""
+def _activation_bits(requested: str, model_path: str, k_quants: bool) -> tuple[int, str]:
+    """The block kernels' activation bits and why: as asked, or (auto) 8 where the file's quality verdict lets it
+    (``quant.verdicts``: the user's recorded one, the shipped table, else the default, which takes 8 bits where
+    every layer's blocks are ``k_quants``), else 16."""
     if requested != "auto":
         return int(requested), "as asked"
-    passed, why = _recorded_gate(model_path, 8, "blocks", "8-bit activations",
-                                 "pagedllm eval --candidate-activation-bits 8")
-    return (8 if passed else 16), why
+    v = decide(model_path, 8, "blocks", "8-bit activations", default_for_blocks(k_quants))
+    return (8 if v.passed else 16), v.why
+
+
+def _k_quant_layers(model: CausalLM) -> bool:
+    """Whether every block linear of the layers holds GGUF K-quant blocks (their super-block scales)."""
+    lins = [lin for name, lin in model.linears().items() if name.startswith("layers.") and hasattr(lin, "act_levels")]
+    return bool(lins) and all(getattr(lin, "super_scales", None) is not None for lin in lins)
 
 
 # rows from which a step runs the layers on bfloat16 weight stripes (--large-step-weights bf16): on a Xeon with AMX
@@ -117,15 +111,13 @@ BF16_STEP_MIN_TOKENS = 256
 
 def _large_step_weights(requested: str, model_path: str, bits: int) -> tuple[str, str]:
     """``blocks`` or ``bf16`` for the large steps, and why: as asked, or (auto) bf16 on a CPU with AMX-BF16 where
-    ``pagedllm eval`` recorded a passing standard gate of bf16 large steps with ``bits``-bit activations for this
-    file."""
+    the file's quality verdict on bf16 large steps with ``bits``-bit activations lets it (``quant.verdicts``)."""
     if requested != "auto":
         return requested, "as asked"
     if "amx_bf16" not in cpu_info()[1]:
         return "blocks", "no AMX-BF16 on this CPU"
-    passed, why = _recorded_gate(model_path, bits, "bf16", f"bf16 large steps with {bits}-bit activations",
-                                 "pagedllm eval --candidate-large-step-weights bf16")
-    return ("bf16" if passed else "blocks"), why
+    v = decide(model_path, bits, "bf16", f"bf16 large steps with {bits}-bit activations", BF16_DEFAULT)
+    return ("bf16" if v.passed else "blocks"), v.why
 
 
 def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: bool) -> torch.dtype:
@@ -187,7 +179,7 @@ class ModelRunner:
         self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
                                       kv_dtype=self.kv_dtype, **dense)
         del weights
-        bits, why = _activation_bits(config.activation_bits, path)
+        bits, why = _activation_bits(config.activation_bits, path, _k_quant_layers(self.model))
         # None: no block kernel runs (dense weights), so the setting acts on nothing
         self.activation_bits = bits if self.model.set_activation_bits(bits) else None
         large, large_why = _large_step_weights(config.large_step_weights, path, bits)
@@ -207,7 +199,8 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model" and rank == 0:
             # with tensor parallelism: whole, on rank 0 only
             self.draft_model = load_draft_model(spec.model, arch, max_len, self.device, self.dtype, self.kv_dtype)
-            self.draft_model.set_activation_bits(_activation_bits(config.activation_bits, spec.model)[0])
+            self.draft_model.set_activation_bits(_activation_bits(config.activation_bits, spec.model,
+                                                                  _k_quant_layers(self.draft_model))[0])
         self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
         num_blocks = self.kv.budget_blocks()
         if self.tp is not None:

@@ -78,3 +78,18 @@ def test_a_class_with_methods_of_its_own_is_pickled_as_it_is():
 
     tok = Custom(vocab={"a": 0, "<|endoftext|>": 1}, merges=[])
     assert tk._generic(tok) is tok
+
+
+def test_gguf_tokenizer_as_transformers_builds_it(tmp_path, monkeypatch):
+    """The tokenizer a first start builds from a GGUF file (its class from the file's architecture) is the one
+    ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` builds through the whole model config: same class,
+    vocabulary, encodings, special tokens and chat template."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    ours = tk.load_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    assert type(ours) is type(theirs) and ours.get_vocab() == theirs.get_vocab()
+    assert ours.init_kwargs == theirs.init_kwargs and ours.all_special_tokens == theirs.all_special_tokens
+    _same(ours, theirs)

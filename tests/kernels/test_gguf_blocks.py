@@ -444,10 +444,10 @@ def test_bf16_stripes_of_a_gated_mlp():
 def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
     """``--large-step-weights bf16``: the layers' linears (not the LM head) take steps of 256+ rows on bfloat16
     stripes, and a 300-token prompt's greedy tokens follow the float32 path's (logprobs within 0.05); auto takes
-    them only on a CPU with AMX-BF16 and a passing standard quality gate recorded for the file with the chosen
-    activation bits."""
+    them only on a CPU with AMX-BF16, unless the file's verdict (a standard gate recorded for it with the chosen
+    activation bits) says they fail."""
     from pagedllm import LLM, SamplingParams
-    from pagedllm.config import record_activation_verdict
+    from pagedllm.quant.verdicts import record
     from pagedllm.worker import model_runner
     from pagedllm.worker.autotune import WeightPlan
 
@@ -486,14 +486,32 @@ def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
     choice = lambda: model_runner._large_step_weights("auto", tiny_gguf, 16)[0]  # noqa: E731
     amx = {"amx_bf16"}
     monkeypatch.setattr(model_runner, "cpu_info", lambda: ("cpu", amx))
-    assert choice() == "blocks"  # no verdict
-    record_activation_verdict(tiny_gguf, 16, True, "a looser gate", standard=False, large_steps="bf16")
+    assert choice() == "bf16"  # a file without a verdict: the default
+    record(tiny_gguf, 16, "bf16", False, "a looser gate", standard=False)
+    assert choice() == "bf16"  # not trusted
+    record(tiny_gguf, 8, "bf16", False, "the standard gate at 8 bits", standard=True)
+    assert choice() == "bf16" and model_runner._large_step_weights("auto", tiny_gguf, 8)[0] == "blocks"
+    record(tiny_gguf, 16, "bf16", False, "the standard gate", standard=True)
     assert choice() == "blocks"
-    record_activation_verdict(tiny_gguf, 8, True, "the standard gate at 8 bits", standard=True, large_steps="bf16")
-    assert choice() == "blocks" and model_runner._large_step_weights("auto", tiny_gguf, 8)[0] == "bf16"
-    record_activation_verdict(tiny_gguf, 16, True, "the standard gate", standard=True, large_steps="bf16")
+    record(tiny_gguf, 16, "bf16", True, "the standard gate", standard=True)
     assert choice() == "bf16"
     assert model_runner._large_step_weights("blocks", tiny_gguf, 16)[0] == "blocks"
     amx.clear()  # a CPU without AMX-BF16: blocks unless asked
     assert choice() == "blocks" and model_runner._large_step_weights("bf16", tiny_gguf, 16)[0] == "bf16"
+    # 8-bit activations for a file without a verdict: only where every layer's blocks are K-quants (this file
+    # mixes in Q4_0 / Q4_1 / Q8_0 / IQ4...: 16)
+    llm = LLM(model=tiny_gguf, enable_prefix_caching=False)
+    assert llm.engine.runtime["activation_bits"] == 16 and not model_runner._k_quant_layers(model_of(llm))
+    lins = model_of(llm).linears()
+    assert model_runner._activation_bits("auto", tiny_gguf, True)[0] == 8
+    assert model_runner._activation_bits("auto", tiny_gguf, False)[0] == 16
+    record(tiny_gguf, 8, "blocks", False, "the standard gate", standard=True)
+    assert model_runner._activation_bits("auto", tiny_gguf, True)[0] == 16  # a verdict wins over the default
+    del llm
+
+    class KQuants:  # a model whose layer linears all carry K-quant super-block scales
+        def linears(self):
+            return {n: type("L", (), {"act_levels": 2, "super_scales": object()})() for n in lins}
+
+    assert model_runner._k_quant_layers(KQuants())
     assert LLM(model=tiny_gguf, enable_prefix_caching=False).engine.runtime["large_step_weights"] == "blocks"

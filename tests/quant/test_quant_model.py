@@ -188,18 +188,23 @@ def test_server_serves_a_quantized_checkpoint(awq_checkpoint, tmp_path_factory):
 
 
 def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
-    """`--activation-bits auto` (the default) is 16 until `pagedllm eval --candidate-activation-bits 8` has passed
-    the standard gate on the file (its verdict kept in the cache directory), then 8; a failing verdict, a gate with
-    looser settings or a shorter text, a damaged verdict file, or none, keep 16; an explicit value is taken as is."""
+    """`--activation-bits auto` (the default) follows the file's verdict: the shipped table's for the embedded
+    SmolLM2 (8 bits failed its gate: 16) until `pagedllm eval --candidate-activation-bits 8` records a standard
+    verdict here (keyed by the file's sha256), which then decides either way; a gate with looser settings or a
+    shorter text is not trusted; a damaged verdict file reads as none; an explicit value is taken as is."""
     from pagedllm import LLM
     from pagedllm.cli.main import main
-    from pagedllm.config import activation_verdict, default_model_path, record_activation_verdict
+    from pagedllm.config import default_model_path
     from pagedllm.eval.quality import load_items
+    from pagedllm.quant import verdicts
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     path = default_model_path()
-    bits = lambda **kw: LLM(**kw).engine.runtime["activation_bits"]  # noqa: E731
-    assert bits() == 16
+    runtime = lambda **kw: LLM(**kw).engine.runtime  # noqa: E731
+    bits = lambda **kw: runtime(**kw)["activation_bits"]  # noqa: E731
+    assert verdicts.shipped(path, 8) == verdicts.SHIPPED[verdicts.file_sha256(path)]["8"]
+    assert bits() == 16  # the shipped verdict: 8 bits failed the gate on this file
+    assert json.loads((tmp_path / "sha256.json").read_text())  # the digest is kept for the next start
     items = tmp_path / "items.jsonl"
     items.write_text("".join(json.dumps(it) + "\n" for it in load_items()[:8]))
     args = ["eval", "--candidate", "default", "--candidate-dtype", "auto", "--candidate-activation-bits", "8",
@@ -207,19 +212,19 @@ def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
     assert main(args + ["--max-ppl-increase", "0.5", "--max-accuracy-drop", "1.0"]) == 0
     out = capsys.readouterr().out
     assert "8-bit activations" in out and "recorded for auto: 8-bit activations pass" in out
-    assert activation_verdict(path, 8)["passed"] is True and activation_verdict(path, 8)["standard"] is False
-    assert bits() == 16  # a pass of a looser, shorter gate is not trusted
+    assert verdicts.recorded(path, 8)["passed"] is True and verdicts.recorded(path, 8)["standard"] is False
+    assert bits() == 16  # a pass of a looser, shorter gate is not trusted: the shipped verdict stands
     assert main(args + ["--max-ppl-increase", "-0.5"]) == 1  # an impossible gate: recorded as a failure
-    assert activation_verdict(path, 8)["passed"] is False
-    record_activation_verdict(path, 8, True, "the standard gate (as pagedllm eval records it)", standard=True)
-    assert bits() == 8 and bits(activation_bits=16) == 16
-    record_activation_verdict(path, 8, False, "the standard gate, failed", standard=True)
+    assert verdicts.recorded(path, 8)["passed"] is False
+    verdicts.record(path, 8, "blocks", True, "the standard gate (as pagedllm eval records it)", standard=True)
+    assert bits() == 8 and bits(activation_bits=16) == 16  # measured here: it overrides the shipped table
+    verdicts.record(path, 8, "blocks", False, "the standard gate, failed", standard=True)
     assert bits() == 16 and bits(activation_bits=8) == 8
     # bf16 large steps: recorded under their own key, for the activation bits the candidate ran
     assert main(args[:5] + ["--candidate-activation-bits", "16", "--candidate-large-step-weights", "bf16",
                             "--eval-tokens", "256", "--items", str(items), "--max-ppl-increase", "0.5",
                             "--max-accuracy-drop", "1.0"]) == 0
     assert "recorded for auto: 16-bit activations, bf16 large steps pass" in capsys.readouterr().out
-    assert activation_verdict(path, 16, "bf16")["passed"] is True and activation_verdict(path, 16) is None
+    assert verdicts.recorded(path, 16, "bf16")["passed"] is True and verdicts.recorded(path, 16) is None
     (tmp_path / "activation_bits.json").write_text("[]")  # damaged: read as no verdict
-    assert activation_verdict(path, 8) is None and bits() == 16
+    assert verdicts.recorded(path, 8) is None and bits() == 16

@@ -106,7 +106,7 @@ def test_choose_plan_measures_once_then_reads_the_cache(native_weights, tmp_path
     calls = []
     real = autotune.measure
     monkeypatch.setattr(autotune, "measure", lambda *a, **k: calls.append(1) or real(*a, batch_sizes=(1, 16), **k))
-    first = choose_plan(weights, arch.num_layers, cpu_ops())
+    first = choose_plan(weights, arch.num_layers, cpu_ops(), measure_here=True)  # as `pagedllm autotune` asks
     second = choose_plan(weights, arch.num_layers, cpu_ops())
     assert (first.source, second.source, len(calls)) == ("measured", "cached", 1)
     assert (tmp_path / "autotune.json").exists()
@@ -124,14 +124,23 @@ def test_choose_plan_measures_once_then_reads_the_cache(native_weights, tmp_path
     assert choose_plan(weights, arch.num_layers, cpu_ops()).source == "cached"  # 2 points (1, 16): consistent
     # the same CPU and model with the kernels' other mode (AMX off, or refused): its own measurement
 
-    class OtherIsa:
-        def __getattr__(self, name):
-            return getattr(cpu_ops(), name)
+    def other_isa(name: str):
+        class OtherIsa:
+            def __getattr__(self, attr):
+                return getattr(cpu_ops(), attr)
 
-        def isa(self):
-            return cpu_ops().isa() + "+other"
+            def isa(self):
+                return name
 
-    assert choose_plan(weights, arch.num_layers, OtherIsa()).source == "measured" and len(calls) == 2
+        return OtherIsa()
+
+    assert choose_plan(weights, arch.num_layers, other_isa("avx2+other")).source == "measured" and len(calls) == 2
+    # nothing cached and int8 dot products: the arithmetic's plan (blocks at every size), nothing measured
+    plan = choose_plan(weights, arch.num_layers, other_isa("avx512+vnni+other"))
+    assert plan == autotune.arithmetic_plan(plan.source.removeprefix("arithmetic (").removesuffix(")"))
+    assert plan.source.startswith("arithmetic") and plan.block_kernel and not plan.layer_dense_min_tokens
+    assert not plan.head_dense_min_tokens and len(calls) == 2
+    assert choose_plan(weights, arch.num_layers, other_isa("avx2+amx+x")).source.startswith("arithmetic")
 
 
 def _agreement(got, ref, logprob_tol: float, tie: float) -> int:

@@ -1,0 +1,45 @@
+"""The quality verdicts that `--activation-bits auto` and `--large-step-weights auto` read (``quant.verdicts``):
+the user's recorded verdict, then the shipped table, then the default; keyed by the file's contents."""
+
+import os
+import shutil
+
+from pagedllm.quant import verdicts
+
+
+def test_verdicts_follow_the_contents_and_their_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "a.gguf"
+    f.write_bytes(b"GGUF" + bytes(range(256)) * 40)
+    path = str(f)
+    decide = lambda bits, large, what="x": verdicts.decide(  # noqa: E731
+        path, bits, large, what, verdicts.BF16_DEFAULT if large == "bf16" else verdicts.default_for_blocks(True))
+    # a file in neither the user's verdicts nor the table: the default given (8 bits on K-quants, not elsewhere)
+    v = decide(8, "blocks")
+    assert v == (True, "default", v.why) and "llama.cpp" in v.why
+    assert verdicts.decide(path, 8, "blocks", "x", verdicts.default_for_blocks(False)).passed is False
+    assert decide(8, "bf16").passed is True
+    # the shipped table, found by the file's sha256 (and only for a file of a shipped size)
+    digest = verdicts.file_sha256(path)
+    monkeypatch.setitem(verdicts.SHIPPED, digest, {"8": (False, "lost 3 items"), "8:bf16": (True, "kept them")})
+    assert decide(8, "blocks").passed is True  # size not in the table's: not looked up
+    monkeypatch.setattr(verdicts, "SHIPPED_SIZES", {os.path.getsize(path)})
+    v = decide(8, "blocks")
+    assert v.passed is False and v.source == "shipped" and "lost 3 items" in v.why
+    assert decide(8, "bf16") == (True, "shipped", decide(8, "bf16").why)
+    assert decide(16, "bf16").source == "default"  # no such entry
+    # a verdict recorded here decides either way; a non-standard one is not trusted
+    verdicts.record(path, 8, "blocks", True, "measured here", standard=False)
+    assert decide(8, "blocks").source == "shipped"
+    verdicts.record(path, 8, "blocks", True, "measured here", standard=True)
+    assert decide(8, "blocks")[:2] == (True, "recorded")
+    verdicts.record(path, 8, "bf16", False, "measured here", standard=True)
+    assert decide(8, "bf16")[:2] == (False, "recorded")
+    # keyed by contents: a copy elsewhere (another path and time) has the same verdicts, an edited file none
+    copy = tmp_path / "elsewhere" / "b.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(path, copy)
+    assert verdicts.recorded(str(copy), 8)["passed"] is True
+    f.write_bytes(f.read_bytes() + b"\0")
+    assert verdicts.recorded(path, 8) is None and decide(8, "blocks").source == "default"
+    assert verdicts.file_sha256(path) != digest  # the digest cache follows the file's size and time
