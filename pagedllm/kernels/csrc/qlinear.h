@@ -906,8 +906,8 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
     if constexpr (BITS == 8 && SC::sub == 2) {
       // decode rows on 8-bit codes with a scale per 16 inputs (GGUF Q6_K, the Q4_K_M files' LM head and half their
       // down projections): two groups a tile. One group's chain of 4 products per half block, then its float step,
-      // is latency-bound (1.5B's Q6_K down projection at 1 row: 0.58 -> 0.34 ms); with a scale per 32 the single
-      // group streams faster (Q8_0 heads: 1.4x slower in pairs), as the tile shapes' comment says
+      // is latency-bound; with a scale per 32 the single group streams faster, as the tile shapes' comment says
+      // (docs/benchmarks.md, Zen 4)
       if (r1 - r0 < TILE_MT)
         for (; g + 2 <= end; g += 2) qtile_rows<BITS, 2, TILE_MT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
     }
