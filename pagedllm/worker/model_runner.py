@@ -180,9 +180,11 @@ class ModelRunner:
                                       kv_dtype=self.kv_dtype, **dense)
         del weights
         bits, why = _activation_bits(config.activation_bits, path, _k_quant_layers(self.model))
+        self.path_reasons = {"activation_bits": why}  # why each auto choice was made (logs, /health)
         # None: no block kernel runs (dense weights), so the setting acts on nothing
         self.activation_bits = bits if self.model.set_activation_bits(bits) else None
         large, large_why = _large_step_weights(config.large_step_weights, path, bits)
+        self.path_reasons["large_step_weights"] = large_why
         # None: no packed linear takes it
         self.large_step_weights = None
         if self.model.set_large_step_weights(BF16_STEP_MIN_TOKENS if large == "bf16" else 0):
@@ -274,6 +276,7 @@ class ModelRunner:
             d["activation_bits"] = self.activation_bits
         if self.large_step_weights is not None:
             d["large_step_weights"] = self.large_step_weights
+        d["why"] = {k: v for k, v in self.path_reasons.items() if k in d}
         if self.weight_plan is not None:
             d["weight_plan"] = plan_summary(self.weight_plan)
         return d

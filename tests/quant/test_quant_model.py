@@ -204,6 +204,8 @@ def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
     bits = lambda **kw: runtime(**kw)["activation_bits"]  # noqa: E731
     assert verdicts.shipped(path, 8) == verdicts.SHIPPED[verdicts.file_sha256(path)].verdicts["8"]
     assert bits() == 16  # the shipped verdict: 8 bits failed the gate on this file
+    why = runtime()["why"]  # what /health shows beside the choice
+    assert "the shipped verdict for this file: 8-bit activations failed" in why["activation_bits"]
     assert json.loads((tmp_path / "sha256.json").read_text())  # the digest is kept for the next start
     items = tmp_path / "items.jsonl"
     items.write_text("".join(json.dumps(it) + "\n" for it in load_items()[:8]))
@@ -218,6 +220,7 @@ def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
     assert verdicts.recorded(path, 8)["passed"] is False
     verdicts.record(path, 8, "blocks", True, "the standard gate (as pagedllm eval records it)", standard=True)
     assert bits() == 8 and bits(activation_bits=16) == 16  # measured here: it overrides the shipped table
+    assert runtime()["why"]["activation_bits"].startswith("pagedllm eval passed 8-bit activations on this file")
     verdicts.record(path, 8, "blocks", False, "the standard gate, failed", standard=True)
     assert bits() == 16 and bits(activation_bits=8) == 8
     # bf16 large steps: recorded under their own key, for the activation bits the candidate ran
