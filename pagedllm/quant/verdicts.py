@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from typing import NamedTuple
 
@@ -86,10 +87,24 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def file_sha256(path: str) -> str:
+_pending: dict[str, threading.Thread] = {}  # file_cache_key -> a hash started by start_sha256
+
+
+def start_sha256(path: str) -> None:
+    """Start hashing the file on a thread (hashlib and the reads release the GIL), so that the model's weights load
+    meanwhile; ``file_sha256`` then waits for it."""
+    key = file_cache_key(path)
+    if key not in _pending and not isinstance(_read_json(os.path.join(cache_dir(), "sha256.json")).get(key), str):
+        _pending[key] = t = threading.Thread(target=file_sha256, args=(path, False), daemon=True)
+        t.start()
+
+
+def file_sha256(path: str, wait: bool = True) -> str:
     """The file's sha256, computed once per file version (path, size, modification time) and kept in the cache
     directory's ``sha256.json`` (hashing the 1.1 GB Qwen2.5-Coder 1.5B takes about a second)."""
     key, cache = file_cache_key(path), os.path.join(cache_dir(), "sha256.json")
+    if wait and key in _pending:
+        _pending.pop(key).join()
     known = _read_json(cache)
     if isinstance(known.get(key), str):
         return known[key]

@@ -30,7 +30,7 @@ from pagedllm.model.decoder import CausalLM
 from pagedllm.model.loader import load_model_files
 from pagedllm.model.weights import load_weights
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
-from pagedllm.quant.verdicts import BF16_DEFAULT, decide, default_for_blocks
+from pagedllm.quant.verdicts import BF16_DEFAULT, decide, default_for_blocks, start_sha256
 from pagedllm.sample.metadata import CachedRequestState, build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.sample.structured import StructuredOutputs, grammar_masks, sync_matcher
@@ -163,6 +163,8 @@ class ModelRunner:
         ops = cpu_ops() if self.device.type == "cpu" else None
         self.kernel_path = kernel_path() if self.device.type == "cpu" else f"torch on {self.device}"
         self.weight_plan: WeightPlan | None = None
+        if "auto" in (config.activation_bits, config.large_step_weights) and path.endswith(".gguf"):
+            start_sha256(path)  # the quality verdicts' key, hashed while the weights load
         arch, weights, policy, self.quantization = self._load(path, ops)
         self.arch: ModelArchConfig = arch
         if config.tensor_parallel_size > 1:

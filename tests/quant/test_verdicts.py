@@ -1,8 +1,10 @@
 """The quality verdicts that `--activation-bits auto` and `--large-step-weights auto` read (``quant.verdicts``):
 the user's recorded verdict, then the shipped table, then the default; keyed by the file's contents."""
 
+import hashlib
 import os
 import shutil
+import types
 
 from pagedllm.quant import verdicts
 
@@ -44,6 +46,16 @@ def test_verdicts_follow_the_contents_and_their_order(tmp_path, monkeypatch):
     f.write_bytes(f.read_bytes() + b"\0")
     assert verdicts.recorded(path, 8) is None and decide(8, "blocks").source == "default"
     assert verdicts.file_sha256(path) != digest  # the digest cache follows the file's size and time
+    # hashed on a thread while the weights load: the lookup waits for it, and nothing is hashed twice
+    f.write_bytes(f.read_bytes() + b"\1")
+    calls = []
+    monkeypatch.setattr(verdicts, "hashlib", types.SimpleNamespace(sha256=lambda: calls.append(1) or hashlib.sha256()))
+    verdicts.start_sha256(path)
+    verdicts.start_sha256(path)  # already under way: not started again
+    assert verdicts.file_sha256(path) == hashlib.sha256(f.read_bytes()).hexdigest() and calls == [1]
+    assert not verdicts._pending
+    verdicts.start_sha256(path)  # known now: no thread
+    assert not verdicts._pending and calls == [1]
 
 
 def test_the_shipped_table_covers_the_fetched_and_embedded_files():
