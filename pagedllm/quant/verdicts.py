@@ -87,45 +87,64 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-_pending: dict[str, threading.Thread] = {}  # file_cache_key -> a hash started by start_sha256
+_pending: dict[str, threading.Thread] = {}  # file_cache_key -> a hash under way (start_sha256); gone when done
+
+
+def _digests_path() -> str:
+    return os.path.join(cache_dir(), "sha256.json")
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _remember(digests: str, key: str, digest: str) -> None:
+    known = _read_json(digests)  # another process may have added entries meanwhile
+    known[key] = digest
+    try:
+        _write_json(digests, known)
+    except OSError:
+        pass  # a read-only cache: hash again next time
 
 
 def start_sha256(path: str) -> None:
     """Start hashing the file on a thread (hashlib and the reads release the GIL), so that the model's weights load
     meanwhile; ``file_sha256`` then waits for it."""
-    key = file_cache_key(path)
-    if key not in _pending and not isinstance(_read_json(os.path.join(cache_dir(), "sha256.json")).get(key), str):
-        _pending[key] = t = threading.Thread(target=file_sha256, args=(path, False), daemon=True)
-        t.start()
+    key, digests = file_cache_key(path), _digests_path()
+    if key in _pending or isinstance(_read_json(digests).get(key), str):
+        return
+
+    def run() -> None:
+        try:
+            _remember(digests, key, _digest(path))
+        finally:
+            _pending.pop(key, None)
+
+    _pending[key] = t = threading.Thread(target=run, daemon=True)
+    t.start()
 
 
-def file_sha256(path: str, wait: bool = True) -> str:
+def file_sha256(path: str) -> str:
     """The file's sha256, computed once per file version (path, size, modification time) and kept in the cache
     directory's ``sha256.json`` (hashing the 1.1 GB Qwen2.5-Coder 1.5B takes about a second)."""
-    key, cache = file_cache_key(path), os.path.join(cache_dir(), "sha256.json")
-    if wait and key in _pending:
-        _pending.pop(key).join()
-    known = _read_json(cache)
-    if isinstance(known.get(key), str):
-        return known[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    digest = h.hexdigest()
-    remember_sha256(path, digest)
+    key, digests = file_cache_key(path), _digests_path()
+    if (under_way := _pending.get(key)) is not None:
+        under_way.join()
+    known = _read_json(digests).get(key)
+    if isinstance(known, str):
+        return known
+    digest = _digest(path)
+    _remember(digests, key, digest)
     return digest
 
 
 def remember_sha256(path: str, digest: str) -> None:
     """Keep the digest of the file as it is now (``pagedllm fetch`` computes it while assembling the file)."""
-    cache = os.path.join(cache_dir(), "sha256.json")
-    known = _read_json(cache)  # another process may have added entries meanwhile
-    known[file_cache_key(path)] = digest
-    try:
-        _write_json(cache, known)
-    except OSError:
-        pass  # a read-only cache: hash again next time
+    _remember(_digests_path(), file_cache_key(path), digest)
 
 
 def _verdicts_path() -> str:

@@ -53,9 +53,10 @@ def test_verdicts_follow_the_contents_and_their_order(tmp_path, monkeypatch):
     verdicts.start_sha256(path)
     verdicts.start_sha256(path)  # already under way: not started again
     assert verdicts.file_sha256(path) == hashlib.sha256(f.read_bytes()).hexdigest() and calls == [1]
-    assert not verdicts._pending
+    key = verdicts.file_cache_key(path)
+    assert key not in verdicts._pending  # joined: the thread forgot itself as it ended
     verdicts.start_sha256(path)  # known now: no thread
-    assert not verdicts._pending and calls == [1]
+    assert key not in verdicts._pending and calls == [1]
 
 
 def test_the_shipped_table_covers_the_fetched_and_embedded_files():
