@@ -265,7 +265,7 @@ class EngineConfig:
         "~15 bits) or 8 (one level, as llama.cpp's Q8_0 rows: the kernels skip half their integer products, up to "
         "1.28x); auto: 8 unless the file's quality verdict says it hurts (a `pagedllm eval "
         "--candidate-activation-bits 8` run recorded here, else the shipped table of known files; a file in neither "
-        "takes 8, as llama.cpp does), else 16", choices=ACTIVATION_BITS_CHOICES)
+        "takes 8 where every layer is a K-quant, whose dot products llama.cpp runs on coarser 8-bit rows), else 16", choices=ACTIVATION_BITS_CHOICES)
     large_step_weights: str = option(
         "auto", "packed GGUF blocks on CPU: how steps of at least 256 rows (prefill) run the layers' linears: blocks "
         "(the block kernels, as small steps) or bf16 (each weight decoded to bfloat16 a stripe at a time, held only "

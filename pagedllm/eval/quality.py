@@ -76,13 +76,11 @@ def eval_chunks(tokenizer, max_tokens: int, chunk_len: int = 256, text: str | No
     as ``llama-perplexity`` cuts them: the text tokenized with the model's special tokens, and each window's first
     token replaced by BOS where the model adds one."""
     text = python_doc_text("eval") if text is None else text
-    if not as_llama_cpp:
-        return token_chunks(tokenizer, text, chunk_len, max_tokens)
-    ids = tokenizer.encode(text, add_special_tokens=True)[:max_tokens]
+    chunks = token_chunks(tokenizer, text, chunk_len, max_tokens, add_special_tokens=as_llama_cpp)
     bos = tokenizer.bos_token_id
-    adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[0] == bos
-    chunks = [ids[i:i + chunk_len] for i in range(0, len(ids) - chunk_len + 1, chunk_len)]
-    return [[bos] + c[1:] if adds_bos else c for c in chunks]
+    if as_llama_cpp and bos is not None and tokenizer.encode("a", add_special_tokens=True)[0] == bos:
+        return [[bos] + c[1:] for c in chunks]
+    return chunks
 
 
 def score_model(llm, label: str, chunks: list[list[int]], items: list[dict], baseline_logprobs=None,

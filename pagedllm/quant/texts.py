@@ -17,9 +17,10 @@ def python_doc_text(split: str) -> str:
     return "\n\n".join(topics[k] for k in keep)
 
 
-def token_chunks(tokenizer, text: str, chunk_len: int, max_tokens: int) -> list[list[int]]:
+def token_chunks(tokenizer, text: str, chunk_len: int, max_tokens: int,
+                 add_special_tokens: bool = False) -> list[list[int]]:
     """Consecutive ``chunk_len``-token windows of ``text``, at most ``max_tokens`` tokens in all."""
-    ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)[:max_tokens]
     return [ids[i:i + chunk_len] for i in range(0, len(ids) - chunk_len + 1, chunk_len)]
 
 
