@@ -3,7 +3,8 @@ request (``AnthropicCountTokensRequest.to_chat``).
 
 A field the server does not implement is refused (400 naming it) rather than silently ignored, except the ones
 OpenAI documents as optional hints that do not change the output (``HINT_FIELDS``; Anthropic's:
-``ANTHROPIC_HINT_FIELDS``)."""
+``ANTHROPIC_HINT_FIELDS``) and other engines' fields at the values that ask for what pagedllm does anyway
+(``NEUTRAL_FIELDS``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 # accepted and ignored: bookkeeping and routing hints that do not change what is generated
 HINT_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                          "prediction", "reasoning_effort", "verbosity"})
+# SGLang's and vLLM's generation fields that routers in front of them (vllm-router, sglang-router) write into every
+# request they forward, at these values: what pagedllm does anyway (no hidden states returned, no continued final
+# message, a --reasoning-parser's reasoning included, separated and streamed), so they are accepted; any other value
+# would change the answer and stays a 400 naming the field
+NEUTRAL_FIELDS = {"return_hidden_states": False, "continue_final_message": False, "include_reasoning": True,
+                  "separate_reasoning": True, "stream_reasoning": True}
+
+
+def _unsupported(extra: dict[str, Any] | None, hints: frozenset[str]) -> list[str]:
+    """The extra fields of a request that are neither hints nor neutral fields at their neutral value."""
+    return sorted(k for k, v in (extra or {}).items()
+                  if k not in hints and not (k in NEUTRAL_FIELDS and v is NEUTRAL_FIELDS[k]))
 
 
 class StreamOptions(BaseModel):
@@ -46,6 +59,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output (routers send it on every request)
     skip_special_tokens: bool = True
     priority: int = 0
     max_queue_delay_ms: float | None = None
@@ -58,7 +72,7 @@ class _SamplingFields(BaseModel):
     structured_outputs: dict[str, Any] | None = None
 
     def unsupported_fields(self) -> list[str]:
-        return sorted(set(self.model_extra or {}) - HINT_FIELDS)
+        return _unsupported(self.model_extra, HINT_FIELDS)
 
     def structured(self) -> StructuredOutputsParams | None:
         """The request's constraint (at most one way of giving it), or None."""
@@ -103,7 +117,7 @@ class _SamplingFields(BaseModel):
             logit_bias=bias,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -140,7 +154,7 @@ class EmbeddingRequest(BaseModel):
     max_queue_delay_ms: float | None = None
 
     def unsupported_fields(self) -> list[str]:
-        return sorted(set(self.model_extra or {}) - HINT_FIELDS)
+        return _unsupported(self.model_extra, HINT_FIELDS)
 
 
 class ChatMessage(BaseModel):

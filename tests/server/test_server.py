@@ -264,6 +264,51 @@ def test_invalid_params_400(base, payload, needle):
     assert needle in e["message"] or needle == e["param"]
 
 
+# the bodies vllm-router 0.1.17 (`vllm-router --policy cache_aware --worker-urls ...`) forwards for a plain completion
+# and chat request: SGLang's and vLLM's extension fields at their defaults, written into every request
+ROUTER_COMPLETION = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                     "skip_special_tokens": True, "return_hidden_states": False}
+ROUTER_CHAT = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+               "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+               "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+
+
+def test_router_fields_at_their_defaults_are_answered(base):
+    """A replica behind vllm-router or sglang-router: their extension fields at the values that ask for what
+    pagedllm does anyway are accepted (the answer is the one without them); SGLang's ``no_stop_trim`` is vLLM's
+    ``include_stop_str_in_output``; a value that would change the answer (hidden states, a continued final message,
+    reasoning dropped) is a 400 naming the field."""
+    msgs = [{"role": "user", "content": "Say hi"}]
+    plain = httpx.post(base + "/v1/completions", headers=auth(),
+                       json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 6, "temperature": 0})
+    routed = httpx.post(base + "/v1/completions", headers=auth(),
+                        json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 6, "temperature": 0,
+                              **ROUTER_COMPLETION})
+    assert routed.status_code == plain.status_code == 200, routed.text
+    assert routed.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    chat = httpx.post(base + "/v1/chat/completions", headers=auth(),
+                      json={"model": MODEL, "messages": msgs, "max_tokens": 6, "temperature": 0, **ROUTER_CHAT})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"], chat.text
+    text = plain.json()["choices"][0]["text"]
+    stop = text.strip()[:2]  # a stop string the greedy answer reaches
+    kept = []
+    for trim in ({"no_stop_trim": True}, {"include_stop_str_in_output": True}, {}):
+        r = httpx.post(base + "/v1/completions", headers=auth(),
+                       json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 6, "temperature": 0, "stop": [stop],
+                             **trim})
+        kept.append(r.json()["choices"][0]["text"])
+    assert kept[0] == kept[1] != kept[2] and kept[0].endswith(stop) and not kept[2].endswith(stop), kept
+    for route, body, field in [("/v1/completions", {"prompt": "hi", "return_hidden_states": True},
+                                "return_hidden_states"),
+                               ("/v1/chat/completions", {"messages": msgs, "continue_final_message": True},
+                                "continue_final_message"),
+                               ("/v1/chat/completions", {"messages": msgs, "include_reasoning": False},
+                                "include_reasoning"),
+                               ("/v1/chat/completions", {"messages": msgs, "lora_path": "adapter"}, "lora_path")]:
+        e = _err(httpx.post(base + route, headers=auth(), json={"model": MODEL, "max_tokens": 2, **body}), 400)
+        assert e["param"] == field and field in e["message"], (body, e)
+
+
 def test_invalid_json_and_chat_schema_400(base):
     _err(httpx.post(base + "/v1/completions", headers={**auth(), "content-type": "application/json"},
                     content=b"{not json"), 400)
