@@ -25,7 +25,6 @@ import logging
 from collections import OrderedDict
 
 import llguidance
-import llguidance.hf
 import torch
 
 from pagedllm.sample.metadata import CachedRequestState
@@ -39,6 +38,8 @@ GRAMMAR_CACHE_SIZE = 256
 class StructuredOutputs:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
         self.vocab_size = vocab_size
+        import llguidance.hf  # imports transformers (~0.5 s): not on a start-up's path, only a first constraint's
+
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.hits = self.misses = 0
