@@ -1,9 +1,11 @@
 """Prometheus exporter (the only importer of prometheus_client): vLLM's metric names with a `pagedllm:` prefix and
-a `model_name` label. Each server has its own registry (no process-global state)."""
+a `model_name` label, and those vLLM has under its own `vllm:` prefix too (the same samples), which routers and
+gateways read by default. Each server has its own registry (no process-global state)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from pagedllm.outputs import IterationStats, SchedulerStats
 
@@ -11,6 +13,33 @@ LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0, 160.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
 FINISH_REASONS = ("stop", "length", "abort", "error", "overloaded")
+
+
+# the metrics vLLM exports under these names (``vllm:`` + name): llm-d's endpoint picker scores replicas by the
+# queue and KV-cache gauges, dashboards built for vLLM read the rest
+VLLM_NAMES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "request_success", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "request_prompt_tokens", "request_generation_tokens", "iteration_tokens_total", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"})
+
+
+class _VLLMNames:
+    """A collector of the ``pagedllm:`` families in ``VLLM_NAMES`` renamed ``vllm:``, read from ``source`` at each
+    scrape (one set of values, two names)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self):
+        for fam in self.source.collect():
+            name = fam.name.removeprefix("pagedllm:")
+            if name == fam.name or name not in VLLM_NAMES:
+                continue
+            out = Metric("vllm:" + name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s._replace(name="vllm:" + s.name.removeprefix("pagedllm:")) for s in fam.samples]
+            yield out
 
 
 class PrometheusStatLogger:
@@ -71,6 +100,8 @@ class PrometheusStatLogger:
         self._last_preemptions = 0
         self._last_queries = 0
         self._last_hits = 0
+        self._vllm = CollectorRegistry()
+        self._vllm.register(_VLLMNames(self.registry))
 
     def record(self, s: SchedulerStats, it: IterationStats) -> None:
         self.running.set(s.num_running)
@@ -126,4 +157,4 @@ class PrometheusStatLogger:
         self.circuit_state.set(code)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self._vllm)

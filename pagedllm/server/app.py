@@ -18,7 +18,7 @@ from pagedllm.sampling_params import RANGES
 from pagedllm.server import openapi
 from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FallbackRouter, FaultInjection
 from pagedllm.server.errors import APIError, error_json, install_error_handlers
-from pagedllm.server.middleware import MAX_BODY_BYTES, ApiKeyMiddleware, BodyLimitMiddleware
+from pagedllm.server.middleware import MAX_BODY_BYTES, ApiKeyMiddleware, BodyLimitMiddleware, DrainingMiddleware
 from pagedllm.server.protocol import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest,
                                       CompletionRequest, DetokenizeRequest, EmbeddingRequest, ResponsesRequest,
                                       TokenizeRequest)
@@ -58,6 +58,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
 
     app = FastAPI(title="pagedllm", version=VERSION, lifespan=lifespan)
     app.state.engine = engine
+    # set on a graceful stop: /health answers 503 and new work is refused (routers send it elsewhere) while the
+    # requests in flight finish; then the server stops listening
+    app.state.draining = False
     public = frozenset({"/health"} if metrics_require_auth else {"/health", "/metrics"})
 
     def custom_openapi():
@@ -72,12 +75,15 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, public_paths=public)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(DrainingMiddleware, state=app.state)
 
     @app.get("/health", response_model=None, responses={200: {"model": openapi.HealthResponse},
                                                          **openapi.errors(503)})
     async def health():
         if not engine.is_alive:
             return error_json(503, "engine loop is not running")
+        if app.state.draining:
+            return error_json(503, "the server is stopping: finishing the requests in flight, taking no new ones")
         detail: dict = {"status": "ok", "runtime": engine.runtime}
         if breaker is not None:
             detail["circuit"] = breaker.detail()

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from pagedllm.config import DEFAULT_MODEL_FILE
 from pagedllm.engine.arg_utils import config_from_args
@@ -118,13 +119,29 @@ def run_server(args: argparse.Namespace) -> int:
         drain_timer: threading.Timer | None = None
 
         def handle_exit(self, sig, frame):  # graceful stop, then a normal exit (no re-raised signal)
-            super().handle_exit(sig, frame)
+            if app.state.draining:  # a second signal: stop listening now
+                super().handle_exit(sig, frame)
+                self._captured_signals.clear()
+                return
             self._captured_signals.clear()
-            if self.drain_timer is None:  # requests still running when the drain time is up are ended
-                logger.info("stopping: requests in flight have %.0f s to finish", drain_s)
-                self.drain_timer = threading.Timer(drain_s, _end_in_flight)
-                self.drain_timer.daemon = True
-                self.drain_timer.start()
+            # still listening while the requests in flight finish: /health says 503 and new work gets 503, so
+            # routers and load balancers move on; then uvicorn stops (requests still running when the drain time
+            # is up are ended)
+            app.state.draining = True
+            logger.info("stopping: requests in flight have %.0f s to finish", drain_s)
+            self.drain_timer = threading.Timer(drain_s, _end_in_flight)
+            self.drain_timer.daemon = True
+            self.drain_timer.start()
+            threading.Thread(target=self._stop_when_idle, daemon=True).start()
+
+        def _stop_when_idle(self) -> None:
+            def busy(e: AsyncLLM) -> bool:
+                s = e.stats()
+                return e.is_alive and s.num_running + s.num_waiting + s.num_swapped > 0
+
+            while any(busy(e) for e in (engine, fallback) if e is not None):
+                time.sleep(0.05)
+            self.should_exit = True  # what handle_exit does (without recording a signal to re-raise at exit)
 
     def _end_in_flight() -> None:
         logger.warning("drain timeout (%.0f s): ending the requests still in flight", drain_s)

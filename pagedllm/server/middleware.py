@@ -36,6 +36,22 @@ class BodyLimitMiddleware:
         return await self.app(scope, limited_receive, send)
 
 
+class DrainingMiddleware:
+    """While the server stops (``state.draining``: a SIGTERM, the requests in flight finishing), new work (a POST
+    under /v1/) gets a 503, so a router or load balancer sends it to another replica. Plain ASGI (see below)."""
+
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and self.state.draining and scope["method"] == "POST"
+                and scope["path"].startswith("/v1/")):
+            resp = error_json(503, "the server is stopping: finishing the requests in flight, taking no new ones",
+                              path=scope["path"])
+            return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class ApiKeyMiddleware:
     """Requires `Authorization: Bearer <key>` on every route except the public ones (/health, and /metrics unless
     --metrics-require-auth); on the Anthropic Messages API routes Anthropic's `x-api-key: <key>` header is accepted

@@ -41,3 +41,22 @@ def test_counters_follow_cumulative_stats():
     assert s["pagedllm:request_success_total[overloaded]"] == 1
     assert s["pagedllm:inter_token_latency_seconds_count"] == 2
     assert s["pagedllm:kv_cache_capacity_bytes"] == 1000
+
+
+def test_vllm_names_carry_the_same_samples():
+    """Each metric vLLM also exports is rendered a second time under ``vllm:`` with the same samples (read from the
+    one registry at each scrape); the ones vLLM has no name for are not."""
+    from pagedllm.metrics.prometheus import VLLM_NAMES
+
+    m = PrometheusStatLogger("m", kv_capacity_bytes=1000, kv_capacity_tokens=10, kv_bytes_per_block=100)
+    m.record(SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25),
+             IterationStats(num_generation_tokens=4, num_prompt_tokens=9, time_to_first_tokens=[0.2],
+                            finished=[FinishedRequestStats("stop", 1.5, 0.1, 9, 4)]))
+    s = samples(m)
+    ours = {k.removeprefix("pagedllm:"): v for k, v in s.items() if k.startswith("pagedllm:")}
+    theirs = {k.removeprefix("vllm:"): v for k, v in s.items() if k.startswith("vllm:")}
+    assert theirs and theirs == {k: v for k, v in ours.items()
+                                 if any(k.split("[")[0].startswith(n) for n in VLLM_NAMES)}
+    assert theirs["num_requests_running"] == 3 and theirs["kv_cache_usage_perc"] == 0.25
+    assert theirs["request_success_total[stop]"] == 1 and "kv_cache_capacity_bytes" not in theirs
+

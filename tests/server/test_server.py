@@ -221,6 +221,12 @@ def test_metrics_agree_with_requests(base, client):
                  "num_requests_waiting"):
         assert f"pagedllm:{name}" in after
     assert after["pagedllm:prefix_cache_queries_total"] - before["pagedllm:prefix_cache_queries_total"] == sent_prompt
+    # vLLM's names beside ours, the same values (llm-d's endpoint picker and vLLM dashboards read them)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "request_success_total[length]", "time_to_first_token_seconds_count",
+                 "e2e_request_latency_seconds_sum", "prefix_cache_hits_total"):
+        assert after[f"vllm:{name}"] == after[f"pagedllm:{name}"], name
+    assert not any(k.startswith("vllm:") and "circuit" in k for k in after)  # pagedllm's own stay pagedllm's
 
 
 # ---------------------------------------------------------------------- other endpoints
@@ -550,7 +556,9 @@ def test_responses_stream_matches_plain(client, base):
 
 
 def test_sigterm_finishes_in_flight_and_exits_cleanly(server):
-    """Last in this module: SIGTERM while a stream is running; the stream ends properly, exit code 0."""
+    """Last in this module: SIGTERM while a stream is running; the stream ends properly, exit code 0. While it
+    finishes the server still listens: /health is 503 (not ready: routers and load balancers move on) and new work is
+    a 503, /metrics still answers."""
     proc, base, log = server
     done = {}
 
@@ -566,11 +574,21 @@ def test_sigterm_finishes_in_flight_and_exits_cleanly(server):
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(timeout=10) as h:
+            done["health"] = await h.get(base + "/health")
+            done["new"] = await h.post(base + "/v1/completions", headers=auth(),
+                                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            done["metrics"] = await h.get(base + "/metrics")
+        done["running"] = not task.done()
         await task
 
     asyncio.run(main())
     assert proc.wait(timeout=60) == 0
     assert done["lines"][-1] == "data: [DONE]"
+    assert done["running"]  # the checks ran while the stream was still going
+    assert done["health"].status_code == 503 and "stopping" in done["health"].json()["error"]["message"]
+    assert done["new"].status_code == 503 and done["metrics"].status_code == 200
     assert "Traceback" not in log.read_text()
 
 
