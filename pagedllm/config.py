@@ -73,6 +73,8 @@ class CacheConfig:
     kv_cache_memory: int | None = option(None, "KV cache size in bytes (CPU default 1 GiB)")
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory to use")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    # the prefix cache's block stored / removed events, for the server's --kv-events-config publisher
+    enable_kv_cache_events: bool = option(False, "record the prefix cache's block events", cli=False)
     # exact block count (tests); wins over the memory budget
     num_gpu_blocks_override: int | None = option(None, "exact KV block count (tests)", cli=False)
     preemption_mode: str = option(

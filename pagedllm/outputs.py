@@ -153,6 +153,25 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    # the prefix cache's changes since the last step, in order (only with enable_kv_cache_events)
+    kv_events: list[KVBlockStored | KVBlockRemoved] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KVBlockStored:
+    """A full block's K/V entered the prefix cache: its chained hash (``core.block_pool.hash_block_tokens``), its
+    parent's (None: the first block of a prompt) and its tokens."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVBlockRemoved:
+    """A block's content left the prefix cache (its block was reused for other tokens)."""
+
+    block_hash: bytes
 
 
 # ---------------------------------------------------------------- front end -> user

@@ -115,7 +115,9 @@ def test_every_config_field_is_an_option():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("option"), f"{cls.__name__}.{f.name} has no option metadata"
     kwarg_only = {o.name for o in engine_options() if not o.cli}
-    assert kwarg_only == {"served_model_name", "num_gpu_blocks_override", "num_host_blocks_override"}
+    # enable_kv_cache_events: set by the server's --kv-events-config (vLLM's flag), which also says where to publish
+    assert kwarg_only == {"served_model_name", "num_gpu_blocks_override", "num_host_blocks_override",
+                          "enable_kv_cache_events"}
 
 
 def test_torchrun_sets_the_init_method_and_world_size(monkeypatch):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from pagedllm.outputs import KVBlockRemoved, KVBlockStored
+
 BlockHash = bytes
 
 
@@ -98,6 +100,18 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[reserve_null:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.events: list | None = None  # a list: the cache's stored / removed blocks are recorded (take_events)
+
+    def take_events(self) -> list:
+        """The prefix cache's changes since the last call, in order (empty unless ``events`` is a list)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
+
+    def _removed(self, block_hash: BlockHash) -> None:
+        if self.events is not None:
+            self.events.append(KVBlockRemoved(block_hash))
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,6 +143,7 @@ class BlockPool:
         """Forget a block's cached content (it stays allocated)."""
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            self._removed(block.block_hash)
         block.block_hash = None
         block.token_ids = None
 
@@ -136,6 +151,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self._removed(block.block_hash)
             block.block_hash = None
             block.token_ids = None
             self.num_evictions += 1
@@ -161,7 +177,8 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
+                    parent_hash: BlockHash | None = None) -> None:
         if block.block_hash is not None:
             return  # already registered (a hit, or cached before)
         if block_hash in self.cached:
@@ -169,6 +186,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.append(KVBlockStored(block_hash, parent_hash, token_ids))
 
     def check_integrity(self) -> None:
         """free + in use == total; free blocks have no references; the hash map points at its blocks."""

@@ -21,13 +21,15 @@ class KVCacheManager:
     first token left to compute."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: tuple[int, ...] = (0,)) -> None:
+                 windows: tuple[int, ...] = (0,), record_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
         # the null block: the place of a block a sliding group has freed (or never needed)
         self.pool = BlockPool(num_blocks, enable_caching, reserve_null=any(self.windows))
+        if record_events and enable_caching:  # the prefix cache's stored / removed blocks (take_events)
+            self.pool.events = []
         self.null_block = self.pool.null_block
         self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}  # per request, per group
         self.req_to_hashes: dict[str, list[BlockHash]] = {}
@@ -196,7 +198,8 @@ class KVCacheManager:
         for i in range(start, num_full_blocks):
             for g, t in enumerate(tables):
                 if t[i] is not self.null_block:
-                    self.pool.cache_block(t[i], self._key(g, hashes[i]), tuple(toks[i * bs : (i + 1) * bs]))
+                    self.pool.cache_block(t[i], self._key(g, hashes[i]), tuple(toks[i * bs : (i + 1) * bs]),
+                                          self._key(g, hashes[i - 1]) if i else None)
         self.num_cached_blocks[rid] = num_full_blocks
 
     def _held(self, rid: str) -> list[list[KVCacheBlock]]:

@@ -30,6 +30,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             windows=getattr(runner, "kv_group_windows", (0,)),  # a test's fake runner: one full-attention group
+            record_events=config.cache.enable_kv_cache_events,
         )
         self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.max_model_len,
                                                num_host_blocks=runner.num_host_blocks)

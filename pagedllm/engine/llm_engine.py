@@ -231,4 +231,5 @@ class LLMEngine:
         outputs, to_abort, self.last_iteration_stats = self.output_processor.process(core_outputs)
         if to_abort:
             self.core.abort_requests(to_abort)
+        self.last_iteration_stats.kv_events = self.core.kv_cache_manager.pool.take_events()
         return outputs

@@ -17,6 +17,7 @@ from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.server.app import build_app
 from pagedllm.server.degradation import CircuitBreaker, FaultInjection
+from pagedllm.server.kv_events import KVEventPublisher, KVEventsConfig
 from pagedllm.server.middleware import MAX_BODY_BYTES
 from pagedllm.server.reasoning import REASONING_PARSERS
 from pagedllm.server.tools import TOOL_CALL_PARSERS
@@ -62,6 +63,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="with --reasoning-parser: a structured-output constraint (response_format, guided_*, a "
                         "required or named tool choice) covers the whole output, reasoning included; by default it "
                         "applies to the answer after </think> (vLLM's enable_in_reasoning)")
+    g.add_argument("--kv-events-config", default=None,
+                   help='publish the prefix cache\'s block stored / removed events as vLLM does, e.g. '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
+                        "(for vllm-router's kv_aware policy, llm-d's prefix-cache scorer)")
     g.add_argument("--fault-injection", default=os.environ.get("PAGEDLLM_FAULT_INJECTION"),
                    help='tests only: \'{"fail_marker": "...", "stall_marker": "..."}\' makes the primary fail or '
                         "stall on prompts containing the marker")
@@ -80,6 +85,11 @@ def run_server(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)  # a flag the engine cannot honour stops here, with its message
+    kv_events = KVEventsConfig.parse(args.kv_events_config)
+    if kv_events is not None:
+        if not config.cache.enable_prefix_caching:
+            raise ValueError("--kv-events-config describes the prefix cache: it needs prefix caching on")
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_kv_cache_events=True))
     faults = FaultInjection.parse(args.fault_injection)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -96,6 +106,11 @@ def run_server(args: argparse.Namespace) -> int:
     kv = engine.kv_cache_spec()
     metrics = PrometheusStatLogger(name, kv.total_bytes, kv.num_tokens, kv.bytes_per_block)
     engine.stat_loggers.append(metrics)
+    publisher = None
+    if kv_events is not None:
+        publisher = KVEventPublisher(kv_events, config.cache.block_size)
+        engine.stat_loggers.append(publisher)
+        logger.info("publishing KV-cache events on %s", kv_events.endpoint)
     fallback = fallback_name = breaker = None
     if args.fallback_model:
         fb_config = dataclasses.replace(
@@ -166,6 +181,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine.shutdown()
     if fallback is not None:
         fallback.shutdown()
+    if publisher is not None:
+        publisher.close()
     if tp_failures:
         print(f"error: tensor parallelism failed: {tp_failures[0]}", file=sys.stderr)
         return 1

@@ -747,3 +747,34 @@ def test_core_imports_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_kv_events_follow_the_prefix_cache():
+    """With events recorded (``--kv-events-config``), each block entering the prefix cache is a ``KVBlockStored``
+    (its chained hash, its parent's, its tokens) and each evicted one a ``KVBlockRemoved``, in order; a cache hit
+    records nothing; without the flag nothing is recorded."""
+    from pagedllm.outputs import KVBlockRemoved, KVBlockStored
+
+    bs = 4
+    kv = KVCacheManager(num_blocks=4, block_size=bs, record_events=True)
+    pa = list(range(100, 110))  # 2 full blocks and a partial one
+    a = make_req("A", pa)
+    _alloc_full(kv, a)
+    h0 = hash_block_tokens(None, pa[:4])
+    h1 = hash_block_tokens(h0, pa[4:8])
+    assert kv.pool.take_events() == [KVBlockStored(h0, None, tuple(pa[:4])), KVBlockStored(h1, h0, tuple(pa[4:8]))]
+    assert kv.pool.take_events() == []  # taken once
+    kv.free(a)
+    hit = make_req("A2", pa)
+    groups, n = kv.get_computed_blocks(hit)
+    assert n == 8 and kv.allocate_slots(hit, hit.num_tokens - n, groups) is not None
+    assert kv.pool.take_events() == []  # a hit stores nothing new
+    kv.free(hit)
+    b = make_req("B", list(range(200, 216)))  # 4 blocks: the whole pool, evicting A's two
+    _alloc_full(kv, b)
+    events = kv.pool.take_events()
+    assert [e for e in events if isinstance(e, KVBlockRemoved)] == [KVBlockRemoved(h1), KVBlockRemoved(h0)]
+    assert sum(isinstance(e, KVBlockStored) for e in events) == 4
+    quiet = KVCacheManager(num_blocks=4, block_size=bs)
+    _alloc_full(quiet, make_req("A", pa))
+    assert quiet.pool.events is None and quiet.pool.take_events() == []

@@ -626,3 +626,84 @@ def test_queue_bound_and_max_delay_errors(tmp_path_factory):
         assert int(q.headers["retry-after"]) >= 1
     assert after.status_code == 200
 
+
+
+def test_kv_cache_events_published_as_vllm_publishes_them(tmp_path_factory):
+    """``--kv-events-config``: a ZMQ subscriber decoding with vLLM's event structs (vllm/distributed/kv_events.py
+    as of vLLM 0.28: the batch array-like, the events tagged maps) sees, per step, [topic, sequence number, batch]; a prompt's full blocks arrive as
+    ``BlockStored`` with the prompt's tokens, chained by their parent hashes; a repeated prompt (a cache hit) stores
+    nothing new. A bad config stops the start with its message."""
+    import msgspec
+    import zmq
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        parent_block_hash: bytes | int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list | None = None
+        group_idx: int | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        medium: str | None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    port = free_port()
+    cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                      "topic": "kv"})
+    proc, base, log = start_server(tmp_path_factory, "--kv-events-config", cfg)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        time.sleep(0.5)  # the subscription reaches the publisher (a PUB socket drops what no one subscribed to yet)
+        prompt = " ".join(PROMPTS) * 2
+        ids = httpx.post(base + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        assert httpx.post(base + "/v1/completions", json=body).status_code == 200
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        stored, seqs = [], []
+        while sub.poll(2000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv"
+            seqs.append(int.from_bytes(seq, "big"))
+            stored += [e for e in decoder.decode(payload).events if isinstance(e, BlockStored)]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap
+        bs = stored[0].block_size
+        full = len(ids) // bs
+        assert [tuple(e.token_ids) for e in stored[:full]] == [tuple(ids[i * bs:(i + 1) * bs]) for i in range(full)]
+        assert stored[0].parent_block_hash is None
+        assert all(e.parent_block_hash == p.block_hashes[0] for p, e in zip(stored, stored[1:full]))
+        assert httpx.post(base + "/v1/completions", json=body).status_code == 200  # a cache hit
+        again = []
+        while sub.poll(1000):
+            again += [e for e in decoder.decode(sub.recv_multipart()[2]).events if isinstance(e, BlockStored)]
+        assert not any(tuple(e.token_ids) == tuple(ids[:bs]) for e in again)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        proc.terminate()
+        proc.wait(timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--kv-events-config",
+                          '{"enable_kv_cache_events": true, "publisher": "zmq", "replay_endpoint": "tcp://*:1"}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "replay_endpoint is not supported" in bad.stdout + bad.stderr
