@@ -191,17 +191,7 @@ class SpeculativeConfig:
             if disable_by_batch_size is not None:
                 raise ValueError("--speculative-disable-by-batch-size needs --speculative-config")
             return None
-        if isinstance(d, str):
-            try:
-                d = json.loads(d)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError("the speculative config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown speculative config keys: {sorted(unknown)}; known: {sorted(known)}")
+        d = json_object(d, "--speculative-config", {f.name for f in dataclasses.fields(SpeculativeConfig)})
         if "method" not in d or "num_speculative_tokens" not in d:
             raise ValueError("the speculative config needs 'method' and 'num_speculative_tokens'")
         d = dict(d)
@@ -381,6 +371,22 @@ def _build(cls, values: dict):
 
 
 # ---------------------------------------------------------------------------------------------- paths
+def json_object(value: str | dict, flag: str, known: set[str] | frozenset[str]) -> dict:
+    """The JSON object a ``flag`` takes (its text, or the object itself): ValueError naming the flag for text that
+    is not JSON, for anything but an object, and for keys outside ``known``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    unknown = set(value) - set(known)
+    if unknown:
+        raise ValueError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return value
+
+
 def cache_dir() -> str:
     """Where pagedllm keeps what it computes once per machine (tokenizers built from GGUF files, weight-path
     measurements): ``$PAGEDLLM_CACHE_DIR``, default ``~/.cache/pagedllm``."""

@@ -9,7 +9,6 @@ opens it again.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from pagedllm.config import json_object
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from pagedllm.server.streaming import first_outputs
@@ -97,13 +97,7 @@ class FaultInjection:
     def parse(spec: str | None) -> "FaultInjection | None":
         if not spec:
             return None
-        try:
-            d = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--fault-injection is not valid JSON: {e}") from None
-        unknown = set(d) - {"fail_marker", "stall_marker", "forward_fail_token"}
-        if unknown:
-            raise ValueError(f"--fault-injection: unknown keys {sorted(unknown)}")
+        d = json_object(spec, "--fault-injection", {"fail_marker", "stall_marker", "forward_fail_token"})
         token = d.get("forward_fail_token")
         if token is not None and (not isinstance(token, int) or token < 0):
             raise ValueError("--fault-injection: forward_fail_token must be a token id")

@@ -11,12 +11,12 @@ digests (``core.block_pool.hash_block_tokens``)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import msgspec
 import zmq
 
+from pagedllm.config import json_object
 from pagedllm.outputs import IterationStats, KVBlockRemoved, KVBlockStored, SchedulerStats
 
 
@@ -65,20 +65,13 @@ class KVEventsConfig:
         """The config of ``--kv-events-config`` (None: no events); ValueError naming what is wrong."""
         if not text:
             return None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+        tuning = {"buffer_steps", "max_queue_size"}  # vLLM's replay buffer and queue sizes: nothing to size here
+        d = json_object(text, "--kv-events-config", {f.name for f in dataclasses.fields(cls)} | tuning
+                        | {"replay_endpoint"})
         if d.get("replay_endpoint") is not None:
             raise ValueError("--kv-events-config: replay_endpoint is not supported (subscribers see every step "
                              "from when they connect; a gap in the sequence numbers means dropped messages)")
-        d = {k: v for k, v in d.items() if k not in ("replay_endpoint", "buffer_steps", "max_queue_size")}
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - known:
-            raise ValueError(f"--kv-events-config: unknown key(s) {sorted(set(d) - known)}; known: {sorted(known)}")
-        cfg = cls(**d)
+        cfg = cls(**{k: v for k, v in d.items() if k not in tuning | {"replay_endpoint"}})
         if cfg.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
         return cfg if cfg.enable_kv_cache_events and cfg.publisher == "zmq" else None
