@@ -90,7 +90,8 @@ class BlockPool:
     """``reserve_null``: block 0 is the null block, the place of a block a sliding-window group does not hold; it
     is never handed out, freed or written, and not counted in ``num_blocks``."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null: bool = False,
+                 record_events: bool = False) -> None:
         if num_blocks < 1 + reserve_null:
             raise ValueError(f"num_blocks must be >= {1 + reserve_null}, got {num_blocks}")
         self.num_blocks = num_blocks - reserve_null  # the blocks requests can hold
@@ -100,7 +101,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[reserve_null:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
-        self.events: list | None = None  # a list: the cache's stored / removed blocks are recorded (take_events)
+        # the cache's stored / removed blocks, in order, until take_events (None: not recorded)
+        self.events: list | None = [] if record_events and enable_caching else None
 
     def take_events(self) -> list:
         """The prefix cache's changes since the last call, in order (empty unless ``events`` is a list)."""

@@ -27,9 +27,8 @@ class KVCacheManager:
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
         # the null block: the place of a block a sliding group has freed (or never needed)
-        self.pool = BlockPool(num_blocks, enable_caching, reserve_null=any(self.windows))
-        if record_events and enable_caching:  # the prefix cache's stored / removed blocks (take_events)
-            self.pool.events = []
+        # record_events: the prefix cache's stored / removed blocks are kept for the pool's take_events
+        self.pool = BlockPool(num_blocks, enable_caching, reserve_null=any(self.windows), record_events=record_events)
         self.null_block = self.pool.null_block
         self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}  # per request, per group
         self.req_to_hashes: dict[str, list[BlockHash]] = {}
