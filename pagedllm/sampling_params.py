@@ -123,6 +123,13 @@ class StructuredOutputsParams:
         return "grammar", self.grammar
 
 
+# Every stop string is searched in the new text of every step and the longest one sets how much streamed text is held
+# back, so a request with very many or very long ones would slow the steps it shares with others. OpenAI takes 4
+# strings; these bounds leave room for programs that pass more.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -191,9 +198,14 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if not isinstance(t, int) or t < 0:
                     raise bad("stop_token_ids", "non-negative token ids", t)
-        for s in self.stop_strings:
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        for s in stops:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "non-empty strings", s)
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
 
     @property
     def stop_strings(self) -> list[str]:

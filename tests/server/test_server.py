@@ -264,6 +264,9 @@ def _err(r, status):
     ({"max_tokens": 5}, "prompt"),
     ({"prompt": ""}, "empty"),
     ({"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    # a hostile stop list is refused before it slows the steps other requests share (OpenAI takes 4)
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(1000)]}, "at most 32 strings"),
+    ({"prompt": "hi", "stop": ["x" * 5000]}, "at most 1024 characters"),
 ])
 def test_invalid_params_400(base, payload, needle):
     e = _err(httpx.post(base + "/v1/completions", headers=auth(), json={"model": MODEL, **payload}), 400)

@@ -210,6 +210,8 @@ def hostile_cases(model: str, max_model_len: int, vocab_size: int) -> list[tuple
         ("token id 2**70", "POST", c, body(prompt=[2**70], max_tokens=1), bad400),
         ("stop empty string", "POST", c, body(prompt="hi", stop=[""]), bad400),
         ("stop number", "POST", c, body(prompt="hi", stop=5), bad400),
+        ("stop 100,000 strings", "POST", c, body(prompt="hi", stop=[f"s{i}" for i in range(100_000)]), bad400),
+        ("stop string of 100,000 characters", "POST", c, body(prompt="hi", stop=["x" * 100_000]), bad400),
         ("stop_token_ids out of vocab", "POST", c, body(prompt="hi", stop_token_ids=[vocab_size]), bad400),
         ("logit_bias non-integer key", "POST", c, body(prompt="hi", logit_bias={"abc": 1}), bad400),
         ("logit_bias out of vocab", "POST", c, body(prompt="hi", logit_bias={str(vocab_size): 1}), bad400),
