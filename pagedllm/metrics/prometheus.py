@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.outputs import IterationStats, SchedulerStats
 
@@ -40,6 +41,29 @@ class _VLLMNames:
             out = Metric("vllm:" + name, fam.documentation, fam.type, fam.unit)
             out.samples = [s._replace(name="vllm:" + s.name.removeprefix("pagedllm:")) for s in fam.samples]
             yield out
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def merge_expositions(texts: dict[str, str], label: str) -> bytes:
+    """Several servers' /metrics texts as one exposition: each family once, each sample labelled ``label`` = the
+    key of the text it came from (a data-parallel balancer's view of its replicas)."""
+    merged: dict[str, Metric] = {}
+    for key, text in texts.items():
+        for fam in text_string_to_metric_families(text):
+            out = merged.get(fam.name)
+            if out is None:
+                out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples.extend(s._replace(labels={**s.labels, label: key}) for s in fam.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)
 
 
 class PrometheusStatLogger:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -16,6 +18,7 @@ from pagedllm.engine.arg_utils import config_from_args
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.server.app import build_app
+from pagedllm.server.data_parallel import POLICIES, replica_endpoint, run_data_parallel
 from pagedllm.server.degradation import CircuitBreaker, FaultInjection
 from pagedllm.server.kv_events import KVEventPublisher, KVEventsConfig
 from pagedllm.server.middleware import MAX_BODY_BYTES
@@ -67,6 +70,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help='publish the prefix cache\'s block stored / removed events as vLLM does, e.g. '
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
                         "(for vllm-router's kv_aware policy, llm-d's prefix-cache scorer)")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="N engine replicas on this machine, each a process on its share of the cores, behind one "
+                        "port that routes each request to one of them (--data-parallel-policy)")
+    g.add_argument("--data-parallel-policy", choices=POLICIES, default="cache_aware",
+                   help="cache_aware: a request goes to the replica that was sent the longest start of its text "
+                        "(its prefix cache holds it) unless that one is much busier than the least busy, else to the "
+                        "least busy; round_robin: each in turn")
     g.add_argument("--fault-injection", default=os.environ.get("PAGEDLLM_FAULT_INJECTION"),
                    help='tests only: \'{"fail_marker": "...", "stall_marker": "..."}\' makes the primary fail or '
                         "stall on prompts containing the marker")
@@ -78,7 +88,8 @@ def default_served_name(model: str | None) -> str:
     return model
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace, replica_index: int | None = None) -> int:
+    """Serve until a signal; ``replica_index``: this server is that replica of a --data-parallel-size set."""
     import uvicorn  # optional and heavy: only the server needs it
 
     logging.getLogger("pagedllm").setLevel(logging.INFO)
@@ -90,7 +101,11 @@ def run_server(args: argparse.Namespace) -> int:
         if not config.cache.enable_prefix_caching:
             raise ValueError("--kv-events-config describes the prefix cache: it needs prefix caching on")
         config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_kv_cache_events=True))
+        if replica_index is not None:
+            kv_events = dataclasses.replace(kv_events, endpoint=replica_endpoint(kv_events.endpoint, replica_index))
     faults = FaultInjection.parse(args.fault_injection)
+    if getattr(args, "data_parallel_size", 1) != 1:  # the flags are checked above; each replica builds its engine
+        return run_data_parallel(args)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     chat_template = None
@@ -188,3 +203,31 @@ def run_server(args: argparse.Namespace) -> int:
         return 1
     logger.info("server stopped")
     return 0
+
+
+def _replica_main() -> int:
+    """A replica of `pagedllm serve --data-parallel-size N` (started by ``data_parallel.ReplicaSet``): the serve
+    flags, its port and index come as JSON on stdin; it stops (draining) when its parent process goes away."""
+    payload = json.loads(sys.stdin.read())
+    index, parent = payload["index"], payload["parent_pid"]
+    args = argparse.Namespace(**payload["args"])
+    args.host, args.port, args.data_parallel_size = "127.0.0.1", payload["port"], 1
+    logging.basicConfig(level=str(getattr(args, "log_level", "warning")).upper(),
+                        format=f"%(asctime)s %(levelname)s replica{index} %(name)s: %(message)s")
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        logger.warning("the balancer (pid %d) is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    try:
+        return run_server(args, replica_index=index)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: replica {index}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_replica_main())

@@ -1,0 +1,215 @@
+"""`pagedllm serve --data-parallel-size 2`: two replicas behind the built-in balancer, and the same replicas behind
+vllm-router (the router the README's multi-machine recipe uses): every request answered, prefix-affine routing that
+beats round robin on prefix-cache hits, merged metrics, a replica killed mid-stream, a clean stop."""
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from helpers import MODEL, free_port, start_server
+from pagedllm.metrics.prometheus import merge_expositions
+from pagedllm.server.data_parallel import (ENGINE_HEADER, PrefixAffinity, core_groups, replica_endpoint,
+                                           routing_text)
+
+# ---------------------------------------------------------------------- units (no server)
+
+
+def test_core_groups_share_out_the_cores():
+    assert core_groups([0, 1], 2) == [[0], [1]]
+    assert core_groups([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
+    assert core_groups([4, 5, 6], 1) == [[4, 5, 6]]
+    with pytest.raises(ValueError, match="needs at least 3 CPU cores"):
+        core_groups([0, 1], 3)
+
+
+def test_prefix_affinity_follows_shared_starts_within_the_imbalance_bound():
+    a = PrefixAffinity(2, balance_abs=4, balance_rel=1.5)
+    system = "You are a careful assistant for the billing team. " * 4
+    first = a.choose(system + "user one", {0: 0, 1: 0})
+    # the same start goes where it went, whoever else is idle
+    assert all(a.choose(system + f"user {i}", {0: 1, 1: 0}) == first for i in range(5))
+    # a start nobody was sent goes to the least busy replica
+    other = 1 - first
+    assert a.choose("A completely different conversation opener. " * 3, {first: 0, other: 0}) == other
+    # within the imbalance bound it still follows the prefix
+    assert a.choose(system + "user 10", {first: 5, other: 2}) == first
+    # the matching replica far busier than the least busy one: the request goes to the least busy (which then has
+    # the start too, and wins a tie by being less busy)
+    assert a.choose(system + "user 9", {first: 12, other: 2}) == other
+    assert a.choose(system + "user 11", {first: 3, other: 2}) == other
+    # text shorter than a chunk matches nothing: least busy
+    assert a.choose("hi", {0: 3, 1: 1}) == 1
+
+
+def test_routing_text_keeps_a_shared_start_shared():
+    sys_msg = {"role": "system", "content": "S" * 100}
+    a = routing_text(b'{"model": "m", "messages": [%s, {"role": "user", "content": "a"}]}'
+                     % str(sys_msg).replace("'", '"').encode())
+    b = routing_text(b'{"model": "m", "messages": [%s, {"role": "user", "content": "b"}]}'
+                     % str(sys_msg).replace("'", '"').encode())
+    common = len(os.path.commonprefix([a, b]))
+    assert common > 100 and a != b
+    assert routing_text(b'{"prompt": "hello"}').startswith('["hello')
+    assert routing_text(b"not json") is None and routing_text(b"[1, 2]") is None
+    assert routing_text(b'{"model": "m"}') is None
+
+
+def test_replica_kv_event_endpoints_do_not_collide():
+    assert replica_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert replica_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert replica_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv-1"
+
+
+def test_merged_metrics_label_each_replica():
+    text = ("# HELP vllm:num_requests_running Requests.\n# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{model_name="m"} %d\n')
+    out = merge_expositions({"0": text % 3, "1": text % 5}, "engine").decode()
+    assert out.count("# TYPE vllm:num_requests_running gauge") == 1
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 3.0' in out
+    assert 'vllm:num_requests_running{engine="1",model_name="m"} 5.0' in out
+
+
+# ---------------------------------------------------------------------- two replicas on this machine
+
+
+@pytest.fixture(scope="module")
+def dp(tmp_path_factory):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("these tests need 2 CPU cores (one per replica); CI has 2")
+    proc, base, log = start_server(tmp_path_factory, "--dtype", "auto", "--data-parallel-size", "2",
+                                   "--max-model-len", "1024")
+    yield proc, base, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _replicas(base):
+    return httpx.get(base + "/health").json()["replicas"]
+
+
+def _hits(urls) -> float:
+    """Prefix-cache hit tokens summed over the replicas, scraped from each."""
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _workload(tag: str, systems: int = 3, users: int = 4) -> list[list[dict]]:
+    """Chat requests: ``systems`` long system prompts, each followed by ``users`` short user turns, in the order
+    users arrive (the system prompts interleaved; an odd count, so that round robin over two replicas does not
+    happen to keep each system prompt on one)."""
+    out = []
+    for u in range(users):
+        for s in range(systems):
+            system = f"[{tag} desk {s}] " + " ".join(f"rule {s}.{k}: answer politely about topic {k}."
+                                                     for k in range(24))
+            out.append([{"role": "system", "content": system}, {"role": "user", "content": f"question {u}?"}])
+    return out
+
+
+def _chat(url, messages) -> httpx.Response:
+    r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                   json={"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_two_replicas_each_on_its_core_answer_and_follow_prefixes(dp):
+    _, base, _ = dp
+    reps = _replicas(base)
+    assert [len(r["cores"]) for r in reps] == [1, 1] and reps[0]["cores"] != reps[1]["cores"]
+    assert all(r["healthy"] for r in reps)
+    where: dict[str, set[str]] = {}
+    for messages in _workload("builtin"):
+        r = _chat(base, messages)
+        assert r.json()["choices"][0]["message"]["content"]
+        where.setdefault(messages[0]["content"], set()).add(r.headers[ENGINE_HEADER])
+    # every user of one system prompt landed on one replica, and both replicas served
+    assert all(len(engines) == 1 for engines in where.values()), where
+    assert set().union(*where.values()) == {"0", "1"}
+    # streaming passes through
+    with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        lines = [x for x in s.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+    # errors keep the API's shape and status
+    r = httpx.post(base + "/v1/completions", json={"model": "nope", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    # the balancer's /metrics: each replica's samples, labelled by engine
+    metrics = httpx.get(base + "/metrics").text
+    assert 'vllm:num_requests_running{engine="0"' in metrics and 'vllm:num_requests_running{engine="1"' in metrics
+
+
+def test_vllm_router_cache_aware_beats_round_robin_on_prefix_hits(dp, tmp_path):
+    _, base, _ = dp
+    urls = [r["url"] for r in _replicas(base)]
+    hits = {}
+    for policy in ("round_robin", "cache_aware"):
+        port = free_port()
+        log = open(tmp_path / f"router-{policy}.log", "w")
+        router = subprocess.Popen(["vllm-router", "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+                                   "--worker-urls", *urls], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 60
+            while True:
+                assert router.poll() is None, (tmp_path / f"router-{policy}.log").read_text()
+                try:
+                    if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.time() < deadline, "vllm-router did not start"
+                time.sleep(0.3)
+            before = _hits(urls)
+            for messages in _workload(policy):
+                _chat(url, messages)
+            hits[policy] = _hits(urls) - before
+        finally:
+            router.terminate()
+            router.wait(10)
+    # the same workload (fresh system prompts each time): cache-aware routing finds more of them cached
+    assert hits["cache_aware"] > hits["round_robin"] > 0, hits
+
+
+def test_a_replica_killed_mid_stream_errors_its_stream_and_the_rest_go_on(dp):
+    _, base, _ = dp
+    with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "stream": True,
+                            "ignore_eos": True}) as s:
+        victim = int(s.headers[ENGINE_HEADER])
+        lines = s.iter_lines()
+        assert next(x for x in lines if x.startswith("data: "))
+        os.kill(_replicas(base)[victim]["pid"], signal.SIGKILL)
+        t0 = time.time()
+        rest = [x for x in lines if x.startswith("data: ")]  # ends (no hang) with an error event
+    assert time.time() - t0 < 30
+    assert rest and '"error"' in rest[-1], rest[-3:]
+    deadline = time.time() + 10
+    while not _replicas(base)[victim]["exited"]:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    # everything after goes to the survivor, answered
+    for messages in _workload("after", systems=3, users=1):
+        assert _chat(base, messages).headers[ENGINE_HEADER] == str(1 - victim)
+    h = httpx.get(base + "/health")
+    assert h.status_code == 200 and [r["exited"] for r in h.json()["replicas"]].count(True) == 1
+
+
+def test_sigterm_stops_the_balancer_and_its_replicas(dp):
+    proc, base, _ = dp
+    pids = [r["pid"] for r in _replicas(base)]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    for pid in pids:  # both gone (reaped by the balancer), none left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
