@@ -52,7 +52,18 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
             raise ValueError("the dataset file has no prompts")
         return [BenchRequest(prompts[i % len(prompts)], args.output_len) for i in range(n)]
     if args.dataset == "prefix-repeat":
-        return [BenchRequest(PREFIX_SYSTEM + f"Customer question {i}: "
+        # each request: one of K system prompts (K = --num-prefixes, told apart from their first words on, so they
+        # share nothing) drawn at random, then its own question: users of K desks arriving in no set order
+        k = getattr(args, "num_prefixes", 1)
+        if k < 1:
+            raise ValueError("--num-prefixes must be >= 1")
+        words = getattr(args, "prefix_words", None)
+        if words:  # system prompts of that many random words (about as many tokens): long shared starts
+            systems = [f"Desk {d} of {k}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + ". "
+                       for d in range(k)]
+        else:
+            systems = [PREFIX_SYSTEM] if k == 1 else [f"Desk {d} of {k}. " + PREFIX_SYSTEM for d in range(k)]
+        return [BenchRequest(systems[rng.randrange(k) if k > 1 else 0] + f"Customer question {i}: "
                              + " ".join(rng.choice(_WORDS) for _ in range(12)) + "?", args.output_len)
                 for i in range(n)]
     # random: lengths drawn uniformly in [len * (1 - r), len * (1 + r)]; about 1 token per word
@@ -179,6 +190,28 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest], show_
     return result
 
 
+def prefix_cache_counts(urls: list[str]) -> tuple[float, float] | None:
+    """Prompt tokens looked up in the prefix cache and found there, summed over the servers' /metrics (vLLM's
+    names); None when one of them does not export them."""
+    queries = hits = 0.0
+    for url in urls:
+        try:
+            text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return None
+        found = False
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name == "vllm:prefix_cache_queries_total":
+                queries += float(line.rsplit(" ", 1)[1])
+                found = True
+            elif name == "vllm:prefix_cache_hits_total":
+                hits += float(line.rsplit(" ", 1)[1])
+        if not found:
+            return None
+    return queries, hits
+
+
 def print_summary(r: dict) -> None:
     rows = [
         ("Successful requests", f"{r['completed']}"), ("Failed requests", f"{r['failed']}"),
@@ -190,6 +223,8 @@ def print_summary(r: dict) -> None:
     ]
     if "goodput" in r:
         rows.append(("Goodput (req/s)", f"{r['goodput']:.2f}"))
+    if "prefix_cache_hit_rate" in r:
+        rows.append(("Prefix-cache hit rate", f"{r['prefix_cache_hit_rate']:.1%}"))
     for key, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         rows.append((f"-- {label} --", ""))
@@ -216,6 +251,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--dataset", choices=["random", "file", "prefix-repeat"], default="random")
     p.add_argument("--dataset-path", default=None, help="JSONL with a 'prompt' field (file dataset)")
+    p.add_argument("--num-prefixes", type=int, default=1,
+                   help="prefix-repeat: this many distinct system prompts, each request using one drawn at random")
+    p.add_argument("--prefix-words", type=int, default=None,
+                   help="prefix-repeat: system prompts of this many random words instead of the shipped one")
+    p.add_argument("--metrics-url", action="append", default=None,
+                   help="servers whose /metrics give the prefix-cache hit rate of the run (repeatable; default: "
+                        "--base-url; behind a router, name the replicas)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0)
@@ -237,7 +279,12 @@ def main(args: argparse.Namespace) -> int:
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be > 0")
     requests = build_dataset(args)
+    metrics_urls = args.metrics_url or [args.base_url]
+    before = prefix_cache_counts(metrics_urls)
     result = asyncio.run(run_load(args, requests, show_progress=not args.no_progress))
+    after = prefix_cache_counts(metrics_urls)
+    if before is not None and after is not None and after[0] > before[0]:
+        result["prefix_cache_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
     print_summary(result)
     write_json(args.result_json, result)
     return 0 if result["completed"] else 1

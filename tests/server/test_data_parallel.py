@@ -26,23 +26,26 @@ def test_core_groups_share_out_the_cores():
         core_groups([0, 1], 3)
 
 
-def test_prefix_affinity_follows_shared_starts_within_the_imbalance_bound():
-    a = PrefixAffinity(2, balance_abs=4, balance_rel=1.5)
+def test_prefix_affinity_follows_shared_starts_within_the_load_slack():
+    a = PrefixAffinity(2, slack=2)
     system = "You are a careful assistant for the billing team. " * 4
     first = a.choose(system + "user one", {0: 0, 1: 0})
-    # the same start goes where it went, whoever else is idle
-    assert all(a.choose(system + f"user {i}", {0: 1, 1: 0}) == first for i in range(5))
-    # a start nobody was sent goes to the least busy replica
     other = 1 - first
+    # the same start goes where it went while that replica is within the slack of the least busy one
+    assert all(a.choose(system + f"user {i}", {first: 2, other: 0}) == first for i in range(5))
+    # a start nobody was sent goes to the least busy replica
     assert a.choose("A completely different conversation opener. " * 3, {first: 0, other: 0}) == other
-    # within the imbalance bound it still follows the prefix
-    assert a.choose(system + "user 10", {first: 5, other: 2}) == first
-    # the matching replica far busier than the least busy one: the request goes to the least busy (which then has
-    # the start too, and wins a tie by being less busy)
-    assert a.choose(system + "user 9", {first: 12, other: 2}) == other
+    # the matching replica busier than the slack allows: the least busy one (which then has the start too, and
+    # wins the next tie by being less busy)
+    assert a.choose(system + "user 9", {first: 3, other: 0}) == other
     assert a.choose(system + "user 11", {first: 3, other: 2}) == other
     # text shorter than a chunk matches nothing: least busy
     assert a.choose("hi", {0: 3, 1: 1}) == 1
+    # a shared opening shorter than half the text (and than MIN_MATCH_CHARS) is not followed
+    b = PrefixAffinity(2)
+    opening = '[[{"role": "system", "content": "'
+    b.choose(opening + "x" * 200, {0: 0, 1: 0})
+    assert b.choose(opening + "y" * 200, {0: 1, 1: 0}) == 1
 
 
 def test_routing_text_keeps_a_shared_start_shared():
