@@ -104,6 +104,14 @@ def cmd_serve(args) -> int:
     return run_server(args)
 
 
+def cmd_ray_serve(args) -> int:
+    try:
+        from pagedllm.server import ray_serve
+    except ImportError as e:
+        raise ValueError(f"ray-serve needs Ray Serve: pip install 'ray[serve]' ({e})") from e
+    return ray_serve.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.engine.arg_utils import add_engine_args
 
@@ -131,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    from pagedllm.server.cli_args import add_ray_args
+
+    r = sub.add_parser("ray-serve", help="the OpenAI-compatible server as a Ray Serve deployment: replicas on a Ray "
+                       "cluster (a local one by default), fixed or autoscaled")
+    add_server_args(r)
+    add_engine_args(r)
+    add_ray_args(r)
+    r.set_defaults(func=cmd_ray_serve)
 
     from pagedllm.bench import compare, embed, ladder, offline, overhead, quant, reliability, roofline, serve, spec, tp
     from pagedllm.cli import fetch

@@ -82,32 +82,68 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "stall on prompts containing the marker")
 
 
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """`pagedllm ray-serve`'s own flags (the deployment is in ``ray_serve``, which imports Ray)."""
+    g = p.add_argument_group("Ray Serve")
+    g.add_argument("--ray-address", default=None,
+                   help="a running Ray cluster ('auto': the one this machine joined with `ray start`); default: start "
+                        "a local one for this command")
+    g.add_argument("--num-replicas", type=int, default=1, help="replicas (without --max-replicas)")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default 1)")
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscaling: most replicas; Serve adds and removes replicas to keep "
+                        "--target-ongoing-requests in flight on each")
+    g.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                   help="autoscaling: requests in flight per replica that Serve aims at")
+    g.add_argument("--num-cpus-per-replica", type=float, default=None,
+                   help="CPUs each replica asks Ray for (its threads); default: this machine's cores shared by "
+                        "--num-replicas (1 with autoscaling)")
+
+
 def default_served_name(model: str | None) -> str:
     if model is None:
         return DEFAULT_MODEL_FILE.split(".")[0]
     return model
 
 
-def run_server(args: argparse.Namespace, replica_index: int | None = None) -> int:
-    """Serve until a signal; ``replica_index``: this server is that replica of a --data-parallel-size set."""
-    import uvicorn  # optional and heavy: only the server needs it
+@dataclasses.dataclass
+class ServerParts:
+    """What one server runs: its app and the engines and publisher behind it (to stop on exit)."""
 
-    logging.getLogger("pagedllm").setLevel(logging.INFO)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)  # a flag the engine cannot honour stops here, with its message
+    app: object  # the FastAPI app
+    name: str  # the served model name
+    engine: AsyncLLM
+    fallback: AsyncLLM | None = None
+    publisher: KVEventPublisher | None = None
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.fallback is not None:
+            self.fallback.shutdown()
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+def check_server_args(args: argparse.Namespace):
+    """The engine config the serve flags describe, checked (a flag the engine cannot honour is a ValueError with
+    its message), with the KV-events and fault-injection settings."""
+    config = config_from_args(args)
     kv_events = KVEventsConfig.parse(args.kv_events_config)
     if kv_events is not None:
         if not config.cache.enable_prefix_caching:
             raise ValueError("--kv-events-config describes the prefix cache: it needs prefix caching on")
         config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_kv_cache_events=True))
-        if replica_index is not None:
-            kv_events = dataclasses.replace(kv_events, endpoint=replica_endpoint(kv_events.endpoint, replica_index))
-    faults = FaultInjection.parse(args.fault_injection)
-    if getattr(args, "data_parallel_size", 1) != 1:  # the flags are checked above; each replica builds its engine
-        return run_data_parallel(args)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return config, kv_events, FaultInjection.parse(args.fault_injection)
+
+
+def build_server(args: argparse.Namespace, replica_index: int | None = None) -> ServerParts:
+    """The engine(s) and the app of one server from its flags (``replica_index``: this server is that replica of a
+    set, which moves its KV-events endpoint)."""
+    config, kv_events, faults = check_server_args(args)
+    if kv_events is not None and replica_index is not None:
+        kv_events = dataclasses.replace(kv_events, endpoint=replica_endpoint(kv_events.endpoint, replica_index))
     chat_template = None
     if args.chat_template:
         with open(args.chat_template) as f:
@@ -143,6 +179,21 @@ def run_server(args: argparse.Namespace, replica_index: int | None = None) -> in
                     auto_tools=args.enable_auto_tool_choice, metrics_require_auth=args.metrics_require_auth,
                     reasoning_parser=args.reasoning_parser,
                     structured_in_reasoning=args.structured_outputs_in_reasoning)
+    return ServerParts(app, name, engine, fallback, publisher)
+
+
+def run_server(args: argparse.Namespace, replica_index: int | None = None) -> int:
+    """Serve until a signal; ``replica_index``: this server is that replica of a --data-parallel-size set."""
+    import uvicorn  # optional and heavy: only the server needs it
+
+    logging.getLogger("pagedllm").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "data_parallel_size", 1) != 1:
+        check_server_args(args)  # a bad flag stops here, once; each replica builds its own engine
+        return run_data_parallel(args)
+    parts = build_server(args, replica_index)
+    app, engine, fallback = parts.app, parts.engine, parts.fallback
     drain_s = args.drain_timeout_s
 
     class _Server(uvicorn.Server):
@@ -189,15 +240,11 @@ def run_server(args: argparse.Namespace, replica_index: int | None = None) -> in
         server.should_exit = True
 
     engine.add_tp_failure_callback(_tp_failed)  # False (nothing to watch) without tensor parallelism
-    logger.info("serving %s on http://%s:%d", name, args.host, args.port)
+    logger.info("serving %s on http://%s:%d", parts.name, args.host, args.port)
     server.run()
     if server.drain_timer is not None:
         server.drain_timer.cancel()
-    engine.shutdown()
-    if fallback is not None:
-        fallback.shutdown()
-    if publisher is not None:
-        publisher.close()
+    parts.close()
     if tp_failures:
         print(f"error: tensor parallelism failed: {tp_failures[0]}", file=sys.stderr)
         return 1
