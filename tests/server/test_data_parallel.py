@@ -5,9 +5,11 @@ beats round robin on prefix-cache hits, merged metrics, a replica killed mid-str
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
+import openai
 import pytest
 
 from helpers import MODEL, free_port, start_server
@@ -160,7 +162,8 @@ def test_vllm_router_cache_aware_beats_round_robin_on_prefix_hits(dp, tmp_path):
         port = free_port()
         log = open(tmp_path / f"router-{policy}.log", "w")
         router = subprocess.Popen(["vllm-router", "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
-                                   "--worker-urls", *urls], stdout=log, stderr=subprocess.STDOUT)
+                                   "--prometheus-port", str(free_port()), "--worker-urls", *urls],
+                                  stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.time() + 60
@@ -182,6 +185,41 @@ def test_vllm_router_cache_aware_beats_round_robin_on_prefix_hits(dp, tmp_path):
             router.wait(10)
     # the same workload (fresh system prompts each time): cache-aware routing finds more of them cached
     assert hits["cache_aware"] > hits["round_robin"] > 0, hits
+
+
+def test_sglang_router_in_front_of_the_replicas_gets_answers(dp, tmp_path):
+    """SGLang's router writes its own extension fields into every body: at their defaults they are answered."""
+    _, base, _ = dp
+    urls = [r["url"] for r in _replicas(base)]
+    port = free_port()
+    log = tmp_path / "sglang-router.log"
+    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--policy", "cache_aware",
+                               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+                               "--worker-urls", *urls],
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert router.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "sglang-router did not start"
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0).choices[0].text
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=3, temperature=0)
+        assert chat.choices[0].message.content
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=3, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        router.terminate()
+        router.wait(10)
 
 
 def test_a_replica_killed_mid_stream_errors_its_stream_and_the_rest_go_on(dp):
