@@ -34,7 +34,7 @@ def test_core_and_simulator_import_no_torch_or_upper_layers():
 # ---------------------------------------------------------------------------------------------- import layering
 # Which pagedllm packages each layer may import (docs/architecture.md draws the same table). A module is named by
 # its first component under pagedllm/ ("config", "core", "worker", ...); tier-0 modules import stdlib only.
-TIER0 = {"config", "sampling_params", "request", "outputs", "errors"}
+TIER0 = {"config", "sampling_params", "request", "outputs", "errors", "routing"}
 LOW = TIER0 | {"gguf_file", "kernels", "layers", "quant", "model", "distributed", "sample", "spec"}
 MAY_IMPORT = {
     **{m: TIER0 for m in TIER0},

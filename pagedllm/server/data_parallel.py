@@ -7,9 +7,9 @@ a replica, streams the answer back, answers /health for the set and serves the r
 
 - ``cache_aware`` (default): a request whose text starts as an earlier one did goes where that one went, so that
   replica's prefix cache holds the shared start (a system prompt, a conversation so far), unless that replica is
-  busier than the least busy one by more than the imbalance bound; a request that matches nothing goes to the least
-  busy replica. The text is matched in 32-character chunks, as vllm-router's ``cache_aware`` policy matches text
-  rather than tokens, so the balancer needs no tokenizer.
+  busier than the least busy one by more than a slack; a request that matches nothing goes to the least busy
+  (``pagedllm.routing``). The text is matched in 32-character chunks, as vllm-router's ``cache_aware`` policy
+  matches text rather than tokens, so the balancer needs no tokenizer.
 - ``round_robin``: each replica in turn.
 
 A replica that dies is taken out of rotation (requests in flight on it get an error; a request that could not reach
@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import httpx
@@ -38,12 +37,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.metrics.prometheus import merge_expositions
+from pagedllm.routing import ReplicaRouter
 from pagedllm.server.errors import error_json, install_error_handlers
 from pagedllm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, DrainingMiddleware
 
 logger = logging.getLogger("pagedllm.server")
 
-POLICIES = ("cache_aware", "round_robin")
 ENGINE_HEADER = "x-pagedllm-engine"
 LOCALHOST = "127.0.0.1"
 # request headers not passed on (the hop's own) and response headers the response object sets itself
@@ -80,64 +79,19 @@ def routing_text(body: bytes) -> str | None:
     return json.dumps(parts, ensure_ascii=False) if parts else None
 
 
-class PrefixAffinity:
-    """Per replica, the chained hashes of the text starts it was sent (an LRU bounded by ``capacity``). A request
-    goes, among the replicas with at most ``slack`` more requests in flight than the least busy one, to the one that
-    was sent the longest start of its text (a start worth following: half the text, or ``MIN_MATCH_CHARS``); with no
-    such match, to the least busy. The slack bounds what cache affinity may cost in queueing: a replica's prefix
-    cache saves prefill, a longer queue costs every request on it."""
+CHUNK_CHARS = 32  # characters per hashed chunk of a request's text (about 8 tokens)
+MAX_CHARS = 16384  # the start that is matched (a longer text's tail does not move it)
 
-    CHUNK = 32  # characters per hashed chunk
-    MAX_CHARS = 16384  # the start that is matched (a longer text's tail does not move it)
-    MIN_MATCH_CHARS = 1024  # a shared start this long is followed even when it is under half the text
 
-    # 8: measured on two 1-core replicas (SmolLM2, 8 system prompts, docs/benchmarks.md#replicas): a slack of 2
-    # kept too little affinity (hit rate as round robin's, mean TTFT worse), 8 found nearly every prefix cached
-    def __init__(self, n: int, capacity: int = 1 << 16, slack: int = 8) -> None:
-        self.seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
-        self.capacity, self.slack = capacity, slack
-
-    def chain(self, text: str) -> list[int]:
-        out, h = [], 0
-        for i in range(0, min(len(text), self.MAX_CHARS) - self.CHUNK + 1, self.CHUNK):
-            h = hash((h, text[i:i + self.CHUNK]))
-            out.append(h)
-        return out
-
-    def matched(self, replica: int, chain: list[int]) -> int:
-        seen, n = self.seen[replica], 0
-        for h in chain:
-            if h not in seen:
-                break
-            n += 1
-        return n
-
-    def record(self, replica: int, chain: list[int]) -> None:
-        seen = self.seen[replica]
-        for h in chain:
-            seen[h] = None
-            seen.move_to_end(h)
-        while len(seen) > self.capacity:
-            seen.popitem(last=False)
-
-    def choose(self, text: str | None, loads: dict[int, int]) -> int:
-        """A replica among ``loads``' keys (the available ones, with their requests in flight)."""
-        least = min(loads, key=lambda i: (loads[i], len(self.seen[i])))
-        if text is None:
-            return least
-        chain = self.chain(text)
-        # a match worth following covers half the text or a long start (more than a shared boilerplate opening:
-        # JSON keys, a role name), as vllm-router's cache_threshold does
-        need = min((len(chain) + 1) // 2, self.MIN_MATCH_CHARS // self.CHUNK)
-        best, best_len = least, 0
-        for i in loads:
-            if loads[i] > loads[least] + self.slack:
-                continue
-            m = self.matched(i, chain)
-            if m >= max(need, 1) and (m > best_len or (m == best_len and loads[i] < loads[best])):
-                best, best_len = i, m
-        self.record(best, chain)
-        return best
+def text_chain(text: str | None) -> list[int] | None:
+    """The chained hashes of ``text``'s whole 32-character chunks (what ``ReplicaRouter`` matches)."""
+    if text is None:
+        return None
+    out, h = [], 0
+    for i in range(0, min(len(text), MAX_CHARS) - CHUNK_CHARS + 1, CHUNK_CHARS):
+        h = hash((h, text[i:i + CHUNK_CHARS]))
+        out.append(h)
+    return out
 
 
 @dataclass
@@ -167,13 +121,10 @@ class ReplicaSet:
     """The replicas' child processes: started with their cores and ports, polled for health, stopped together."""
 
     def __init__(self, args, n: int, policy: str) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"--data-parallel-policy must be one of {list(POLICIES)}, got {policy!r}")
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
         self.replicas = [Replica(i, g, _free_port()) for i, g in enumerate(core_groups(cores, n))]
         self.policy = policy
-        self.affinity = PrefixAffinity(n)
-        self._rr = 0
+        self.router = ReplicaRouter(n, policy)
         self._args = args
         self.failed: str | None = None  # set when no replica is left
         self.stopping = False  # a drain was asked for: replicas exiting is expected
@@ -242,12 +193,7 @@ class ReplicaSet:
         avail = self.available(exclude)
         if not avail:
             return None
-        if self.policy == "round_robin":
-            r = avail[self._rr % len(avail)]
-            self._rr += 1
-            return r
-        i = self.affinity.choose(text, {r.index: r.in_flight for r in avail})
-        return self.replicas[i]
+        return self.replicas[self.router.choose(text_chain(text), {r.index: r.in_flight for r in avail})]
 
     def mark_exited(self, r: Replica, why: str) -> None:
         if not r.exited:

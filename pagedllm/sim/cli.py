@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import replace
 
+from pagedllm.routing import POLICIES
 from pagedllm.sim.calibrate import CPU_KV_CACHE_BYTES, DEFAULT_TOKEN_SHARE, cpu_profile_from_roofline, load_roofline
 from pagedllm.sim.cost import Deployment
 from pagedllm.sim.hardware import GPU_PROFILES, get_gpu_profile
@@ -77,9 +78,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--shared-prefix-len", type=int, default=None,
                    help=f"tokens of a system prompt shared by every request (default 0; {LADDER_SHARED_PREFIX} with "
                         "--ladder)")
+    w.add_argument("--num-prefixes", type=int, default=1,
+                   help="--shared-prefix-len: this many different shared prefixes, one drawn at random per request")
     w.add_argument("--client-jitter-ms", type=float, default=DEFAULT_CLIENT_JITTER_S * 1e3,
                    help="closed loop: a client's turnaround before its next request, uniform in [0, this]")
     w.add_argument("--seed", type=int, default=0)
+
+    r = p.add_argument_group("replicas")
+    r.add_argument("--replicas", type=int, default=1,
+                   help="engines behind a router (serve --data-parallel-size, or servers behind vllm-router), each "
+                        "one deployment as above with its own KV cache")
+    r.add_argument("--routing", choices=POLICIES, default="cache_aware", help="how the router picks a replica")
+    r.add_argument("--plan-rate", type=float, nargs="+", default=None, metavar="REQ_PER_S",
+                   help="size a deployment: the fewest replicas that serve this many requests/s (Poisson, the "
+                        "workload flags' lengths) within --slo-p99-ttft-s; one replica is simulated at its share "
+                        "of the rate")
+    r.add_argument("--slo-p99-ttft-s", type=float, default=2.0, help="--plan-rate: the p99 TTFT to meet")
 
     m = p.add_argument_group("modes")
     m.add_argument("--ladder", action="store_true", help="the optimization ladder as a markdown table")
@@ -117,7 +131,7 @@ def _workload(args, shared_default: int) -> Workload:
         w = w1(args.concurrency or 32)
     else:
         w = synthetic(args.num_requests, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
-                      args.rate, args.concurrency, shared, args.seed)
+                      args.rate, args.concurrency, shared, args.seed, args.num_prefixes)
         return replace(w, client_jitter_s=jitter)
     return replace(with_shared_prefix(w, shared), client_jitter_s=jitter)
 
@@ -186,6 +200,9 @@ def main(args: argparse.Namespace) -> int:
             settings = replace(settings, spec=replace(settings.spec, draft=draft))
         if args.ladder:
             _ladder(args, cal, hw, model, scheme, kv_cache, settings, result)
+        elif args.plan_rate:
+            dep = Deployment(hw, model, scheme, args.tp, args.kv_dtype or "", args.gpu_memory_utilization, kv_cache)
+            _plan(args, dep, settings, result)
         else:
             dep = Deployment(hw, model, scheme, args.tp, args.kv_dtype or "", args.gpu_memory_utilization, kv_cache)
             _one(args, dep, settings, result)
@@ -237,14 +254,68 @@ def _ladder(args, cal, hw, model, scheme, kv_cache, settings: EngineSettings, re
                          "summary": r.summary.to_dict() if r.summary else None} for r in rows]
 
 
+def plan_replicas(dep: Deployment, settings: EngineSettings, rate: float, slo_p99_ttft_s: float, args,
+                  max_replicas: int = 100_000):
+    """The fewest replicas of ``dep`` that keep the p99 TTFT within the SLO at ``rate`` requests/s, each replica
+    simulated alone at rate / replicas (a router that spreads Poisson arrivals evenly); with the summary of that
+    replica. None when even ``max_replicas`` do not."""
+    def one(n: int):
+        wl = synthetic(args.num_requests, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
+                       rate / n, None, args.shared_prefix_len or 0, args.seed, args.num_prefixes)
+        s = simulate(dep, wl, settings, args.seed).summary
+        return s if s.p99_ttft_s <= slo_p99_ttft_s else None
+
+    hi = 1
+    while one(hi) is None:  # doubling, then bisection on the first count that meets the SLO
+        if hi >= max_replicas:
+            return None
+        hi *= 2
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if one(mid) is not None else (mid, hi)
+    return hi, one(hi)
+
+
+def _plan(args, dep: Deployment, settings: EngineSettings, result: dict) -> None:
+    threads = None
+    if args.calibrate:
+        with open(args.calibrate) as f:
+            threads = json.load(f).get("threads")
+    print(_describe_deployment(dep, settings.block_size))
+    mem = dep.weight_bytes + dep.memory_plan(settings.block_size).kv_pool_per_device * dep.num_devices
+    print(f"workload per replica: Poisson arrivals, prompts {args.prompt_len} tokens"
+          + (f" + a {args.shared_prefix_len}-token shared prefix" if args.shared_prefix_len else "")
+          + f", outputs {args.output_len}; SLO p99 TTFT <= {args.slo_p99_ttft_s:g} s\n")
+    unit = "cores" if threads else "devices"
+    rows = ["| requests/s | replicas | " + unit + " | memory (weights + KV) | p99 / mean TTFT (s) | output tok/s per "
+            "replica |", "|---|---|---|---|---|---|"]
+    result["plan"] = []
+    for rate in args.plan_rate:
+        found = plan_replicas(dep, settings, rate, args.slo_p99_ttft_s, args)
+        if found is None:
+            rows.append(f"| {rate:g} | no count meets the SLO | | | | |")
+            continue
+        n, s = found
+        units = n * dep.num_devices * (threads or 1)
+        rows.append(f"| {rate:g} | {n} | {units} | {human_bytes(n * mem)} | {s.p99_ttft_s:.2f} / {s.mean_ttft_s:.2f} "
+                    f"| {s.output_tok_s:.0f} |")
+        result["plan"].append({"rate": rate, "replicas": n, unit: units, "memory_bytes": n * mem,
+                               "p99_ttft_s": s.p99_ttft_s, "mean_ttft_s": s.mean_ttft_s,
+                               "output_tok_s_per_replica": s.output_tok_s})
+    print("\n".join(rows))
+
+
 def _one(args, dep: Deployment, settings: EngineSettings, result: dict) -> None:
     wl = _workload(args, 0)
     print(_describe_deployment(dep, settings.block_size))
+    if args.replicas > 1:
+        print(f"{args.replicas} replicas of it behind a router ({args.routing}), each with its own KV cache")
     print(wl.describe() + "\n")
     if args.static_batching:
         res = simulate_static(dep, wl, settings.max_model_len, settings.max_num_seqs, args.seed)
     else:
-        res = simulate(dep, wl, settings, args.seed)
+        res = simulate(dep, wl, settings, args.seed, replicas=args.replicas, routing=args.routing)
     print(_summary_table(res.summary))
     result["workload"] = wl.describe()
     result.update(res.to_dict())

@@ -20,6 +20,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request
+from pagedllm.routing import ReplicaRouter
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sim.cost import CostModel, Deployment, SeqWork, work_from_scheduler_output
 from pagedllm.sim.metrics import RequestRecord, Summary, summarize
@@ -173,97 +174,161 @@ class _Arrivals:
             self.pending[self.pos:] = sorted(self.pending[self.pos:])
 
 
+CHAIN_TOKENS = 8  # tokens per link of the chain the cache-aware router matches (the balancer's 32 characters)
+
+
+def _request_chain(i: int, r) -> list[int]:
+    """The routing chain of trace request ``i``: its shared prefix (by group) then its own tokens, in 8-token
+    links, as the balancer chains a request's text."""
+    out, h = [], 0
+    for k in range(min(r.prompt_len, 4096) // CHAIN_TOKENS):
+        end = (k + 1) * CHAIN_TOKENS
+        link = ("g", r.prefix_group, k) if end <= r.shared_prefix_len else ("r", i, k)
+        h = hash((h, link))
+        out.append(h)
+    return out
+
+
+class _Engine:
+    """One replica: the real scheduler and KV cache manager, its cost model, and the step it is running."""
+
+    def __init__(self, dep: Deployment, settings: EngineSettings, num_blocks: int, max_len: int,
+                 rng: random.Random) -> None:
+        spec = settings.spec
+        self.kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
+        self.sched = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=settings.max_num_batched_tokens,
+                            max_num_seqs=settings.max_num_seqs, enable_chunked_prefill=settings.enable_chunked_prefill),
+            CacheConfig(block_size=settings.block_size, enable_prefix_caching=settings.enable_prefix_caching), self.kv,
+            max_len, num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
+            spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
+        self.clock = _Clock()
+        self.sched.clock = self.clock
+        self.cost = CostModel(dep)
+        self.draft_cost = CostModel(spec.draft) if spec is not None and spec.draft is not None else None
+        self.spec = spec
+        self.runner = _FakeRunner(spec, rng)
+        self.num_blocks, self.block_size = num_blocks, settings.block_size
+        self.timeline: list[tuple[float, float]] = []
+        self.step_times: list[float] = []
+        self.usage_area = self.usage_max = 0.0
+        self.prefill_computed = 0
+        self.in_flight = 0
+        self.running = None  # the SchedulerOutput of the step in progress
+        self.busy_until: float | None = None
+
+    def start_step(self, now: float, state: dict) -> None:
+        """Schedule and price the next step at ``now`` (if there is work); it ends at ``busy_until``."""
+        if not self.sched.has_unfinished_requests():
+            return
+        self.clock.t = now
+        so = self.sched.schedule()
+        if so.is_empty:
+            raise RuntimeError(f"the scheduler made no progress: {self.sched.waiting.peek()!r} does not fit in the "
+                               f"KV cache ({self.num_blocks} blocks of {self.block_size} tokens)")
+        work = work_from_scheduler_output(so)
+        dt = self.cost.step_time(work)
+        if self.draft_cost is not None:
+            dt += _draft_time(self.draft_cost, work, so.speculate, self.spec.num_speculative_tokens)
+        usage = self.kv.usage()
+        self.timeline.append((now, usage))
+        self.usage_area += usage * dt
+        self.usage_max = max(self.usage_max, usage)
+        self.step_times.append(dt)
+        for s in so.scheduled:  # prompt tokens computed (again, after a preemption by recompute)
+            end = s.num_computed_tokens + len(s.token_ids) - s.num_spec_tokens
+            self.prefill_computed += max(0, min(end, state[s.req_id]["req"].num_prompt_tokens) - s.num_computed_tokens)
+        self.running, self.busy_until = so, now + dt
+
+    def finish_step(self) -> list:
+        """The step in progress ends: its sampled tokens go back through the scheduler."""
+        so, self.running = self.running, None
+        self.clock.t, self.busy_until = self.busy_until, None
+        return self.sched.update_from_output(so, self.runner.execute(so, self.sched.requests))
+
+
 def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = EngineSettings(), seed: int = 0,
-             system: str = "pagedllm (paged KV, continuous batching)") -> SimResult:
+             system: str = "pagedllm (paged KV, continuous batching)", replicas: int = 1,
+             routing: str = "cache_aware") -> SimResult:
+    """The workload on ``replicas`` engines of deployment ``dep`` (each with its own KV cache), a request going to
+    one at its arrival by ``routing`` (``pagedllm.routing``: the balancer's policies)."""
     model = dep.model
     plan = dep.memory_plan(settings.block_size)
     num_blocks = settings.num_blocks or plan.num_blocks
     if num_blocks < 1:
         raise ValueError(f"{model.name} ({dep.scheme.name}, {plan.weights_per_device / 2**30:.1f} GiB of weights per "
                          f"device) leaves no memory for the KV cache on {dep.tp} x {dep.hardware.name}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
     max_len = settings.max_model_len or model.max_position
-    spec = settings.spec
     for r in workload.requests:
         if r.prompt_len + r.output_len > max_len:
             raise ValueError(f"a request of {r.prompt_len} + {r.output_len} tokens exceeds max_model_len {max_len}")
-    kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
-                        enable_chunked_prefill=settings.enable_chunked_prefill),
-        CacheConfig(block_size=settings.block_size, enable_prefix_caching=settings.enable_prefix_caching), kv, max_len,
-        num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
-        spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
-    clock = _Clock()
-    sched.clock = clock
-    cost = CostModel(dep)
-    draft_cost = CostModel(spec.draft) if spec is not None and spec.draft is not None else None
     rng = random.Random(seed)
-    runner = _FakeRunner(spec, rng)
+    engines = [_Engine(dep, settings, num_blocks, max_len, rng) for _ in range(replicas)]
+    router = ReplicaRouter(replicas, routing)
     arrivals = _Arrivals(workload, rng)
     reqs = workload.requests
-    state: dict[str, dict] = {}  # request id -> its Request and timings
+    state: dict[str, dict] = {}  # request id -> its Request, engine and timings
     records: list[RequestRecord] = []
-    timeline: list[tuple[float, float]] = []
-    step_times: list[float] = []
-    usage_area = usage_max = 0.0
-    prefill_computed = 0
+    now = 0.0
 
     while True:
-        for t, i in arrivals.due(clock.t):
+        # the next event: a step ending (first, at a tie: its finished requests' clients may send at that time)
+        # or an arrival
+        ending = min((e for e in engines if e.busy_until is not None), key=lambda e: e.busy_until, default=None)
+        nxt = arrivals.next_time()
+        if ending is None and nxt is None:
+            break
+        if ending is not None and (nxt is None or ending.busy_until <= nxt):
+            now = ending.busy_until
+            for out in ending.finish_step():
+                st = state[out.req_id]
+                if st["first"] is None and out.new_token_ids:
+                    st["first"] = now
+                    st["cached"] = out.num_cached_tokens
+                st["out"] += len(out.new_token_ids)
+                if out.finish_reason is not None:
+                    req = st.pop("req")
+                    ending.in_flight -= 1
+                    records.append(RequestRecord(req.arrival_time, st["first"], now, req.num_prompt_tokens,
+                                                 st["out"], st["cached"], req.num_preemptions))
+                    arrivals.finished(now)
+        else:
+            now = nxt
+        for t, i in arrivals.due(now):
             r = reqs[i]
+            e = engines[0] if replicas == 1 else engines[router.choose(
+                _request_chain(i, r), {k: x.in_flight for k, x in enumerate(engines)})]
             sp = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
             req = Request(str(i), _prompt_ids(i, r.prompt_len, r.shared_prefix_len, r.prefix_group), sp,
                           eos_token_id=None, max_tokens=r.output_len, arrival_time=t)
-            sched.add_request(req)
+            e.sched.add_request(req)
+            e.in_flight += 1
             state[req.request_id] = {"req": req, "first": None, "cached": 0, "out": 0}
-        if not sched.has_unfinished_requests():
-            nxt = arrivals.next_time()
-            if nxt is None:
-                break
-            clock.t = nxt  # idle until the next arrival
-            continue
-        so = sched.schedule()
-        if so.is_empty:
-            raise RuntimeError(f"the scheduler made no progress: {sched.waiting.peek()!r} does not fit in the KV "
-                               f"cache ({num_blocks} blocks of {settings.block_size} tokens)")
-        work = work_from_scheduler_output(so)
-        dt = cost.step_time(work)
-        if draft_cost is not None:
-            dt += _draft_time(draft_cost, work, so.speculate, spec.num_speculative_tokens)
-        usage = kv.usage()
-        timeline.append((clock.t, usage))
-        usage_area += usage * dt
-        usage_max = max(usage_max, usage)
-        step_times.append(dt)
-        for s in so.scheduled:  # prompt tokens computed (again, after a preemption by recompute)
-            end = s.num_computed_tokens + len(s.token_ids) - s.num_spec_tokens
-            prefill_computed += max(0, min(end, state[s.req_id]["req"].num_prompt_tokens) - s.num_computed_tokens)
-        clock.t += dt
-        result = runner.execute(so, sched.requests)
-        for out in sched.update_from_output(so, result):
-            st = state[out.req_id]
-            if st["first"] is None and out.new_token_ids:
-                st["first"] = clock.t
-                st["cached"] = out.num_cached_tokens
-            st["out"] += len(out.new_token_ids)
-            if out.finish_reason is not None:
-                req = st.pop("req")
-                records.append(RequestRecord(req.arrival_time, st["first"], clock.t, req.num_prompt_tokens,
-                                             st["out"], st["cached"], req.num_preemptions))
-                arrivals.finished(clock.t)
+        for e in engines:
+            if e.busy_until is None:
+                e.start_step(now, state)
 
-    start_s, end_s = arrivals.first_s, clock.t
+    start_s, end_s = arrivals.first_s, now
+    span = max(end_s - start_s, 1e-12)
+    queries = sum(e.kv.prefix_cache_queries for e in engines)
+    verifies = sum(e.runner.num_verifies for e in engines)
     summary = summarize(
-        system, records, start_s, end_s, dep.num_devices, dep.hardware.price_per_hour, dep.weight_bytes,
-        num_blocks * settings.block_size * dep.kv_bytes_per_token_device * dep.num_devices,
-        kv_usage_max=usage_max, kv_usage_mean=usage_area / max(end_s - start_s, 1e-12),
-        preemptions=sched.counters.num_preemptions,
-        prefix_hit_rate=kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0,
-        num_steps=len(step_times), prefill_tokens_computed=prefill_computed,
-        spec_mean_accepted=runner.num_accepted / runner.num_verifies if runner.num_verifies else None,
+        system, records, start_s, end_s, dep.num_devices * replicas, dep.hardware.price_per_hour,
+        dep.weight_bytes * replicas,
+        num_blocks * settings.block_size * dep.kv_bytes_per_token_device * dep.num_devices * replicas,
+        kv_usage_max=max(e.usage_max for e in engines),
+        kv_usage_mean=sum(e.usage_area for e in engines) / span / replicas,
+        preemptions=sum(e.sched.counters.num_preemptions for e in engines),
+        prefix_hit_rate=sum(e.kv.prefix_cache_hits for e in engines) / queries if queries else 0.0,
+        num_steps=sum(len(e.step_times) for e in engines),
+        prefill_tokens_computed=sum(e.prefill_computed for e in engines),
+        spec_mean_accepted=sum(e.runner.num_accepted for e in engines) / verifies if verifies else None,
     )
     records.sort(key=lambda r: r.arrival_s)
-    return SimResult(summary, records, timeline, step_times)
+    timeline = sorted(p for e in engines for p in e.timeline) if replicas > 1 else engines[0].timeline
+    return SimResult(summary, records, timeline, [t for e in engines for t in e.step_times])
 
 
 def _draft_time(draft: CostModel, work: tuple[SeqWork, ...], speculate: bool, k: int) -> float:

@@ -64,7 +64,10 @@ class Workload:
                      else f"open loop over {self.requests[-1].arrival_s:.1f} s"))
         s = (f"{self.name}: {n} requests, prompts {min(p)}-{max(p)} tokens (mean {sum(p) / n:.0f}), outputs "
              f"{min(o)}-{max(o)} (mean {sum(o) / n:.0f}), {how}")
-        return s + (f", {shared}-token shared prefix" if shared else "")
+        groups = len({r.prefix_group for r in self.requests if r.shared_prefix_len})
+        if not shared:
+            return s
+        return s + (f", {shared}-token shared prefix" if groups <= 1 else f", {groups} {shared}-token shared prefixes")
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,13 @@ class LengthDist:
 
 
 def synthetic(num_requests: int, prompt: LengthDist, output: LengthDist, rate: float | None = None,
-              concurrency: int | None = None, shared_prefix_len: int = 0, seed: int = 0) -> Workload:
+              concurrency: int | None = None, shared_prefix_len: int = 0, seed: int = 0,
+              num_prefixes: int = 1) -> Workload:
     """Poisson arrivals at ``rate`` requests/s (exponential gaps), or all at t=0 when rate is None or inf;
-    ``shared_prefix_len`` tokens (e.g. a system prompt) are prepended to every prompt."""
+    ``shared_prefix_len`` tokens (e.g. a system prompt) are prepended to every prompt: one of ``num_prefixes``
+    different ones, drawn at random per request (bench serve's prefix-repeat dataset with --num-prefixes)."""
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
     if num_requests < 1:
         raise ValueError("num_requests must be >= 1")
     if rate is not None and rate <= 0:
@@ -105,8 +112,9 @@ def synthetic(num_requests: int, prompt: LengthDist, output: LengthDist, rate: f
     t = 0.0
     reqs = []
     for _ in range(num_requests):
+        group = rng.randrange(num_prefixes) if num_prefixes > 1 else 0
         reqs.append(TraceRequest(t if concurrency is None else 0.0, shared_prefix_len + prompt.sample(rng),
-                                 output.sample(rng), shared_prefix_len))
+                                 output.sample(rng), shared_prefix_len, group))
         if rate is not None and rate != float("inf"):
             t += rng.expovariate(rate)
     name = "poisson" if rate not in (None, float("inf")) and concurrency is None else "synthetic"

@@ -14,8 +14,8 @@ import pytest
 
 from helpers import MODEL, free_port, start_server
 from pagedllm.metrics.prometheus import merge_expositions
-from pagedllm.server.data_parallel import (ENGINE_HEADER, PrefixAffinity, core_groups, replica_endpoint,
-                                           routing_text)
+from pagedllm.routing import ReplicaRouter
+from pagedllm.server.data_parallel import ENGINE_HEADER, core_groups, replica_endpoint, routing_text, text_chain
 
 # ---------------------------------------------------------------------- units (no server)
 
@@ -28,26 +28,34 @@ def test_core_groups_share_out_the_cores():
         core_groups([0, 1], 3)
 
 
-def test_prefix_affinity_follows_shared_starts_within_the_load_slack():
-    a = PrefixAffinity(2, slack=2)
+def test_cache_aware_routing_follows_shared_starts_within_the_load_slack():
+    router = ReplicaRouter(2, "cache_aware", slack=2)
+
+    def choose(text, loads):
+        return router.choose(text_chain(text), loads)
+
     system = "You are a careful assistant for the billing team. " * 4
-    first = a.choose(system + "user one", {0: 0, 1: 0})
+    first = choose(system + "user one", {0: 0, 1: 0})
     other = 1 - first
     # the same start goes where it went while that replica is within the slack of the least busy one
-    assert all(a.choose(system + f"user {i}", {first: 2, other: 0}) == first for i in range(5))
+    assert all(choose(system + f"user {i}", {first: 2, other: 0}) == first for i in range(5))
     # a start nobody was sent goes to the least busy replica
-    assert a.choose("A completely different conversation opener. " * 3, {first: 0, other: 0}) == other
+    assert choose("A completely different conversation opener. " * 3, {first: 0, other: 0}) == other
     # the matching replica busier than the slack allows: the least busy one (which then has the start too, and
     # wins the next tie by being less busy)
-    assert a.choose(system + "user 9", {first: 3, other: 0}) == other
-    assert a.choose(system + "user 11", {first: 3, other: 2}) == other
+    assert choose(system + "user 9", {first: 3, other: 0}) == other
+    assert choose(system + "user 11", {first: 3, other: 2}) == other
     # text shorter than a chunk matches nothing: least busy
-    assert a.choose("hi", {0: 3, 1: 1}) == 1
-    # a shared opening shorter than half the text (and than MIN_MATCH_CHARS) is not followed
-    b = PrefixAffinity(2)
+    assert choose("hi", {0: 3, 1: 1}) == 1
+    # a shared opening shorter than half the text (and than the minimum match) is not followed
+    b = ReplicaRouter(2)
     opening = '[[{"role": "system", "content": "'
-    b.choose(opening + "x" * 200, {0: 0, 1: 0})
-    assert b.choose(opening + "y" * 200, {0: 1, 1: 0}) == 1
+    b.choose(text_chain(opening + "x" * 200), {0: 0, 1: 0})
+    assert b.choose(text_chain(opening + "y" * 200), {0: 1, 1: 0}) == 1
+    # round robin: each available replica in turn, whatever the text
+    rr = ReplicaRouter(3, "round_robin")
+    assert [rr.choose(text_chain(system), {0: 5, 1: 0, 2: 0}) for _ in range(4)] == [0, 1, 2, 0]
+    assert rr.choose(None, {0: 0, 2: 0}) in (0, 2)
 
 
 def test_routing_text_keeps_a_shared_start_shared():

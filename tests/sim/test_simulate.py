@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from pagedllm.sim.calibrate import cpu_profile_from_roofline, load_roofline
+from pagedllm.sim.cli import build_parser, plan_replicas, run
 from pagedllm.sim.cost import CostModel, Deployment, SeqWork
 from pagedllm.sim.hardware import HardwareProfile, get_gpu_profile
 from pagedllm.sim.kvcalc import kv_bytes_per_token, kv_report, naive_kv_bytes_per_token
@@ -371,3 +372,45 @@ def test_simulator_reads_a_checkpoint_as_the_model_loader_does(tmp_path):
     path = default_model_path()
     g, (loaded, _) = from_gguf(path), load_model_files(path, native=True, lazy=True)
     assert [getattr(g, f) for f in fields] == [getattr(loaded, f) for f in fields]
+
+
+# ------------------------------------------------------------------ replicas behind a router
+def test_replicas_share_the_load_and_cache_aware_routing_keeps_prefixes_on_one_replica():
+    cal = cpu_profile_from_roofline(load_roofline(ROOFLINE))
+    d = cal.deployment()
+    # 8 system prompts of 400 tokens, short questions, Poisson arrivals: users of 8 desks in no set order
+    w = synthetic(160, LengthDist(16, 24), LengthDist(16, 16), rate=6.0, shared_prefix_len=400, seed=3,
+                  num_prefixes=8)
+    assert len({r.prefix_group for r in w.requests}) == 8
+    one = simulate(d, w, EngineSettings(), replicas=1).summary
+    rr = simulate(d, w, EngineSettings(), replicas=2, routing="round_robin")
+    ca = simulate(d, w, EngineSettings(), replicas=2, routing="cache_aware")
+    for res in (rr, ca):  # every request answered, each once
+        assert sorted(r.arrival_s for r in res.records) == sorted(r.arrival_s for r in w.requests)
+    assert rr.summary.num_devices == 2 and rr.summary.kv_pool_bytes == 2 * one.kv_pool_bytes
+    # round robin computes each prefix on both replicas, cache-aware on one: fewer prompt tokens computed
+    assert ca.summary.prefill_tokens_computed < rr.summary.prefill_tokens_computed
+    assert ca.summary.prefix_hit_rate > rr.summary.prefix_hit_rate
+    # two replicas answer sooner than one
+    assert ca.summary.mean_ttft_s < one.mean_ttft_s
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        simulate(d, w, EngineSettings(), replicas=0)
+
+
+def test_plan_finds_the_fewest_replicas_that_meet_the_slo(capsys, tmp_path):
+    args = build_parser().parse_args(["--calibrate", ROOFLINE, "--num-requests", "64", "--prompt-len", "100",
+                                      "--output-len", "32"])
+    cal = cpu_profile_from_roofline(load_roofline(ROOFLINE))
+    n, s = plan_replicas(cal.deployment(), EngineSettings(), 8.0, 1.0, args)
+    assert s.p99_ttft_s <= 1.0 and n >= 2
+
+    def p99(k):
+        wl = synthetic(64, LengthDist(100, 100), LengthDist(32, 32), 8.0 / k, None, 0, args.seed)
+        return simulate(cal.deployment(), wl, EngineSettings(), args.seed).summary.p99_ttft_s
+
+    assert p99(n - 1) > 1.0  # one fewer replica misses the SLO
+    out = tmp_path / "plan.json"
+    assert run(["--calibrate", ROOFLINE, "--num-requests", "64", "--prompt-len", "100", "--output-len", "32",
+                "--plan-rate", "8", "--slo-p99-ttft-s", "1", "--result-json", str(out)]) == 0
+    assert "| 8 | %d | " % n in capsys.readouterr().out
+    assert json.load(open(out))["plan"][0]["replicas"] == n
