@@ -71,6 +71,21 @@ def start_server(tmp_path_factory, *extra):
     raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
 
 
+def wait_until_serving(proc, url: str, log, timeout_s: float = 60, path: str = "/v1/models") -> None:
+    """Polls ``url + path`` until it answers 200; fails with the end of ``log`` (a path) if ``proc`` exits first or
+    the time is up."""
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"{url} did not come up in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.3)
+
+
 def scrape(base) -> dict:
     text = httpx.get(base + "/metrics").text
     out = {}

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import MODEL, free_port, start_server
+from helpers import MODEL, free_port, start_server, wait_until_serving
 from pagedllm.metrics.prometheus import merge_expositions
 from pagedllm.routing import ReplicaRouter
 from pagedllm.server.data_parallel import ENGINE_HEADER, core_groups, replica_endpoint, routing_text, text_chain
@@ -168,22 +168,13 @@ def test_vllm_router_cache_aware_beats_round_robin_on_prefix_hits(dp, tmp_path):
     hits = {}
     for policy in ("round_robin", "cache_aware"):
         port = free_port()
-        log = open(tmp_path / f"router-{policy}.log", "w")
+        log = tmp_path / f"router-{policy}.log"
         router = subprocess.Popen(["vllm-router", "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
                                    "--prometheus-port", str(free_port()), "--worker-urls", *urls],
-                                  stdout=log, stderr=subprocess.STDOUT)
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.time() + 60
-            while True:
-                assert router.poll() is None, (tmp_path / f"router-{policy}.log").read_text()
-                try:
-                    if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.time() < deadline, "vllm-router did not start"
-                time.sleep(0.3)
+            wait_until_serving(router, url, log)
             before = _hits(urls)
             for messages in _workload(policy):
                 _chat(url, messages)
@@ -207,16 +198,7 @@ def test_sglang_router_in_front_of_the_replicas_gets_answers(dp, tmp_path):
                               stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            assert router.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "sglang-router did not start"
-            time.sleep(0.3)
+        wait_until_serving(router, url, log)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0).choices[0].text
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],

@@ -6,13 +6,12 @@ import concurrent.futures
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from helpers import MODEL, free_port
+from helpers import MODEL, free_port, wait_until_serving
 from pagedllm.server.ray_serve import REPLICA_HEADER, add_args, app_builder, deployment_options
 
 
@@ -51,16 +50,7 @@ def test_two_replicas_on_a_local_ray_cluster_answer_through_the_openai_sdk(tmp_p
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 240
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "Ray Serve did not come up:\n" + log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_until_serving(proc, base, log, timeout_s=240)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 
         def complete(i):
