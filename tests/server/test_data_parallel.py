@@ -2,6 +2,7 @@
 vllm-router (the router the README's multi-machine recipe uses): every request answered, prefix-affine routing that
 beats round robin on prefix-cache hits, merged metrics, a replica killed mid-stream, a clean stop."""
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -210,6 +211,44 @@ def test_sglang_router_in_front_of_the_replicas_gets_answers(dp, tmp_path):
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_vllm_router_fails_over_when_a_replica_dies(tmp_path_factory, tmp_path):
+    """Two plain servers behind vllm-router: one is SIGKILLed with requests in flight. Those end (answered by the
+    router's retry on the other replica, or an error), none hangs; every later request is answered."""
+    servers = [start_server(tmp_path_factory, "--dtype", "auto", "--max-model-len", "1024") for _ in range(2)]
+    port = free_port()
+    log = tmp_path / "router.log"
+    router = subprocess.Popen(["vllm-router", "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+                               "--prometheus-port", str(free_port()), "--worker-urls", *[b for _, b, _ in servers]],
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def complete(i, n):
+        try:
+            return httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": f"Request {i}:", "max_tokens": n, "ignore_eos": True}).status_code
+        except httpx.HTTPError as e:  # a transport error is an answer too (not a hang)
+            return type(e).__name__
+
+    try:
+        wait_until_serving(router, url, log)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(complete, i, 150) for i in range(4)]
+            time.sleep(1.0)
+            servers[1][0].kill()
+            t0 = time.time()
+            in_flight = [f.result() for f in futures]
+        assert time.time() - t0 < 45 and len(in_flight) == 4
+        assert in_flight.count(200) >= 2, in_flight  # the survivor's own requests at least
+        assert [complete(i, 4) for i in range(8)] == [200] * 8
+    finally:
+        router.terminate()
+        router.wait(10)
+        for proc, _, _ in servers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
 
 def test_a_replica_killed_mid_stream_errors_its_stream_and_the_rest_go_on(dp):
