@@ -144,7 +144,9 @@ def build_server(args: argparse.Namespace, replica_index: int | None = None) -> 
     set, which moves its KV-events endpoint)."""
     config, kv_events, faults = check_server_args(args)
     if kv_events is not None and replica_index is not None:
-        kv_events = dataclasses.replace(kv_events, endpoint=replica_endpoint(kv_events.endpoint, replica_index))
+        kv_events = dataclasses.replace(
+            kv_events, endpoint=replica_endpoint(kv_events.endpoint, replica_index),
+            replay_endpoint=kv_events.replay_endpoint and replica_endpoint(kv_events.replay_endpoint, replica_index))
     chat_template = None
     if args.chat_template:
         with open(args.chat_template) as f:

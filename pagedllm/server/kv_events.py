@@ -6,12 +6,18 @@ Per engine step that changed the prefix cache, one ZMQ PUB message of three fram
 entered the cache: its hash, its parent's, its tokens) and ``BlockRemoved`` (a block's content was evicted), as
 msgspec encodes vLLM's structs since vLLM 0.28 (the batch an array, each event a map tagged ``type``: the layout
 vllm-router 0.1.17 decodes; the older array-like events it refuses). Block hashes are the prefix cache's chained sha256
-digests (``core.block_pool.hash_block_tokens``)."""
+digests (``core.block_pool.hash_block_tokens``).
+
+With ``replay_endpoint``, a ZMQ ROUTER socket there answers a subscriber that saw a gap in the sequence numbers, as
+vLLM's does: a request carrying a start sequence number (8 bytes, big-endian) gets each of the last ``buffer_steps``
+batches from that number on as [sequence number, batch], then an end marker [-1 as 8 signed bytes, empty]."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -59,19 +65,19 @@ class KVEventsConfig:
     endpoint: str = "tcp://*:5557"  # bound where it has a wildcard (or is ipc:// / inproc://), else connected to
     topic: str = ""
     hwm: int = 100_000  # messages queued per subscriber before ZMQ drops them
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches (bound)
+    buffer_steps: int = 10_000  # batches kept for replay
 
     @classmethod
     def parse(cls, text: str | None) -> KVEventsConfig | None:
         """The config of ``--kv-events-config`` (None: no events); ValueError naming what is wrong."""
         if not text:
             return None
-        tuning = {"buffer_steps", "max_queue_size"}  # vLLM's replay buffer and queue sizes: nothing to size here
-        d = json_object(text, "--kv-events-config", {f.name for f in dataclasses.fields(cls)} | tuning
-                        | {"replay_endpoint"})
-        if d.get("replay_endpoint") is not None:
-            raise ValueError("--kv-events-config: replay_endpoint is not supported (subscribers see every step "
-                             "from when they connect; a gap in the sequence numbers means dropped messages)")
-        cfg = cls(**{k: v for k, v in d.items() if k not in tuning | {"replay_endpoint"}})
+        tuning = {"max_queue_size"}  # vLLM's queue between its engine and publisher threads: none here
+        d = json_object(text, "--kv-events-config", {f.name for f in dataclasses.fields(cls)} | tuning)
+        cfg = cls(**{k: v for k, v in d.items() if k not in tuning})
+        if not isinstance(cfg.buffer_steps, int) or cfg.buffer_steps < 1:
+            raise ValueError(f"--kv-events-config: buffer_steps must be a positive integer, got {cfg.buffer_steps!r}")
         if cfg.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {cfg.publisher!r}")
         return cfg if cfg.enable_kv_cache_events and cfg.publisher == "zmq" else None
@@ -80,6 +86,8 @@ class KVEventsConfig:
 class KVEventPublisher:
     """A stat logger (``AsyncLLM.stat_loggers``: ``record`` runs on the engine thread after each step) that sends
     the step's prefix-cache events, if any."""
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 
     def __init__(self, cfg: KVEventsConfig, block_size: int) -> None:
         self._ctx = zmq.Context()
@@ -93,6 +101,18 @@ class KVEventPublisher:
         self._topic = cfg.topic.encode()
         self._block_size = block_size
         self._seq = 0
+        # (sequence number, batch) of the last buffer_steps batches: appended on the engine thread, read by the replay
+        # thread (the only user of the ROUTER socket; ZMQ sockets are not shared between threads)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._replay_thread = None
+        if cfg.replay_endpoint:
+            replay = self._ctx.socket(zmq.ROUTER)
+            replay.bind(cfg.replay_endpoint)
+            self._replay_thread = threading.Thread(target=self._serve_replay, args=(replay,), daemon=True,
+                                                   name="kv-events-replay")
+            self._replay_thread.start()
 
     def record(self, s: SchedulerStats, it: IterationStats) -> None:
         if not it.kv_events:
@@ -105,8 +125,33 @@ class KVEventPublisher:
             self._sock.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
+        with self._lock:  # kept for replay whether or not the live send went out
+            self._buffer.append((self._seq, payload))
         self._seq += 1
 
+    def _serve_replay(self, sock) -> None:
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                frames = sock.recv_multipart()
+                if len(frames) < 2:
+                    continue
+                # [identity, start] from a DEALER, [identity, b"", start] from a REQ (which expects the empty
+                # delimiter back)
+                head = frames[:2] if len(frames) >= 3 and frames[1] == b"" else frames[:1]
+                start = int.from_bytes(frames[-1][:8], "big")
+                with self._lock:
+                    items = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+                for seq, payload in items:
+                    sock.send_multipart((*head, seq.to_bytes(8, "big"), payload))
+                sock.send_multipart((*head, self.END_SEQ, b""))
+        finally:
+            sock.close(linger=0)
+
     def close(self) -> None:
+        self._stop.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout=2)
         self._sock.close(linger=0)
         self._ctx.term()

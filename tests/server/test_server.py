@@ -669,9 +669,9 @@ def test_kv_cache_events_published_as_vllm_publishes_them(tmp_path_factory):
     class KVEventBatch(EventBatch):
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
-    port = free_port()
+    port, replay_port = free_port(), free_port()
     cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
-                      "topic": "kv"})
+                      "topic": "kv", "replay_endpoint": f"tcp://*:{replay_port}", "buffer_steps": 1000})
     proc, base, log = start_server(tmp_path_factory, "--kv-events-config", cfg)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -684,13 +684,35 @@ def test_kv_cache_events_published_as_vllm_publishes_them(tmp_path_factory):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
         assert httpx.post(base + "/v1/completions", json=body).status_code == 200
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        stored, seqs = [], []
+        stored, seqs, live = [], [], {}
         while sub.poll(2000):
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv"
             seqs.append(int.from_bytes(seq, "big"))
+            live[seqs[-1]] = payload
             stored += [e for e in decoder.decode(payload).events if isinstance(e, BlockStored)]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap
+        # a subscriber that missed messages asks the replay socket (vLLM's protocol, a REQ client as in vLLM's
+        # example subscriber): every buffered batch from the asked number on, the same bytes, then the end marker
+        req = ctx.socket(zmq.REQ)
+        req.connect(f"tcp://127.0.0.1:{replay_port}")
+        req.send(seqs[0].to_bytes(8, "big"))
+        assert req.poll(5000)
+        first_seq, first_payload = req.recv_multipart()
+        assert int.from_bytes(first_seq, "big") == seqs[0] and first_payload == live[seqs[0]]
+        req.close(linger=0)
+        dealer = ctx.socket(zmq.DEALER)  # a DEALER reads the whole replay
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send(seqs[0].to_bytes(8, "big"))
+        replayed = []
+        while dealer.poll(5000):
+            seq_bytes, payload = dealer.recv_multipart()
+            if payload == b"":
+                assert seq_bytes == (-1).to_bytes(8, "big", signed=True)
+                break
+            replayed.append((int.from_bytes(seq_bytes, "big"), payload))
+        dealer.close(linger=0)
+        assert replayed == [(q, live[q]) for q in seqs]
         bs = stored[0].block_size
         full = len(ids) // bs
         assert [tuple(e.token_ids) for e in stored[:full]] == [tuple(ids[i * bs:(i + 1) * bs]) for i in range(full)]
@@ -702,11 +724,10 @@ def test_kv_cache_events_published_as_vllm_publishes_them(tmp_path_factory):
             again += [e for e in decoder.decode(sub.recv_multipart()[2]).events if isinstance(e, BlockStored)]
         assert not any(tuple(e.token_ids) == tuple(ids[:bs]) for e in again)
     finally:
-        sub.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)  # every socket, whatever failed
         proc.terminate()
         proc.wait(timeout=60)
     bad = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--kv-events-config",
-                          '{"enable_kv_cache_events": true, "publisher": "zmq", "replay_endpoint": "tcp://*:1"}'],
+                          '{"enable_kv_cache_events": true, "publisher": "zmq", "buffer_steps": 0}'],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "replay_endpoint is not supported" in bad.stdout + bad.stderr
+    assert bad.returncode != 0 and "buffer_steps must be a positive integer" in bad.stdout + bad.stderr
