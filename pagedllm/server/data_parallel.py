@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
@@ -104,7 +104,6 @@ class Replica:
     exited: bool = False
     in_flight: int = 0
     routed: int = 0  # requests sent to it so far
-    detail: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
