@@ -47,6 +47,10 @@ class ReplicaRouter:
         while len(seen) > self.capacity:
             seen.popitem(last=False)
 
+    def forget(self, replica: int) -> None:
+        """``replica`` lost its cache (it was restarted): nothing was sent to it."""
+        self.seen[replica].clear()
+
     def choose(self, chain: list[int] | None, loads: dict[int, int]) -> int:
         """A replica among ``loads``' keys (the available ones, with their requests in flight) for a request whose
         start hashes to ``chain`` (None: nothing to match, e.g. a GET)."""

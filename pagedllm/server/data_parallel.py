@@ -13,7 +13,8 @@ a replica, streams the answer back, answers /health for the set and serves the r
 - ``round_robin``: each replica in turn.
 
 A replica that dies is taken out of rotation (requests in flight on it get an error; a request that could not reach
-it goes to another) and the set keeps serving; when none is left the server stops with an error. SIGTERM / SIGINT
+it goes to another) and started again; one that dies 3 times within 5 minutes stays out, and when none is left the
+server stops with an error. SIGTERM / SIGINT
 drains: /health answers 503, new work gets 503, the replicas finish their requests in flight, then everything exits.
 """
 
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -44,6 +45,9 @@ from pagedllm.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, Dr
 logger = logging.getLogger("pagedllm.server")
 
 ENGINE_HEADER = "x-pagedllm-engine"
+# a replica whose process dies is started again, unless it died this often within the window: then it stays out
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 300.0
 LOCALHOST = "127.0.0.1"
 # request headers not passed on (the hop's own) and response headers the response object sets itself
 _HOP_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "content-length", "upgrade",
@@ -104,6 +108,7 @@ class Replica:
     exited: bool = False
     in_flight: int = 0
     routed: int = 0  # requests sent to it so far
+    restarts: list[float] = field(default_factory=list)  # when it was restarted (time.monotonic())
 
     @property
     def url(self) -> str:
@@ -130,18 +135,8 @@ class ReplicaSet:
 
     # -- processes -------------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 600.0) -> None:
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-        args = {k: v for k, v in vars(self._args).items() if not callable(v)}
         for r in self.replicas:
-            # pinned to its cores from the start (torch sizes its thread pool from the affinity), in a session of its
-            # own: a terminal's Ctrl-C reaches this process only, which then drains the replicas
-            r.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.server.cli_args"], stdin=subprocess.PIPE,
-                                      env=dict(env, OMP_NUM_THREADS=str(len(r.cores))), start_new_session=True,
-                                      preexec_fn=_pin(r.cores))
-            payload = {"args": args, "index": r.index, "cores": r.cores, "port": r.port, "parent_pid": os.getpid()}
-            r.proc.stdin.write(json.dumps(payload).encode())
-            r.proc.stdin.close()
+            self._spawn(r)
         logger.info("data parallelism: %d replicas (cores %s, pids %s), policy %s", len(self.replicas),
                     [r.cores for r in self.replicas], [r.proc.pid for r in self.replicas], self.policy)
         deadline = time.monotonic() + timeout_s
@@ -162,6 +157,20 @@ class ReplicaSet:
         except BaseException:
             self.kill()
             raise
+
+    def _spawn(self, r: Replica) -> None:
+        """Start replica ``r``'s process: pinned to its cores from the start (torch sizes its thread pool from the
+        affinity), in a session of its own (a terminal's Ctrl-C reaches this process only, which then drains the
+        replicas); its flags, port and index as JSON on its stdin."""
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+                   OMP_NUM_THREADS=str(len(r.cores)))
+        r.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.server.cli_args"], stdin=subprocess.PIPE, env=env,
+                                  start_new_session=True, preexec_fn=_pin(r.cores))
+        args = {k: v for k, v in vars(self._args).items() if not callable(v)}
+        payload = {"args": args, "index": r.index, "cores": r.cores, "port": r.port, "parent_pid": os.getpid()}
+        r.proc.stdin.write(json.dumps(payload).encode())
+        r.proc.stdin.close()
 
     def signal_all(self, sig: int) -> None:
         for r in self.replicas:
@@ -195,17 +204,31 @@ class ReplicaSet:
         return self.replicas[self.router.choose(text_chain(text), {r.index: r.in_flight for r in avail})]
 
     def mark_exited(self, r: Replica, why: str) -> None:
-        if not r.exited:
-            r.exited, r.healthy = True, False
-            if not self.stopping:
-                logger.critical("replica %d (pid %s) is out of rotation: %s", r.index,
-                                r.proc.pid if r.proc else None, why)
-            if all(x.exited for x in self.replicas) and not self.stopping:
-                self.failed = f"every replica has exited (the last: {why})"
+        """Replica ``r``'s process is gone: out of rotation, and started again (it rejoins when its /health answers)
+        unless it died ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` or the set is stopping."""
+        if r.exited:
+            return
+        r.exited, r.healthy = True, False
+        if self.stopping:
+            return
+        now = time.monotonic()
+        recent = [t for t in r.restarts if now - t < RESTART_WINDOW_S]
+        if len(recent) < MAX_RESTARTS:
+            logger.critical("replica %d (pid %s) died (%s): starting it again (restart %d)", r.index,
+                            r.proc.pid if r.proc else None, why, len(r.restarts) + 1)
+            r.restarts.append(now)
+            self.router.forget(r.index)  # its prefix cache starts empty
+            self._spawn(r)
+            r.exited = False
+            return
+        logger.critical("replica %d (pid %s) is out of rotation for good: %s (it died %d times in %.0f s)", r.index,
+                        r.proc.pid if r.proc else None, why, len(recent) + 1, RESTART_WINDOW_S)
+        if all(x.exited for x in self.replicas):
+            self.failed = f"every replica has exited (the last: {why})"
 
     async def monitor(self, client: httpx.AsyncClient, period_s: float = 0.5) -> None:
         """Polls the processes and their /health until cancelled; a replica that stops answering 200 leaves the
-        rotation until it answers again, one whose process exited leaves it for good."""
+        rotation until it answers again, one whose process exited is restarted (``mark_exited``)."""
         while True:
             for r in self.replicas:
                 if r.exited:
@@ -224,7 +247,7 @@ class ReplicaSet:
     def describe(self) -> list[dict]:
         return [{"engine": r.index, "url": r.url, "cores": r.cores, "pid": r.proc.pid if r.proc else None,
                  "healthy": r.healthy and not r.exited, "exited": r.exited, "in_flight": r.in_flight,
-                 "routed": r.routed} for r in self.replicas]
+                 "routed": r.routed, "restarts": len(r.restarts)} for r in self.replicas]
 
 
 def _pin(cores: list[int]):

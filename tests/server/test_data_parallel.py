@@ -251,7 +251,7 @@ def test_vllm_router_fails_over_when_a_replica_dies(tmp_path_factory, tmp_path):
             proc.wait()
 
 
-def test_a_replica_killed_mid_stream_errors_its_stream_and_the_rest_go_on(dp):
+def test_a_replica_killed_mid_stream_errors_its_stream_the_rest_go_on_and_it_comes_back(dp):
     _, base, _ = dp
     with httpx.stream("POST", base + "/v1/completions", timeout=60,
                       json={"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "stream": True,
@@ -259,20 +259,31 @@ def test_a_replica_killed_mid_stream_errors_its_stream_and_the_rest_go_on(dp):
         victim = int(s.headers[ENGINE_HEADER])
         lines = s.iter_lines()
         assert next(x for x in lines if x.startswith("data: "))
-        os.kill(_replicas(base)[victim]["pid"], signal.SIGKILL)
+        dead_pid = _replicas(base)[victim]["pid"]
+        os.kill(dead_pid, signal.SIGKILL)
         t0 = time.time()
         rest = [x for x in lines if x.startswith("data: ")]  # ends (no hang) with an error event
     assert time.time() - t0 < 30
     assert rest and '"error"' in rest[-1], rest[-3:]
+    # the balancer sees the death (it polls every 0.5 s) and starts the victim again; meanwhile everything goes to
+    # the survivor, answered
     deadline = time.time() + 10
-    while not _replicas(base)[victim]["exited"]:
-        assert time.time() < deadline
-        time.sleep(0.2)
-    # everything after goes to the survivor, answered
+    while _replicas(base)[victim]["restarts"] != 1:
+        assert time.time() < deadline, _replicas(base)
+        time.sleep(0.1)
     for messages in _workload("after", systems=3, users=1):
         assert _chat(base, messages).headers[ENGINE_HEADER] == str(1 - victim)
+    # the victim is started again (a new process on the same core) and rejoins the rotation
+    deadline = time.time() + 120
+    while not (_replicas(base)[victim]["healthy"]):
+        assert time.time() < deadline, _replicas(base)
+        time.sleep(0.3)
+    back = _replicas(base)[victim]
+    assert back["pid"] != dead_pid and back["restarts"] == 1 and not back["exited"]
+    # its cache starts empty, so a new conversation goes to it (the least busy, with the least cached)
+    assert _chat(base, _workload("rejoined", systems=1, users=1)[0]).headers[ENGINE_HEADER] == str(victim)
     h = httpx.get(base + "/health")
-    assert h.status_code == 200 and [r["exited"] for r in h.json()["replicas"]].count(True) == 1
+    assert h.status_code == 200 and all(r["healthy"] for r in h.json()["replicas"])
 
 
 def test_sigterm_stops_the_balancer_and_its_replicas(dp):
