@@ -17,8 +17,8 @@ from pagedllm.config import DEFAULT_MODEL_FILE
 from pagedllm.engine.arg_utils import config_from_args
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.metrics.prometheus import PrometheusStatLogger
-from pagedllm.server.app import build_app
 from pagedllm.routing import POLICIES
+from pagedllm.server.app import build_app
 from pagedllm.server.data_parallel import replica_endpoint, run_data_parallel
 from pagedllm.server.degradation import CircuitBreaker, FaultInjection
 from pagedllm.server.kv_events import KVEventPublisher, KVEventsConfig
