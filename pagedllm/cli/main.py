@@ -140,13 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
-    from pagedllm.server.cli_args import add_ray_args
+    from pagedllm.server.cli_args import add_ray_serve_args
 
     r = sub.add_parser("ray-serve", help="the OpenAI-compatible server as a Ray Serve deployment: replicas on a Ray "
                        "cluster (a local one by default), fixed or autoscaled")
-    add_server_args(r)
-    add_engine_args(r)
-    add_ray_args(r)
+    add_ray_serve_args(r)
     r.set_defaults(func=cmd_ray_serve)
 
     from pagedllm.bench import compare, embed, ladder, offline, overhead, quant, reliability, roofline, serve, spec, tp

@@ -14,7 +14,7 @@ import threading
 import time
 
 from pagedllm.config import DEFAULT_MODEL_FILE
-from pagedllm.engine.arg_utils import config_from_args
+from pagedllm.engine.arg_utils import add_engine_args, config_from_args
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.routing import POLICIES
@@ -83,8 +83,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "stall on prompts containing the marker")
 
 
-def add_ray_args(p: argparse.ArgumentParser) -> None:
-    """`pagedllm ray-serve`'s own flags (the deployment is in ``ray_serve``, which imports Ray)."""
+def add_ray_serve_args(p: argparse.ArgumentParser) -> None:
+    """`pagedllm ray-serve`'s flags: the server's, the engine's and Ray Serve's own (the deployment is in
+    ``ray_serve``, which imports Ray)."""
+    add_server_args(p)
+    add_engine_args(p)
     g = p.add_argument_group("Ray Serve")
     g.add_argument("--ray-address", default=None,
                    help="a running Ray cluster ('auto': the one this machine joined with `ray start`); default: start "

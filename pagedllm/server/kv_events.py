@@ -101,9 +101,10 @@ class KVEventPublisher:
         self._topic = cfg.topic.encode()
         self._block_size = block_size
         self._seq = 0
-        # (sequence number, batch) of the last buffer_steps batches: appended on the engine thread, read by the replay
-        # thread (the only user of the ROUTER socket; ZMQ sockets are not shared between threads)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        # with a replay endpoint, (sequence number, batch) of the last buffer_steps batches: appended on the engine
+        # thread, read by the replay thread (the only user of the ROUTER socket; ZMQ sockets are not shared between
+        # threads)
+        self._buffer: deque[tuple[int, bytes]] | None = deque(maxlen=cfg.buffer_steps) if cfg.replay_endpoint else None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._replay_thread = None
@@ -125,8 +126,9 @@ class KVEventPublisher:
             self._sock.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
-        with self._lock:  # kept for replay whether or not the live send went out
-            self._buffer.append((self._seq, payload))
+        if self._buffer is not None:
+            with self._lock:  # kept for replay whether or not the live send went out
+                self._buffer.append((self._seq, payload))
         self._seq += 1
 
     def _serve_replay(self, sock) -> None:

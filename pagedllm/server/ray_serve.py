@@ -20,8 +20,7 @@ import threading
 import ray
 from ray import serve
 
-from pagedllm.engine.arg_utils import add_engine_args
-from pagedllm.server.cli_args import ServerParts, add_ray_args, add_server_args, build_server, check_server_args
+from pagedllm.server.cli_args import ServerParts, add_ray_serve_args, build_server, check_server_args
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -103,7 +102,7 @@ def app_builder(cli_args: dict):
     """``serve run pagedllm.server.ray_serve:app_builder key=value ...``: the keys are `pagedllm ray-serve`'s flags
     with underscores (``model=...``, ``num_replicas=2``, ``max_num_seqs=32``); a flag without a value: ``=true``."""
     p = argparse.ArgumentParser(prog="pagedllm.server.ray_serve:app_builder")
-    add_args(p)
+    add_ray_serve_args(p)
     argv: list[str] = []
     for key, value in cli_args.items():
         flag = "--" + key.replace("_", "-")
@@ -112,12 +111,6 @@ def app_builder(cli_args: dict):
         else:
             argv += [flag, str(value)]
     return build_application(p.parse_args(argv))
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    add_server_args(p)
-    add_engine_args(p)
-    add_ray_args(p)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -12,12 +12,13 @@ import openai
 import pytest
 
 from helpers import MODEL, free_port, wait_until_serving
-from pagedllm.server.ray_serve import REPLICA_HEADER, add_args, app_builder, deployment_options
+from pagedllm.server.cli_args import add_ray_serve_args
+from pagedllm.server.ray_serve import REPLICA_HEADER, app_builder, deployment_options
 
 
 def _args(*argv):
     p = argparse.ArgumentParser()
-    add_args(p)
+    add_ray_serve_args(p)
     return p.parse_args(list(argv))
 
 
