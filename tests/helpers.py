@@ -1,6 +1,7 @@
 """Shared checks and test infrastructure: greedy comparison against a reference, a live server subprocess, its
 metrics, and the engine's model."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -94,3 +95,60 @@ def scrape(base) -> dict:
             key = s.name + ("" if "finished_reason" not in s.labels else f"[{s.labels['finished_reason']}]")
             out[key] = s.value
     return out
+
+
+WORDS = ("the a of to and in is it for on with as was at by an be this that from or are not have had one all "
+         "cat dog sat mat paris france capital city river book read write code python model vector search query "
+         "document text result title none task sentence similarity").split()
+
+
+def word_piece_tokenizer(path) -> None:
+    """A small BERT WordPiece tokenizer (lower case) written to ``path``: words, letters and digits."""
+    from transformers import BertTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789"
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *".,:;!?'-|()", *chars, *(f"##{c}" for c in chars), *WORDS]
+    path.mkdir(parents=True, exist_ok=True)
+    BertTokenizerFast(vocab={t: i for i, t in enumerate(dict.fromkeys(vocab))}).save_pretrained(path)
+
+
+def sentence_model(path, kind: str, seed: int = 0):
+    """A tiny random-weight embedding model as a sentence-transformers folder at ``path``, built from
+    transformers' own config and saved by sentence-transformers: ``bert`` (2 layers; mean pooling, Normalize) or ``gemma`` (EmbeddingGemma's shape in small: Gemma 3 layers with bidirectional attention, a
+    sliding window of 8 on 5 of 6 layers, mean pooling, two Dense layers, Normalize, its query / document
+    prompts). Returns the loaded ``SentenceTransformer``."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+    from transformers import BertConfig, BertModel, Gemma3TextConfig, Gemma3TextModel
+
+    torch.manual_seed(seed)
+    tok = path.parent / f"{path.name}-tokenizer"
+    word_piece_tokenizer(tok)
+    vocab = len(json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"])
+    base = path.parent / f"{path.name}-base"
+    if kind == "bert":
+        model = BertModel(BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=128), add_pooling_layer=False)
+    else:
+        model = Gemma3TextModel(Gemma3TextConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=256, sliding_window=8,
+            query_pre_attn_scalar=32, use_bidirectional_attention=True, pad_token_id=0, bos_token_id=2,
+            eos_token_id=3))
+    with torch.no_grad():  # larger weights than the init's, so that a wrong layer shows
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(base)
+    for f in tok.iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    word = Transformer(str(base), max_seq_length=64)
+    modules = [word, Pooling(word.get_embedding_dimension(), "mean")]
+    prompts = None
+    if kind == "gemma":
+        modules += [Dense(64, 96, bias=False, activation_function=torch.nn.Identity()),
+                    Dense(96, 48, bias=True, activation_function=torch.nn.Tanh())]
+        prompts = {"query": "task: search result | query: ", "document": "title: none | text: "}
+    st = SentenceTransformer(modules=modules + [Normalize()], prompts=prompts, device="cpu")
+    st.save(str(path))
+    return SentenceTransformer(str(path), device="cpu")

@@ -60,7 +60,7 @@ MAY_IMPORT = {
 # Imports inside a function are allowed only for optional heavy third-party modules (a command that does not need
 # them starts without them), and in the two dispatchers that load a subcommand's modules on demand.
 LAZY_OK = {"torch", "transformers", "tqdm", "matplotlib", "numpy", "hypothesis", "schemathesis", "gguf",
-           "safetensors", "uvicorn", "psutil", "pydoc_data",
+           "safetensors", "uvicorn", "psutil", "pydoc_data", "sentence_transformers",
            "llguidance"}  # llguidance.hf imports transformers: a server start does not need it before a constraint
 LAZY_DISPATCHERS = {"pagedllm/__init__.py", "pagedllm/cli/main.py"}
 

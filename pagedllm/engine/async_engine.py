@@ -98,6 +98,7 @@ class AsyncLLM:
         self.runtime = self.engine.runtime
         self.model_path = self.engine.model_path
         self.default_pooling = self.engine.default_pooling
+        self.is_embedding_model, self.sentence = self.engine.is_embedding_model, self.engine.sentence
 
     def _main(self, config: EngineConfig) -> None:
         try:
@@ -158,6 +159,9 @@ class AsyncLLM:
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.engine.encode_text(text, add_special_tokens)
+
+    def encode_for_embedding(self, prompt, prompt_name: str | None = None, truncate: int | None = None):
+        return self.engine.encode_for_embedding(prompt, prompt_name, truncate)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None):
         return self.engine.encode_chat(messages, tools, template_kwargs)

@@ -25,6 +25,11 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, runner) -> None:
         self.runner = runner
+        self.encoder = getattr(runner.arch, "encoder", False)
+        if self.encoder:  # an embedding model: each text computed whole in one step, nothing cached for later
+            config = dataclasses.replace(
+                config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False),
+                scheduler=dataclasses.replace(config.scheduler, enable_chunked_prefill=False))
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.arch.vocab_size
         self.kv_cache_manager = KVCacheManager(
@@ -59,7 +64,11 @@ class EngineCore:
             raise ValueError(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
         if not ids:
             raise ValueError("the prompt is empty: at least one token is required")
-        if len(ids) >= self.max_model_len:
+        if self.encoder and len(ids) > self.max_model_len:  # an embedding model reads its whole context
+            raise ValueError(
+                f"This model's maximum input length is {self.max_model_len} tokens. However, your input has "
+                f"{len(ids)} tokens. Shorten it, or pass truncate_prompt_tokens (-1: the model's maximum).")
+        if not self.encoder and len(ids) >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
                 f"{len(ids)} tokens; it must be shorter than the context length."
@@ -70,7 +79,9 @@ class EngineCore:
         made): the prompt and max_tokens fit the context, the sampling parameters fit the vocabulary. A bad
         request raises ValueError and changes nothing."""
         n = request.num_prompt_tokens
-        if n + request.max_tokens > self.max_model_len:
+        if self.encoder and not request.sampling_params.pooling:
+            raise ValueError("this is an embedding model: it computes vectors (/v1/embeddings), not text")
+        if not self.encoder and n + request.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n + request.max_tokens} tokens ({n} in the prompt, {request.max_tokens} for the completion "

@@ -35,12 +35,17 @@ class LLM:
                          priority)
 
     def embed(self, prompts: PromptType | list[PromptType], pooling: str | None = None, normalize: bool = True,
-              use_tqdm: bool = True) -> list[RequestOutput]:
+              use_tqdm: bool = True, prompt_name: str | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[RequestOutput]:
         """Embeddings: each prompt's final hidden states pooled (``last`` token, ``mean`` or ``cls``: the first
-        token; None: the engine's default), L2-normalised unless ``normalize`` is False; in each output's
-        ``embedding``."""
+        token; None: the engine's default: an embedding model's own), through the model's Dense layers if it has
+        them, L2-normalised unless ``normalize`` is False; in each output's ``embedding``. ``prompt_name``: one of
+        the model's prompts (EmbeddingGemma's ``query`` / ``document``) before each text;
+        ``truncate_prompt_tokens``: cut longer inputs to this many tokens (-1: the model's maximum)."""
         params = SamplingParams(max_tokens=1, pooling=pooling or self.engine.default_pooling)
-        outs = self._run([self.engine.encode_prompt(p) for p in as_prompt_list(prompts)], params, use_tqdm, None)
+        encoded = [self.engine.encode_for_embedding(p, prompt_name, truncate_prompt_tokens)
+                   for p in as_prompt_list(prompts)]
+        outs = self._run(encoded, params, use_tqdm, None)
         if normalize:
             for o in outs:
                 o.embedding = l2_normalize(o.embedding)

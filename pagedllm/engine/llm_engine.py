@@ -58,6 +58,10 @@ class LLMEngine:
         self.eos_token_id = eos
         # embeddings: --pooling, else the file's, else the last token's (a causal model's whole-prompt summary)
         self.default_pooling = config.model.pooling or runner.arch.pooling or "last"
+        # an embedding model (an encoder): it serves vectors only; its sentence-transformers modules (prompts,
+        # Normalize, Matryoshka sizes) when its folder has them
+        self.is_embedding_model = runner.arch.encoder
+        self.sentence = runner.sentence
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len, runner.arch.stop_token_ids)
         self._ids = itertools.count()
         self.last_iteration_stats = IterationStats()
@@ -92,6 +96,33 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def encode_for_embedding(self, prompt: PromptType, prompt_name: str | None = None,
+                             truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """An embedding input as sentence-transformers encodes it: the model's prompt ``prompt_name`` (else its
+        default prompt) before a text, then the tokenizer with its special tokens; ``truncate`` (-1: the model's
+        maximum length) cuts a longer input as the tokenizer truncates (its special tokens kept). ValueError
+        names an unknown prompt name."""
+        prompts = self.sentence.prompts if self.sentence is not None else {}
+        name = prompt_name if prompt_name is not None else (self.sentence.default_prompt_name if self.sentence else None)
+        if name is not None and name not in prompts:
+            raise ValueError(f"unknown prompt_name {name!r}; this model's prompts: {sorted(prompts) or 'none'}")
+        limit = None if truncate is None else (self.max_model_len if truncate < 0 else min(truncate, self.max_model_len))
+        if limit is not None and limit < 1:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            text, ids = self.encode_prompt(prompt)
+            return text, ids if limit is None else ids[:limit]
+        text = prompts.get(name, "") + prompt
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the input is not valid Unicode text ({e.reason} at character {e.start})") from None
+        if limit is None:
+            return text, self.tokenizer.encode(text)
+        return text, self.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:

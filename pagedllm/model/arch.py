@@ -31,7 +31,7 @@ class ModelArchConfig:
     vocab_fingerprint: str | None = None  # sha256 of the token strings, where the file lists them
     # the variants an architecture picks (the defaults are llama's); ``model.archs`` sets them per architecture
     qk_norm: bool = False  # RMSNorm over each q and k head before the rotary (qwen3, gemma3)
-    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (gemma)
+    hidden_act: str = "silu"  # the MLP's activation: "silu", "gelu_tanh" (gemma) or "gelu" (erf: bert)
     embed_scale: float | None = None  # embedding rows times this, rounded to the model dtype (gemma: sqrt(hidden))
     sandwich_norm: bool = False  # RMSNorm on the attention and MLP outputs too, before the residual add (gemma)
     norm_float32: bool = False  # RMSNorm's weight multiplies the normalized x in float32, rounded once (gemma)
@@ -44,7 +44,11 @@ class ModelArchConfig:
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     attn_softcap: float | None = None  # attention scores = cap * tanh(scores / cap), before the softmax (gemma 2)
     stop_token_ids: tuple[int, ...] = ()  # end-of-generation tokens besides eos (gemma's <end_of_turn>)
-    pooling: str | None = None  # an embedding model's pooling ("mean", "cls", "last") from the GGUF metadata
+    pooling: str | None = None  # an embedding model's pooling ("mean", "cls", "last"): the file's, or its modules'
+    # an encoder (an embedding model): every token attends to the whole text, both ways; no KV cache is kept
+    # (bert; gemma3 with use_bidirectional_attention: EmbeddingGemma, whose sliding layers see +-window/2 tokens)
+    encoder: bool = False
+    type_vocab_size: int = 0  # bert's token-type (segment) embeddings
     # mixture of experts (qwen3moe, mixtral): every layer's MLP is num_experts experts of moe_intermediate_size,
     # num_experts_per_tok of them per token (softmax router, top-k, renormalised with norm_topk_prob)
     num_experts: int = 0
@@ -65,8 +69,8 @@ class ModelArchConfig:
             raise ValueError("sliding layers need a sliding_window")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: silu, gelu_tanh")
+        if self.hidden_act not in ("silu", "gelu_tanh", "gelu"):
+            raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: silu, gelu_tanh, gelu")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 

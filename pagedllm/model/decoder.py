@@ -28,6 +28,7 @@ LM_HEAD_DENSE_MIN_TOKENS = 2  # with a dense copy kept (--quant-dense-min-tokens
 # and stays in cache between gate/up, the activation and down. The kernels' rows do not depend on their batch, so
 # the results are the same.
 MLP_ROWS = 256
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
 NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
@@ -157,7 +158,7 @@ class CausalLM:
             layer["rotary"] = self.rotary_local if layer["window"] else self.rotary
         # gemma: embeddings times sqrt(hidden), rounded to the model dtype as the reference does
         self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype)
-        self.act = F.silu if cfg.hidden_act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         # bfloat16 dense weights on CPU: oneDNN's pre-packed layout (a tied head keeps its rows for lookups)
@@ -211,6 +212,15 @@ class CausalLM:
         metas = meta if isinstance(meta, list) else [meta] * (max(self.kv_group) + 1)
         if self.ops is not None:
             return self._forward_fused(input_ids, positions, kv_caches, metas)
+        return self._forward_torch(input_ids, positions, kv_caches, metas)
+
+    def _attention(self, layer: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple, meta):
+        """A layer's attention over the paged KV cache (causal; the layer's window): (T, Hq, D)."""
+        return paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=layer["window"],
+                               softcap=self.cfg.attn_softcap or 0.0)
+
+    def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metas: list):
+        """The layers with torch operations (the attention: ``_attention``)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         t = input_ids.shape[0]
         h = self._embed(input_ids)  # (T, H)
@@ -228,8 +238,7 @@ class CausalLM:
             qk = layer["rotary"].apply(rots[id(layer["rotary"])], qk)  # q and k heads rotated in one pass
             q, k = qk[:, :nq], qk[:, nq:]
             v = v.reshape(t, nkv, d)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, window=layer["window"],
-                                   softcap=cfg.attn_softcap or 0.0)
+            attn = self._attention(layer, q, k, v, (k_cache, v_cache), meta)
             o = self._reduce(layer["o"](attn.reshape(t, self.q_size)))  # row-parallel: partial sums
             h = h + (rms_norm(o, layer["attn_out_norm"], eps) if cfg.sandwich_norm else o)
             x = rms_norm(h, layer["post_norm"], eps)

@@ -6,6 +6,7 @@ llama's GGUF q/k rows un-permuted back to the HuggingFace rotary layout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 
 from pagedllm.model.arch import ModelArchConfig, config_from_gguf, config_from_hf
 from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos
+from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.gguf_file import GGUFFile
 from pagedllm.quant import gguf_blocks
 from pagedllm.quant.formats import reorder_rows
@@ -175,11 +177,12 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
                                                                             by_name[name].tensor_type))
     cfg = config_from_gguf(meta, path)
     per_layer = GGUF_LAYER_NAMES | spec.gguf_names
+    whole = GGUF_NAMES | spec.gguf_global_names
     n_head, n_kv = cfg.num_heads, cfg.num_kv_heads
     tasks = []
     for t in reader.tensors:
-        if t.name in GGUF_NAMES:
-            name = GGUF_NAMES[t.name]
+        if t.name in whole:
+            name = whole[t.name]
         elif t.name.startswith("blk.") and (m := GGUF_EXPERT_OLD.fullmatch(t.name.split(".", 2)[2])) is not None:
             tasks.append((f"layers.{t.name.split('.')[1]}.experts.{m[2]}.{m[1]}", t))  # older: one per expert
         elif t.name.startswith("blk.") and t.name.split(".", 2)[2] in GGUF_EXPERTS:
@@ -260,20 +263,26 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {tuple(HF_TYPES)}")
     spec = HF_TYPES[model_type]
     cfg = config_from_hf(hf)
+    modules = read_sentence_modules(path)
+    if modules is not None:  # a sentence-transformers folder: its pooling is the model's
+        cfg = dataclasses.replace(cfg, pooling=modules.pooling)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     per_layer = HF_LAYER_NAMES | spec.hf_names
+    whole, prefix = HF_NAMES | spec.hf_global_names, spec.hf_layer_prefix
     weights: dict[str, torch.Tensor] = {}
     for fname in files:
         for name, t in load_file(os.path.join(path, fname)).items():
             # a multimodal checkpoint's text model, in either naming
             name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
-            name = name.replace("language_model.lm_head.", "lm_head.")
-            if name in HF_NAMES:
-                key = HF_NAMES[name]
-            elif name.startswith("model.layers."):
-                idx, rest = name[len("model.layers."):].split(".", 1)
+            name = name.replace("language_model.lm_head.", "lm_head.").removeprefix("bert.")
+            if name.startswith(("layers.", "embed_tokens.", "norm.")):  # a bare model (sentence-transformers saves
+                name = "model." + name  # the AutoModel, e.g. Gemma3TextModel, without the causal LM's prefix)
+            if name in whole:
+                key = whole[name]
+            elif name.startswith(prefix):
+                idx, rest = name[len(prefix):].split(".", 1)
                 if (m := HF_EXPERT.fullmatch(rest)) is not None:
                     key = f"layers.{idx}.experts.{m[1]}.{HF_EXPERT_PART[m[2]]}"
                 elif rest in HF_STACKED_EXPERTS:

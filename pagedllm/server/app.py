@@ -20,8 +20,8 @@ from pagedllm.server.degradation import STATE_CODE, CircuitBreaker, FallbackRout
 from pagedllm.server.errors import APIError, error_json, install_error_handlers
 from pagedllm.server.middleware import MAX_BODY_BYTES, ApiKeyMiddleware, BodyLimitMiddleware, DrainingMiddleware
 from pagedllm.server.protocol import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest,
-                                      CompletionRequest, DetokenizeRequest, EmbeddingRequest, ResponsesRequest,
-                                      TokenizeRequest)
+                                      CompletionRequest, DetokenizeRequest, EmbeddingRequest, RerankRequest,
+                                      ResponsesRequest, ScoreRequest, TokenizeRequest)
 from pagedllm.server.serving_chat import OpenAIServingChat
 from pagedllm.server.serving_completion import OpenAIServingCompletion
 from pagedllm.server.serving_embedding import OpenAIServingEmbedding
@@ -126,6 +126,20 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     async def embeddings(req: EmbeddingRequest, raw: Request):
         """One vector per input: the final hidden states pooled (`pooling`: last token or mean), L2-normalised."""
         return await serving_embedding.create_embedding(req, raw)
+
+    async def rerank(req: RerankRequest, raw: Request):
+        """The documents by relevance to the query (Jina's / Cohere's shape): the cosine of an embedding model's
+        vectors, the query's and each document's under the model's query / document prompts where it has them."""
+        return await serving_embedding.rerank(req, raw)
+
+    async def score(req: ScoreRequest, raw: Request):
+        """vLLM's score: the cosine of an embedding model's vectors of text_1 and each of text_2."""
+        return await serving_embedding.score(req, raw)
+
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.post(path, response_model=None, responses=openapi.SCORE_RESPONSES)(rerank)
+    for path in ("/score", "/v1/score"):
+        app.post(path, response_model=None, responses=openapi.SCORE_RESPONSES)(score)
 
     @app.post("/v1/messages", response_model=None, responses=openapi.MESSAGES_RESPONSES)
     async def messages(req: AnthropicMessagesRequest, raw: Request):

@@ -267,6 +267,7 @@ RESPONSES_RESPONSES = {200: {"description": "the response object as JSON, or an 
                                                 "type": "object"}}, **_RESPONSES_STREAM}},
                        **errors(400, 401, 404, 413, 429, 500, 503)}
 EMBEDDING_RESPONSES = {200: {"model": EmbeddingResponse}, **errors(400, 401, 404, 413, 429, 500, 503)}
+SCORE_RESPONSES = errors(400, 401, 404, 413, 429, 500, 503)
 _ANTHROPIC_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: "
                                                       "`event: <type>` and `data: <event JSON>` lines (message_start, "
                                                       "content_block_start/_delta/_stop, message_delta, message_stop; "
@@ -278,7 +279,7 @@ MESSAGES_RESPONSES = {200: {"model": AnthropicMessageResponse, "content": _ANTHR
 COUNT_TOKENS_RESPONSES = {200: {"model": AnthropicCountTokensResponse}, **anthropic_errors(400, 401, 404, 413)}
 # request bodies: the hint fields each accepts besides its own (every other field is refused)
 _REQUESTS = {"CompletionRequest": HINT_FIELDS, "ChatCompletionRequest": HINT_FIELDS, "EmbeddingRequest": HINT_FIELDS,
-             "ResponsesRequest": RESPONSES_HINT_FIELDS,
+             "RerankRequest": HINT_FIELDS, "ScoreRequest": HINT_FIELDS, "ResponsesRequest": RESPONSES_HINT_FIELDS,
              "AnthropicMessagesRequest": ANTHROPIC_HINT_FIELDS, "AnthropicCountTokensRequest": ANTHROPIC_HINT_FIELDS}
 
 

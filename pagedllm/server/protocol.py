@@ -149,12 +149,47 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     # pagedllm's / vLLM's: how hidden states become the vector, and queueing
     pooling: Literal["last", "mean", "cls"] | None = None  # None: the server's (--pooling)
-    normalize: bool = True
+    normalize: bool | None = None  # None: an embedding model's own (its Normalize module), else True
+    # an embedding model's prompt (sentence-transformers' prompt_name: EmbeddingGemma's "query", "document", ...)
+    prompt_name: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: cut longer inputs to this many tokens (-1: the maximum)
     priority: int = 0
     max_queue_delay_ms: float | None = None
 
     def unsupported_fields(self) -> list[str]:
         return _unsupported(self.model_extra, HINT_FIELDS)
+
+
+class _EmbeddingOptions(BaseModel):
+    """What the rerank and score requests share with embeddings."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    max_queue_delay_ms: float | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        return _unsupported(self.model_extra, HINT_FIELDS)
+
+
+class RerankRequest(_EmbeddingOptions):
+    """``POST /v1/rerank`` (Jina's and Cohere's shape, as vLLM and llama.cpp serve it): the documents ordered by
+    their relevance to the query."""
+
+    query: str
+    documents: list[str | dict[str, Any]] = Field(min_length=1)
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+
+
+class ScoreRequest(_EmbeddingOptions):
+    """``POST /score`` (vLLM's): a score per pair, ``text_1`` against each of ``text_2`` (or pairwise when both
+    are lists of one length)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
 
 
 class ChatMessage(BaseModel):

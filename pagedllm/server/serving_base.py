@@ -33,6 +33,15 @@ class OpenAIServing:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
 
+    def check_generative(self, model: str | None) -> str:
+        """``check_model`` for the text routes: an embedding model answers them with a 400 naming its routes."""
+        name = self.check_model(model)
+        engine = self.engine if name == self.model_names[0] else self.router.fallback
+        if engine.is_embedding_model:
+            raise APIError(400, f"`{name}` is an embedding model: it serves /v1/embeddings, /v1/rerank and /score, "
+                                "not text generation", "model")
+        return name
+
     @staticmethod
     def refuse_unsupported(req: GenerateRequest | AnthropicCountTokensRequest) -> None:
         bad = req.unsupported_fields()

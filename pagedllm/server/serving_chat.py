@@ -117,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs: int | None = None) -> tuple[ChatPrompt, list[AsyncIterator], str]:
         """Check, render and queue a chat request: its prompt (tool plan, reasoning), its output streams and the
         model serving them."""
-        model = self.check_model(req.model)
+        model = self.check_generative(req.model)
         self.refuse_unsupported(req)
         p = self.prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

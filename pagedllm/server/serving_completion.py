@@ -39,7 +39,7 @@ def echo_logprobs(o: RequestOutput, decode, k: int) -> dict:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw: Request):
-        model = self.check_model(req.model)
+        model = self.check_generative(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:

@@ -66,7 +66,7 @@ class AnthropicServingMessages:
 
     async def count_tokens(self, req: AnthropicCountTokensRequest) -> dict:
         """The prompt length a Messages request with this body has (its ``usage.input_tokens``)."""
-        self.chat.check_model(req.model)
+        self.chat.check_generative(req.model)
         self.chat.refuse_unsupported(req)
         return {"input_tokens": len(self.chat.prompt(req.to_chat()).encoded[1])}
 

@@ -27,7 +27,9 @@ from pagedllm.kernels import cpu_info, cpu_ops, kernel_path
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.decoder import CausalLM
+from pagedllm.model.encoder import SentenceHead, build_encoder
 from pagedllm.model.loader import load_model_files
+from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.model.weights import load_weights
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
 from pagedllm.quant.verdicts import BF16_DEFAULT, decide, default_for_blocks, start_sha256
@@ -120,6 +122,14 @@ def _large_step_weights(requested: str, model_path: str, bits: int) -> tuple[str
     return ("bf16" if v.passed else "blocks"), v.why
 
 
+def encoder_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
+    """An embedding model's ``--dtype auto`` on CPU, and why: bfloat16 where the CPU has bfloat16 dot products
+    (its vectors stay within cosine 0.999 of float32's: docs/benchmarks.md#embeddings), else float32."""
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        return torch.bfloat16, "bfloat16: this CPU computes bfloat16 dot products (vectors within cosine 0.999 of float32)"
+    return torch.float32, "float32: this CPU has no bfloat16 dot products"
+
+
 def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: bool) -> torch.dtype:
     """``--kv-cache-dtype``; auto: bfloat16 under the measured packed-weight plan of ``--dtype auto`` on CPU
     (decode attention reads half the bytes; passes ``pagedllm eval`` against float32, docs/benchmarks.md),
@@ -167,6 +177,9 @@ class ModelRunner:
             start_sha256(path)  # the quality verdicts' key, hashed while the weights load
         arch, weights, policy, self.quantization = self._load(path, ops)
         self.arch: ModelArchConfig = arch
+        self.path_reasons = {}  # why each auto choice was made (logs, /health)
+        if arch.encoder and config.model.dtype == "auto" and self.device.type == "cpu":
+            self.dtype, self.path_reasons["dtype"] = encoder_dtype(cpu_info()[1])
         if config.tensor_parallel_size > 1:
             weights = self._start_tensor_parallel(arch, weights, store)
         plan = self.weight_plan
@@ -178,20 +191,30 @@ class ModelRunner:
             block_ops = ops if config.quantization == "gguf" else None
             dense = dict(dense_min_tokens=config.quant_dense_min_tokens)
         self.kv_dtype = choose_kv_dtype(config.cache.kv_cache_dtype, self.dtype, plan is not None)
-        self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
-                                      kv_dtype=self.kv_dtype, **dense)
+        # an embedding model's sentence-transformers modules: its pooling (in arch), Dense layers and prompts
+        self.sentence = read_sentence_modules(path)
+        self.pool_head = SentenceHead(self.sentence, self.device) if self.sentence is not None else None
+        self.activation_bits = self.large_step_weights = None  # None: nothing that the setting acts on
+        if arch.encoder:
+            if config.tensor_parallel_size > 1 or config.speculative is not None:
+                raise ValueError("an embedding (encoder) model runs without tensor parallelism or speculation")
+            self.model = build_encoder(arch, weights, self.device, self.dtype, policy, block_ops=block_ops)
+        else:
+            self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
+                                  kv_dtype=self.kv_dtype, **dense)
         del weights
-        bits, why = _activation_bits(config.activation_bits, path, _k_quant_layers(self.model))
-        self.path_reasons = {"activation_bits": why}  # why each auto choice was made (logs, /health)
-        # None: no block kernel runs (dense weights), so the setting acts on nothing
-        self.activation_bits = bits if self.model.set_activation_bits(bits) else None
-        large, large_why = _large_step_weights(config.large_step_weights, path, bits)
-        self.path_reasons["large_step_weights"] = large_why
-        # None: no packed linear takes it
-        self.large_step_weights = None
-        if self.model.set_large_step_weights(BF16_STEP_MIN_TOKENS if large == "bf16" else 0):
-            self.large_step_weights = large
+        if not arch.encoder:
+            bits, why = _activation_bits(config.activation_bits, path, _k_quant_layers(self.model))
+            self.path_reasons["activation_bits"] = why
+            if self.model.set_activation_bits(bits):
+                self.activation_bits = bits
+            large, large_why = _large_step_weights(config.large_step_weights, path, bits)
+            self.path_reasons["large_step_weights"] = large_why
+            if self.model.set_large_step_weights(BF16_STEP_MIN_TOKENS if large == "bf16" else 0):
+                self.large_step_weights = large
         max_len = config.model.max_model_len or arch.max_position
+        if arch.encoder and not config.model.max_model_len and self.sentence and self.sentence.max_seq_length:
+            max_len = min(max_len, self.sentence.max_seq_length)  # the length it was trained on (its modules')
         if max_len > arch.max_position:
             raise ValueError(
                 f"max_model_len ({max_len}) is larger than the model's context length ({arch.max_position})"
@@ -410,6 +433,8 @@ class ModelRunner:
                 vec = st.pool_sum / (s.num_computed_tokens + len(s.token_ids))
             else:
                 vec = st.pool_sum
+            if self.pool_head is not None:
+                vec = self.pool_head(vec)
             out.pooled[s.req_id] = vec.tolist()
 
     def _run_step(self, step: StepInputs, prompt_targets=None) -> _Forward | None:
@@ -437,6 +462,11 @@ class ModelRunner:
             return None
         if self._fail_token is not None and self._fail_token in step.input_ids:
             raise RuntimeError(f"injected fault: token {self._fail_token} in the forward pass's batch")
+        if self.arch.encoder:  # whole texts, nothing cached: each prompt is a span of the flat batch
+            ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+            pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+            spans = sorted([(a, b) for a, b, _ in step.prefills] + [(r, r + 1) for r in step.decode_rows])
+            return _Forward(ids, pos, None, self.model.forward(ids, pos, spans), None, None)
         input_ids, positions, meta, rows = self._step_tensors(step)
         hidden = self.model.forward(input_ids, positions, self.kv.kv_caches, meta)
         logits = self.model.compute_logits(hidden[rows]) if step.logit_rows else None

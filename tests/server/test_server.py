@@ -441,6 +441,10 @@ def test_embeddings_endpoint(client, base, llm):
         assert needle in e["message"] or needle == e["param"], (payload, e)
     _err(httpx.post(base + "/v1/embeddings", headers=auth(), json={"model": "nope", "input": "hi"}), 404)
     _err(httpx.post(base + "/v1/embeddings", json={"input": "hi"}), 401)
+    # scores need an embedding model (a chat model's pooled states are not trained for similarity)
+    e = _err(httpx.post(base + "/v1/rerank", headers=auth(), json={"query": "x", "documents": ["a"]}), 400)
+    assert "embedding model" in e["message"]
+    _err(httpx.post(base + "/score", headers=auth(), json={"text_1": "x", "text_2": "a"}), 400)
 
 
 def test_prompt_logprobs_and_echo_logprobs(client, base, llm):

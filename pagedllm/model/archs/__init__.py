@@ -45,6 +45,11 @@ class Arch:
     hf_names: dict[str, str] = field(default_factory=dict)
     hf_norm_plus_one: bool = False  # HF keeps RMSNorm weights w and applies (1 + w); GGUF files store 1 + w
     gguf_permuted_qk: bool = False  # llama.cpp stores q/k rows permuted for its rotary layout
+    # where an architecture names its tensors its own way (encoders): the whole-model names, and the prefix of a
+    # layer's tensors (``{prefix}{i}.{per-layer name}``); empty: the decoders' ``model.`` names
+    hf_global_names: dict[str, str] = field(default_factory=dict)
+    gguf_global_names: dict[str, str] = field(default_factory=dict)
+    hf_layer_prefix: str = "model.layers."
 
 
 def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
@@ -98,7 +103,7 @@ def hf_eos(hf: dict) -> tuple[int | None, tuple[int, ...]]:
     return (ids[0] if ids else None), tuple(ids[1:])
 
 
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "bert")
 ARCHS: dict[str, Arch] = {}
 for _m in _MODULES:
     _a = importlib.import_module(f"{__name__}.{_m}").ARCH

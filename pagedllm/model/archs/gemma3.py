@@ -42,6 +42,8 @@ def from_hf(hf: dict) -> dict:
     out["attn_scale"] = float(hf.get("query_pre_attn_scalar", 256)) ** -0.5
     out["final_logit_softcap"] = hf.get("final_logit_softcapping")
     out["attn_softcap"] = hf.get("attn_logit_softcapping")
+    if hf.get("use_bidirectional_attention"):  # EmbeddingGemma: an encoder, no head of its own
+        out |= {"encoder": True, "pooling": "mean", "tie_word_embeddings": True}
     return out
 
 

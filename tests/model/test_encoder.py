@@ -1,0 +1,101 @@
+"""Embedding models (encoders) against sentence-transformers on the same tiny random weights, made from
+transformers' own configs and saved by sentence-transformers: a BERT (mean pooling, Normalize) and an
+EmbeddingGemma in small (Gemma 3 layers both ways, sliding window 8 on 5 of 6 layers, two Dense layers, its
+prompts)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import sentence_model
+from pagedllm import LLM
+from pagedllm.model.sentence import read_sentence_modules
+from pagedllm.worker.model_runner import encoder_dtype
+
+TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a",
+         " ".join(["the dog read a book in the city"] * 6),  # 50 tokens: past the sliding layers' +-4
+         "python code: search, write, read!"]
+
+
+@pytest.fixture(scope="module", params=["bert", "gemma"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("enc") / request.param
+    return request.param, path, sentence_model(path, request.param)
+
+
+def test_vectors_equal_sentence_transformers(model):
+    kind, path, st = model
+    llm = LLM(model=str(path), dtype="float32")
+    runner = llm.engine.core.runner
+    assert runner.arch.encoder and llm.engine.is_embedding_model
+    assert not llm.engine.core.config.cache.enable_prefix_caching  # nothing is cached for a text computed whole
+    together = np.array([o.embedding for o in llm.embed(TEXTS, use_tqdm=False)])  # one step, all texts
+    assert np.abs(together - st.encode(TEXTS)).max() <= 1e-5
+    alone = np.array([llm.embed(t, use_tqdm=False)[0].embedding for t in TEXTS])
+    assert np.abs(alone - together).max() <= 1e-6
+    if kind == "gemma":  # its prompts, by name, as sentence-transformers prepends them
+        for name in ("query", "document"):
+            got = np.array([o.embedding for o in llm.embed(TEXTS, prompt_name=name, use_tqdm=False)])
+            assert np.abs(got - st.encode(TEXTS, prompt_name=name)).max() <= 1e-5
+        with pytest.raises(ValueError, match="unknown prompt_name 'nope'"):
+            llm.embed("x", prompt_name="nope")
+    with pytest.raises(ValueError, match="embedding model"):  # no text from an encoder
+        llm.generate("the cat")
+
+
+def test_length_limit_and_truncation(model):
+    _, path, st = model
+    llm = LLM(model=str(path), dtype="float32")
+    assert llm.engine.max_model_len == st.max_seq_length == 64  # the modules' max_seq_length
+    long = " ".join(["the cat sat on the mat"] * 20)  # > 64 tokens
+    with pytest.raises(ValueError, match="maximum input length is 64"):
+        llm.embed(long)
+    got = llm.embed(long, truncate_prompt_tokens=-1, use_tqdm=False)[0]
+    assert len(got.prompt_token_ids) == 64
+    assert np.abs(np.array(got.embedding) - st.encode(long)).max() <= 1e-5  # truncated as sentence-transformers
+
+
+def test_default_dtype_is_bf16_only_with_bf16_dot_products(model):
+    assert encoder_dtype(frozenset({"avx2", "avx512_bf16"}))[0] == torch.bfloat16
+    assert encoder_dtype(frozenset({"amx_bf16"}))[0] == torch.bfloat16
+    assert encoder_dtype(frozenset({"avx2", "fma"}))[0] == torch.float32
+    _, path, st = model
+    llm = LLM(model=str(path))
+    runtime = llm.engine.runtime
+    assert runtime["dtype"] == str(encoder_dtype(__import__("pagedllm").kernels.cpu_info()[1])[0]).removeprefix(
+        "torch.") and "dtype" in runtime["why"]
+    got = np.array([o.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    ref = st.encode(TEXTS)
+    assert ((got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)).min() >= 0.999
+
+
+def test_sentence_modules_old_and_new_layouts(tmp_path):
+    def folder(pooling: dict, dense: dict | None = None, name="m"):
+        d = tmp_path / name
+        (d / "1_Pooling").mkdir(parents=True)
+        mods = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        (d / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+        if dense is not None:
+            (d / "2_Dense").mkdir()
+            (d / "2_Dense" / "config.json").write_text(json.dumps(dense))
+            mods.append({"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        mods.append({"idx": 3, "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (d / "modules.json").write_text(json.dumps(mods))
+        (d / "sentence_bert_config.json").write_text('{"max_seq_length": 256}')
+        return str(d)
+
+    old = read_sentence_modules(folder({"word_embedding_dimension": 8, "pooling_mode_cls_token": True}))
+    assert (old.pooling, old.normalize, old.max_seq_length, old.dense) == ("cls", True, 256, ())
+    new = read_sentence_modules(folder({"embedding_dimension": 8, "pooling_mode": "lasttoken"},
+                                       {"in_features": 8, "out_features": 4, "bias": False,
+                                        "activation_function": "torch.nn.modules.activation.Tanh"}, "n"))
+    assert new.pooling == "last" and new.dense[0].activation == "tanh" and new.dimension == 4
+    with pytest.raises(ValueError, match="pooling .*max"):
+        read_sentence_modules(folder({"pooling_mode": "max"}, name="x"))
+    with pytest.raises(ValueError, match="residual"):
+        read_sentence_modules(folder({"pooling_mode": "mean"}, {"in_features": 8, "out_features": 8,
+                                                                "use_residual": True}, "r"))
+    assert read_sentence_modules(str(tmp_path)) is None  # not a sentence-transformers folder
