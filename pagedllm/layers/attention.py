@@ -170,13 +170,14 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     span (``radius`` > 0: only to rows at most ``radius`` away, EmbeddingGemma's sliding layers). q: (T, Hq, D);
     k, v: (T, Hkv, D), Hq a multiple of Hkv. Returns (T, Hq, D). Nothing is cached: the whole text is here."""
     out = torch.empty_like(q)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least: on CPU also the faster (head dim 32: ~1.4x)
     for s, e in spans:
         n = e - s
         mask = None
         if radius and n > radius + 1:
             pos = torch.arange(n, device=q.device)
             mask = (pos[:, None] - pos[None, :]).abs() <= radius
-        qh, kh, vh = (x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, n, D)
+        qh, kh, vh = (x[s:e].transpose(0, 1).unsqueeze(0).to(acc) for x in (q, k, v))  # (1, H, n, D)
         y = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = y[0].transpose(0, 1)
     return out
