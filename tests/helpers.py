@@ -114,7 +114,8 @@ def word_piece_tokenizer(path) -> None:
 
 def sentence_model(path, kind: str, seed: int = 0):
     """A tiny random-weight embedding model as a sentence-transformers folder at ``path``, built from
-    transformers' own config and saved by sentence-transformers: ``bert`` (2 layers; mean pooling, Normalize) or ``gemma`` (EmbeddingGemma's shape in small: Gemma 3 layers with bidirectional attention, a
+    transformers' own config and saved by sentence-transformers: ``bert`` (2 layers; mean pooling, a Dense layer
+    with bias and tanh, Normalize) or ``gemma`` (EmbeddingGemma's shape in small: Gemma 3 layers with bidirectional attention, a
     sliding window of 8 on 5 of 6 layers, mean pooling, two Dense layers, Normalize, its query / document
     prompts). Returns the loaded ``SentenceTransformer``."""
     import torch
@@ -145,10 +146,69 @@ def sentence_model(path, kind: str, seed: int = 0):
     word = Transformer(str(base), max_seq_length=64)
     modules = [word, Pooling(word.get_embedding_dimension(), "mean")]
     prompts = None
-    if kind == "gemma":
+    if kind == "gemma":  # EmbeddingGemma's head: two Dense layers without bias or activation
         modules += [Dense(64, 96, bias=False, activation_function=torch.nn.Identity()),
-                    Dense(96, 48, bias=True, activation_function=torch.nn.Tanh())]
+                    Dense(96, 48, bias=False, activation_function=torch.nn.Identity())]
         prompts = {"query": "task: search result | query: ", "document": "title: none | text: "}
+    else:  # a Dense layer with a bias and an activation (some BERT models')
+        modules += [Dense(64, 32, bias=True, activation_function=torch.nn.Tanh())]
     st = SentenceTransformer(modules=modules + [Normalize()], prompts=prompts, device="cpu")
     st.save(str(path))
     return SentenceTransformer(str(path), device="cpu")
+
+
+def encoder_gguf(path, folder, kind: str, dense: bool = True) -> None:
+    """The sentence-transformers folder ``folder`` (``sentence_model``) as llama.cpp's converter writes it: ``bert``
+    or ``gemma-embedding``, tensors named by the gguf package's own tables, the WordPiece vocabulary in llama.cpp's
+    convention ("▁" before a word's first piece, no "##"), Gemma's norms as 1 + w, its Dense layers as ``dense_2``
+    / ``dense_3`` (``dense``: written)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    arch = gguf.MODEL_ARCH.BERT if kind == "bert" else gguf.MODEL_ARCH.GEMMA_EMBEDDING
+    c = json.loads((folder / "config.json").read_text())
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    if kind == "bert":
+        w.add_layer_norm_eps(c["layer_norm_eps"])
+    else:
+        w.add_head_count_kv(c["num_key_value_heads"])
+        w.add_key_length(c["head_dim"])
+        w.add_value_length(c["head_dim"])
+        w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+        w.add_rope_freq_base(c["rope_parameters"]["full_attention"]["rope_theta"])
+        w.add_float32(f"{gguf.MODEL_ARCH_NAMES[arch]}.rope.freq_base_swa",
+                      c["rope_parameters"]["sliding_attention"]["rope_theta"])
+        w.add_sliding_window(c["sliding_window"])
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("bert")
+    w.add_token_list([t if t.startswith("[") else (t[2:] if t.startswith("##") else "\u2581" + t) for t in tokens])
+    w.add_token_types([gguf.TokenType.CONTROL if t.startswith("[") else gguf.TokenType.NORMAL for t in tokens])
+    for key, tok in (("bos", "[CLS]"), ("eos", "[SEP]"), ("unk", "[UNK]"), ("sep", "[SEP]"), ("pad", "[PAD]"),
+                     ("mask", "[MASK]")):
+        getattr(w, f"add_{key}_token_id")(vocab[tok])
+    w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
+    names = gguf.get_tensor_name_map(arch, c["num_hidden_layers"])
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        if name.endswith("position_ids") or name.startswith("pooler."):  # (the converter leaves them out too)
+            continue
+        key = "model." + name if kind != "bert" else name
+        out = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert out is not None, name
+        if kind != "bert" and name.endswith("norm.weight"):
+            t = 1.0 + t
+        w.add_tensor(out, np.ascontiguousarray(t, dtype=np.float32))
+    if dense:
+        for i, d in enumerate(sorted(folder.glob("*_Dense"))):
+            w.add_tensor(f"dense_{i + 2}.weight", load_file(str(d / "model.safetensors"))["linear.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -26,6 +26,15 @@ from pagedllm.model.archs import ARCHS
 logger = logging.getLogger(__name__)
 
 
+BUILD = 2  # how a GGUF file's tokenizer is built here: a change leaves the earlier builds' cache entries behind
+# (2: a file's add_space_prefix: false is kept; BERT WordPiece vocabularies)
+
+
+def cache_entry(path: str) -> str:
+    """The folder where the tokenizer built from the GGUF file at ``path`` (absolute) is kept."""
+    return os.path.join(cache_dir(), "tokenizers", f"{file_cache_key(path)}-{BUILD}")
+
+
 def _pickle_name() -> str:
     import transformers
 
@@ -70,13 +79,50 @@ def _from_gguf(path: str):
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     directory, name = os.path.split(path)
-    arch = ARCHS.get(GGUFFile(path).get("general.architecture"))
+    f = GGUFFile(path)
+    if f.get("tokenizer.ggml.model") == "bert":
+        return _word_piece_from_gguf(f)
+    arch = ARCHS.get(f.get("general.architecture"))
     if arch is None:  # not one of ours (the engine will refuse the model): transformers' own way
         return AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf_type = next((t for t in arch.hf_types if TOKENIZER_MAPPING_NAMES.get(t)), None)
+    hf_type = arch.tokenizer_type or next((t for t in arch.hf_types if TOKENIZER_MAPPING_NAMES.get(t)), None)
     if hf_type is None:  # no class of its own (llama): the generic one, as AutoTokenizer falls back to
-        return TokenizersBackend.from_pretrained(directory, gguf_file=name)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name, tokenizer_type=hf_type)
+        tok = TokenizersBackend.from_pretrained(directory, gguf_file=name)
+    else:
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, tokenizer_type=hf_type)
+    if f.get("tokenizer.ggml.add_space_prefix") is False:
+        _no_space_prefix(tok)
+    return tok
+
+
+def _no_space_prefix(tok) -> None:
+    """A SentencePiece vocabulary whose file says ``add_space_prefix: false`` (Gemma 3's): no "▁" before the first
+    word, as llama.cpp and the model's own tokenizer read it (transformers' GGUF conversion prepends one)."""
+    backend = tok.backend_tokenizer
+    for part in ("pre_tokenizer", "decoder"):
+        obj = getattr(backend, part)
+        if isinstance(obj, (tokenizers.pre_tokenizers.Metaspace, tokenizers.decoders.Metaspace)):
+            setattr(backend, part, type(obj)(replacement=obj.replacement, prepend_scheme="never", split=obj.split))
+
+
+def _word_piece_from_gguf(f: GGUFFile):
+    """A BERT WordPiece tokenizer from a GGUF file's vocabulary (transformers builds none from GGUF). llama.cpp's
+    converter marks a word's first piece with a leading "▁" and drops the "##" of the pieces inside a word; the
+    special tokens ([CLS], [SEP], ...) keep their text. Lower-cased as the file says."""
+    from transformers import BertTokenizerFast
+
+    ids = {k: f.get(f"tokenizer.ggml.{k}_token_id") for k in ("unknown", "seperator", "padding", "bos", "mask")}
+    special = {i for i in ids.values() if i is not None}
+    vocab = {}
+    for i, t in enumerate(f.get("tokenizer.ggml.tokens")):
+        piece = t if i in special else (t[1:] if t.startswith("\u2581") else "##" + t)
+        vocab.setdefault(piece, i)
+    tokens = f.get("tokenizer.ggml.tokens")
+    name = {k: tokens[i] for k, i in ids.items() if i is not None}
+    return BertTokenizerFast(vocab=vocab, do_lower_case=bool(f.get("tokenizer.ggml.normalizer.lowercase", True)),
+                             unk_token=name.get("unknown", "[UNK]"), sep_token=name.get("seperator", "[SEP]"),
+                             pad_token=name.get("padding", "[PAD]"), cls_token=name.get("bos", "[CLS]"),
+                             mask_token=name.get("mask", "[MASK]"))
 
 
 def load_tokenizer(model_path: str):
@@ -85,7 +131,7 @@ def load_tokenizer(model_path: str):
 
     transformers.logging.set_verbosity_error()
     path = os.path.abspath(model_path)
-    saved = os.path.join(cache_dir(), "tokenizers", file_cache_key(path))
+    saved = cache_entry(path)
     pickled = os.path.join(saved, _pickle_name())
     if not os.path.isdir(model_path) and os.path.exists(pickled):
         try:

@@ -121,9 +121,11 @@ class SentenceHead:
     """The ``Dense`` layers after the pooling, in float32 (a few per text): the vector as sentence-transformers
     makes it before its ``Normalize``."""
 
-    def __init__(self, modules: SentenceModules, device: torch.device) -> None:
-        self.layers = []
-        for spec in modules.dense:
+    def __init__(self, modules: SentenceModules | None, device: torch.device, weights: list | None = None) -> None:
+        """From a sentence-transformers folder's modules, or ``weights``: a GGUF file's dense weights in order
+        (llama.cpp's ``dense_2`` / ``dense_3``: no bias, no activation)."""
+        self.layers = [(w.float().to(device), None, None) for w in weights or ()]
+        for spec in modules.dense if modules is not None else ():
             st = os.path.join(spec.path, "model.safetensors")
             w = load_file(st) if os.path.exists(st) else torch.load(os.path.join(spec.path, "pytorch_model.bin"),
                                                                      weights_only=True)

