@@ -49,7 +49,7 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight_dtype), self.weight, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.packed, self.bias) if t is not None]

@@ -29,10 +29,10 @@ class BidirectionalLM(CausalLM):
     step's spans (one per text) instead of a KV cache."""
 
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quant: QuantPolicy | None = None, block_ops=None) -> None:
+                 quant: QuantPolicy | None = None, block_ops=None, linear_dtype: torch.dtype | None = None) -> None:
         if cfg.attn_softcap:
             raise ValueError(f"{cfg.arch}: attention soft-capping is not supported in an encoder")
-        super().__init__(cfg, weights, device, dtype, quant, block_ops=block_ops)
+        super().__init__(cfg, weights, device, dtype, quant, block_ops=block_ops, linear_dtype=linear_dtype)
         self.ops = None  # the torch layers: the fused ones write the KV cache that an encoder does not keep
 
     @torch.inference_mode()
@@ -51,7 +51,8 @@ class BertEncoder:
     LayerNorm, a GELU MLP (biases), add and LayerNorm. Single texts: token type 0 everywhere."""
 
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quant: QuantPolicy | None = None, block_ops=None) -> None:
+                 quant: QuantPolicy | None = None, block_ops=None, linear_dtype: torch.dtype | None = None) -> None:
+        """``linear_dtype``: the linears' weights in this dtype (bfloat16 GEMMs under float32 activations)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.num_heads = self.num_kv_heads = cfg.num_heads
         self.scale = cfg.head_dim ** -0.5
@@ -67,7 +68,7 @@ class BertEncoder:
             b = torch.cat([weights.pop(p + "_bias") for p in parts])
             if quant is not None:
                 w = quantize_weight(w.float(), quant.scheme(layer_type), quant)
-            lin = build_linear(w, b, device, dtype, block_ops=block_ops)
+            lin = build_linear(w, b, device, linear_dtype or dtype, block_ops=block_ops)
             return lin.prepack(keep_weight=False) if lin.kind == "dense" else lin
 
         self.embed = take("embed")
@@ -112,9 +113,9 @@ class BertEncoder:
 
 
 def build_encoder(cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                  quant: QuantPolicy | None = None, block_ops=None):
+                  quant: QuantPolicy | None = None, block_ops=None, linear_dtype: torch.dtype | None = None):
     cls = BertEncoder if cfg.arch == "bert" else BidirectionalLM
-    return cls(cfg, weights, device, dtype, quant, block_ops=block_ops)
+    return cls(cfg, weights, device, dtype, quant, block_ops=block_ops, linear_dtype=linear_dtype)
 
 
 class SentenceHead:

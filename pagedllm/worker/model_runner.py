@@ -122,12 +122,15 @@ def _large_step_weights(requested: str, model_path: str, bits: int) -> tuple[str
     return ("bf16" if v.passed else "blocks"), v.why
 
 
-def encoder_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
-    """An embedding model's ``--dtype auto`` on CPU, and why: bfloat16 where the CPU has bfloat16 dot products
-    (its vectors stay within cosine 0.999 of float32's: docs/benchmarks.md#embeddings), else float32."""
+def encoder_linear_dtype(flags: frozenset[str]) -> tuple[torch.dtype | None, str]:
+    """An embedding model's ``--dtype auto`` on CPU, and why: float32 activations (residual stream, norms,
+    attention), with the linears' weights and GEMMs in bfloat16 where the CPU has bfloat16 dot products (the
+    vectors stay within cosine 0.9999 of float32's: docs/benchmarks.md#embedding-models), else float32 throughout
+    (None)."""
     if flags & {"avx512_bf16", "amx_bf16"}:
-        return torch.bfloat16, "bfloat16: this CPU computes bfloat16 dot products (vectors within cosine 0.999 of float32)"
-    return torch.float32, "float32: this CPU has no bfloat16 dot products"
+        return torch.bfloat16, ("float32 activations, bfloat16 linears: this CPU computes bfloat16 dot products "
+                                "(vectors within cosine 0.9999 of float32's)")
+    return None, "float32: this CPU has no bfloat16 dot products"
 
 
 def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: bool) -> torch.dtype:
@@ -178,8 +181,11 @@ class ModelRunner:
         arch, weights, policy, self.quantization = self._load(path, ops)
         self.arch: ModelArchConfig = arch
         self.path_reasons = {}  # why each auto choice was made (logs, /health)
+        linear_dtype = None  # an encoder's linears in their own dtype (bfloat16 GEMMs, float32 activations)
+        self.linear_dtype = None
         if arch.encoder and config.model.dtype == "auto" and self.device.type == "cpu":
-            self.dtype, self.path_reasons["dtype"] = encoder_dtype(cpu_info()[1])
+            linear_dtype, self.path_reasons["dtype"] = encoder_linear_dtype(cpu_info()[1])
+            self.linear_dtype = linear_dtype
         if config.tensor_parallel_size > 1:
             weights = self._start_tensor_parallel(arch, weights, store)
         plan = self.weight_plan
@@ -199,7 +205,8 @@ class ModelRunner:
         if arch.encoder:
             if config.tensor_parallel_size > 1 or config.speculative is not None:
                 raise ValueError("an embedding (encoder) model runs without tensor parallelism or speculation")
-            self.model = build_encoder(arch, weights, self.device, self.dtype, policy, block_ops=block_ops)
+            self.model = build_encoder(arch, weights, self.device, self.dtype, policy, block_ops=block_ops,
+                                       linear_dtype=linear_dtype)
         else:
             self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
                                   kv_dtype=self.kv_dtype, **dense)
@@ -298,6 +305,8 @@ class ModelRunner:
         d = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
              "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
              "weights": self.quantization, "kernels": self.kernel_path}
+        if self.linear_dtype is not None:
+            d["linear_dtype"] = str(self.linear_dtype).removeprefix("torch.")
         if self.activation_bits is not None:  # the block kernels run
             d["activation_bits"] = self.activation_bits
         if self.large_step_weights is not None:

@@ -12,7 +12,8 @@ import torch
 from helpers import encoder_gguf, sentence_model
 from pagedllm import LLM
 from pagedllm.model.sentence import read_sentence_modules
-from pagedllm.worker.model_runner import encoder_dtype
+from pagedllm.kernels import cpu_info
+from pagedllm.worker.model_runner import encoder_linear_dtype
 
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a",
          " ".join(["the dog read a book in the city"] * 6),  # 50 tokens: past the sliding layers' +-4
@@ -57,18 +58,19 @@ def test_length_limit_and_truncation(model):
     assert np.abs(np.array(got.embedding) - st.encode(long)).max() <= 1e-5  # truncated as sentence-transformers
 
 
-def test_default_dtype_is_bf16_only_with_bf16_dot_products(model):
-    assert encoder_dtype(frozenset({"avx2", "avx512_bf16"}))[0] == torch.bfloat16
-    assert encoder_dtype(frozenset({"amx_bf16"}))[0] == torch.bfloat16
-    assert encoder_dtype(frozenset({"avx2", "fma"}))[0] == torch.float32
+def test_default_is_bf16_linears_only_with_bf16_dot_products(model):
+    assert encoder_linear_dtype(frozenset({"avx2", "avx512_bf16"}))[0] == torch.bfloat16
+    assert encoder_linear_dtype(frozenset({"amx_bf16"}))[0] == torch.bfloat16
+    assert encoder_linear_dtype(frozenset({"avx2", "fma"}))[0] is None
     _, path, st = model
     llm = LLM(model=str(path))
     runtime = llm.engine.runtime
-    assert runtime["dtype"] == str(encoder_dtype(__import__("pagedllm").kernels.cpu_info()[1])[0]).removeprefix(
-        "torch.") and "dtype" in runtime["why"]
+    want = encoder_linear_dtype(cpu_info()[1])[0]
+    assert runtime["dtype"] == "float32" and runtime.get("linear_dtype") == (want and "bfloat16")
+    assert "dtype" in runtime["why"]
     got = np.array([o.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
     ref = st.encode(TEXTS)
-    assert ((got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)).min() >= 0.999
+    assert ((got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)).min() >= 0.9999
 
 
 def test_sentence_modules_old_and_new_layouts(tmp_path):
