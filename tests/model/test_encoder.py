@@ -124,3 +124,18 @@ def test_gguf_files_as_llama_cpp_writes_them(model, tmp_path):
     got = np.array([o.embedding for o in LLM(model=str(bare), dtype="float32").embed(TEXTS, use_tqdm=False)])
     pooled = np.array([v.mean(0).numpy() for v in st.encode(TEXTS, output_value="token_embeddings")])
     assert np.abs(got - pooled / np.linalg.norm(pooled, axis=1, keepdims=True)).max() <= 1e-5
+
+
+def test_a_cross_encoder_is_refused(tmp_path):
+    """A BERT with a classification head (a cross-encoder reranker) is not an embedding model: refused by name."""
+    path = tmp_path / "bert"
+    sentence_model(path, "bert")
+    cfg = json.loads((path / "config.json").read_text()) | {"architectures": ["BertForSequenceClassification"]}
+    d = tmp_path / "cross"
+    d.mkdir()
+    for f in path.iterdir():
+        if f.is_file():
+            (d / f.name).write_bytes(f.read_bytes())
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="BertForSequenceClassification is not supported"):
+        LLM(model=str(d), dtype="float32")

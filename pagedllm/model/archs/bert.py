@@ -13,6 +13,10 @@ def from_gguf(meta: GGUFMeta) -> dict:
 
 
 def from_hf(hf: dict) -> dict:
+    heads = [a for a in hf.get("architectures") or () if not a.endswith(("Model", "ForMaskedLM", "ForPreTraining"))]
+    if heads:  # e.g. a cross-encoder (BertForSequenceClassification): its head scores pairs, not one text
+        raise ValueError(f"bert: {heads[0]} is not supported (an encoder's embeddings are; a cross-encoder's "
+                         "classification head is not)")
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"bert: position_embedding_type {hf['position_embedding_type']!r} is not supported")
     if hf.get("hidden_act", "gelu") != "gelu":
