@@ -39,6 +39,7 @@ class ModelArchConfig:
     sliding_window: int | None = None  # keys a sliding layer sees, its own token included
     layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; empty: all "full"
     rope_local_theta: float | None = None  # rotary base of the sliding layers, without scaling (gemma3)
+    no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE layers)
     # {"rope_type": "linear" | "llama3" | "factors", ...}: how the (full layers') rotary frequencies are scaled
     rope_scaling: dict | None = field(default=None, compare=False, hash=False)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
@@ -59,7 +60,7 @@ class ModelArchConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"unsupported architecture {self.arch!r}; supported: {tuple(ARCHS)}")
-        for name in ("layer_types", "stop_token_ids"):  # lists from a JSON checkpoint header
+        for name in ("layer_types", "stop_token_ids", "no_rope_layers"):  # lists from a JSON checkpoint header
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")

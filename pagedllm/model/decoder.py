@@ -158,8 +158,12 @@ class CausalLM:
         self.rotary_local = self.rotary
         if cfg.rope_local_theta is not None and "sliding" in cfg.layer_types:
             self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_local_theta, device, dtype)
-        for layer in self.layers:
-            layer["rotary"] = self.rotary_local if layer["window"] else self.rotary
+        if cfg.no_rope_layers:  # cos 1 and sin 0: q and k leave the rotary (and the fused rope + KV write) as they came
+            none = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype,
+                                   torch.zeros(cfg.head_dim // 2))
+        for i, layer in enumerate(self.layers):
+            layer["rotary"] = none if i in cfg.no_rope_layers else (
+                self.rotary_local if layer["window"] else self.rotary)
         # gemma: embeddings times sqrt(hidden), rounded to the model dtype as the reference does
         self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype)
         self.act = ACTIVATIONS[cfg.hidden_act]
@@ -228,7 +232,7 @@ class CausalLM:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         t = input_ids.shape[0]
         h = self._embed(input_ids)  # (T, H)
-        rots = {id(r): r.cos_sin(positions) for r in (self.rotary, self.rotary_local)}
+        rots = {id(layer["rotary"]): layer["rotary"].cos_sin(positions) for layer in self.layers}
         nq, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             meta = metas[self.kv_group[i]]

@@ -43,6 +43,12 @@ def _hf_model(kind: str, vocab: int, gguf_conventions: bool = False):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common | dict(rope_parameters=dict(
             rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=64))))
+    elif kind == "llama3.2":  # Llama 3.2 1B/3B: llama3 scaling and the LM head tied to the embedding
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common | dict(tie_word_embeddings=True, rope_parameters=dict(
+            rope_type="llama3", rope_theta=10000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64))))
+    elif kind == "smollm3":  # NoPE on every 4th layer (layer 3 of 5: q and k not rotated)
+        model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**common | dict(num_hidden_layers=5, pad_token_id=0)))
     elif kind == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common | dict(sliding_window=WINDOW, head_dim=16)))
     elif kind == "qwen3moe":  # 4 experts, 2 per token
@@ -95,13 +101,14 @@ def _check(path: str, model, arch: str):
     assert sched.counters.num_preemptions > 0 and sched.kv.prefix_cache_hits > 0
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "mistral", "phi3", "qwen3moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "llama3.2", "smollm3", "mistral", "phi3",
+                                  "qwen3moe", "mixtral"])
 def test_hf_directory_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size)
     d = tmp_path / kind
     model.save_pretrained(d, safe_serialization=True)
     llm.get_tokenizer().save_pretrained(d)
-    _check(str(d), model, {"mistral": "llama", "llama3": "llama", "mixtral": "llama"}.get(kind, kind))
+    _check(str(d), model, {"mistral": "llama", "llama3": "llama", "llama3.2": "llama", "mixtral": "llama"}.get(kind, kind))
 
 
 def test_gemma_norms_multiply_in_float32_under_bfloat16(tmp_path, llm):
@@ -181,7 +188,7 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
 
     src = GGUFFile(default_model_path())
     c = model.config
-    arch = {"llama3": "llama"}.get(kind, kind)
+    arch = {"llama3": "llama", "llama3.2": "llama"}.get(kind, kind)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -241,7 +248,7 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
             i, rest = name[len("model.layers."):].split(".", 1)
             mod, suffix = rest.rsplit(".", 1)
             out = f"blk.{i}.{names[mod]}.{suffix}"
-            if arch == "llama" and mod in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "smollm3") and mod in ("self_attn.q_proj", "self_attn.k_proj"):
                 t = _permute(t, c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads)
         if plus_one and name.endswith("norm.weight"):
             t = 1.0 + t
@@ -251,7 +258,7 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(out, t)
-    if kind == "llama3":  # llama.cpp's per-frequency divisors for Llama 3 scaling
+    if kind.startswith("llama3"):  # llama.cpp's per-frequency divisors for Llama 3 scaling
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         base = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -263,12 +270,12 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "qwen3moe", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "llama3.2", "smollm3", "qwen3moe", "phi3"])
 def test_gguf_file_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
     path = str(tmp_path / f"tiny-{kind}.gguf")
     _write_gguf(path, kind, model)
-    _check(path, model, "llama" if kind == "llama3" else kind)
+    _check(path, model, "llama" if kind.startswith("llama3") else kind)
 
 
 def test_gemma3_config_from_gguf_metadata(tmp_path, llm):
