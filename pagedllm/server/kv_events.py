@@ -152,6 +152,9 @@ class KVEventPublisher:
             sock.close(linger=0)
 
     def close(self) -> None:
+        """Stops the replay thread and closes the socket; a second call does nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._replay_thread is not None:
             self._replay_thread.join(timeout=2)

@@ -40,6 +40,12 @@ class PagedLLMDeployment:
     def __serve_build_asgi_app__(self):
         return _NameReplica(self.parts.app, self.replica_id)
 
+    def __del__(self) -> None:
+        """Serve calls it when the replica stops: its engines and its KV-event publisher (a ZMQ socket) close."""
+        parts = getattr(self, "parts", None)
+        if parts is not None:
+            parts.close()
+
     def check_health(self) -> None:
         """Serve's health probe: a replica whose engine loop stopped is restarted."""
         if not self.parts.engine.is_alive:

@@ -13,7 +13,8 @@ import pytest
 
 from helpers import MODEL, free_port, wait_until_serving
 from pagedllm.server.cli_args import add_ray_serve_args
-from pagedllm.server.ray_serve import REPLICA_HEADER, app_builder, deployment_options
+from pagedllm.server.kv_events import KVEventPublisher, KVEventsConfig
+from pagedllm.server.ray_serve import REPLICA_HEADER, PagedLLMDeployment, app_builder, deployment_options
 
 
 def _args(*argv):
@@ -75,3 +76,28 @@ def test_two_replicas_on_a_local_ray_cluster_answer_through_the_openai_sdk(tmp_p
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stopping_replica_closes_its_engines_and_kv_event_publisher():
+    """Serve calls a replica's ``__del__`` when it stops: the parts close (the engines, and the publisher's socket,
+    whose endpoint is then free to bind again); closing twice is harmless."""
+    port = free_port()
+    cfg = KVEventsConfig.parse(f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{port}"}}')
+    closed = []
+
+    class Engine:
+        def shutdown(self):
+            closed.append("engine")
+
+    from pagedllm.server.cli_args import ServerParts
+
+    wrapper = PagedLLMDeployment.func_or_class  # Serve's ingress wrapper awaits its app's shutdown, then calls
+    ours = next(c for c in wrapper.__mro__[1:] if "__del__" in c.__dict__)  # the class's own __del__
+    assert ours.__name__ == "PagedLLMDeployment"
+    replica = object.__new__(wrapper)
+    replica.parts = ServerParts(None, MODEL, Engine(), None, KVEventPublisher(cfg, 16))
+    ours.__del__(replica)
+    assert closed == ["engine"]
+    replica.parts.publisher.close()
+    again = KVEventPublisher(cfg, 16)  # the port was released
+    again.close()
