@@ -79,11 +79,15 @@ class LLMEngine:
         return self._structured
 
     # ------------------------------------------------------------------ prompts
-    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    @staticmethod
+    def _check_text(text: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"the prompt is not valid Unicode text ({e.reason} at character {e.start})") from None
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_text(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -116,12 +120,9 @@ class LLMEngine:
             text, ids = self.encode_prompt(prompt)
             return text, ids if limit is None else ids[:limit]
         text = prompts.get(name, "") + prompt
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"the input is not valid Unicode text ({e.reason} at character {e.start})") from None
         if limit is None:
-            return text, self.tokenizer.encode(text)
+            return text, self.encode_text(text)
+        self._check_text(text)
         return text, self.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

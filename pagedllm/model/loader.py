@@ -6,7 +6,6 @@ llama's GGUF q/k rows un-permuted back to the HuggingFace rotary layout.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -19,7 +18,6 @@ import torch
 
 from pagedllm.model.arch import ModelArchConfig, config_from_gguf, config_from_hf
 from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos
-from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.gguf_file import GGUFFile
 from pagedllm.quant import gguf_blocks
 from pagedllm.quant.formats import reorder_rows
@@ -263,9 +261,6 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {tuple(HF_TYPES)}")
     spec = HF_TYPES[model_type]
     cfg = config_from_hf(hf)
-    modules = read_sentence_modules(path)
-    if modules is not None:  # a sentence-transformers folder: its pooling is the model's
-        cfg = dataclasses.replace(cfg, pooling=modules.pooling)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")

@@ -10,6 +10,7 @@ tensor parallelism (``distributed``).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -181,11 +182,13 @@ class ModelRunner:
         arch, weights, policy, self.quantization = self._load(path, ops)
         self.arch: ModelArchConfig = arch
         self.path_reasons = {}  # why each auto choice was made (logs, /health)
-        linear_dtype = None  # an encoder's linears in their own dtype (bfloat16 GEMMs, float32 activations)
-        self.linear_dtype = None
+        self.linear_dtype = None  # an encoder's linears in their own dtype (bfloat16 GEMMs, float32 activations)
         if arch.encoder and config.model.dtype == "auto" and self.device.type == "cpu":
-            linear_dtype, self.path_reasons["dtype"] = encoder_linear_dtype(cpu_info()[1])
-            self.linear_dtype = linear_dtype
+            self.linear_dtype, self.path_reasons["dtype"] = encoder_linear_dtype(cpu_info()[1])
+        # an embedding model's sentence-transformers modules: its pooling, Dense layers, prompts and length
+        self.sentence = read_sentence_modules(path)
+        if self.sentence is not None:
+            arch = self.arch = dataclasses.replace(arch, pooling=self.sentence.pooling)
         if config.tensor_parallel_size > 1:
             weights = self._start_tensor_parallel(arch, weights, store)
         plan = self.weight_plan
@@ -197,8 +200,6 @@ class ModelRunner:
             block_ops = ops if config.quantization == "gguf" else None
             dense = dict(dense_min_tokens=config.quant_dense_min_tokens)
         self.kv_dtype = choose_kv_dtype(config.cache.kv_cache_dtype, self.dtype, plan is not None)
-        # an embedding model's sentence-transformers modules: its pooling (in arch), Dense layers and prompts
-        self.sentence = read_sentence_modules(path)
         pool_dense = [weights.pop(k) for k in sorted(k for k in weights if k.startswith("pool_dense."))]  # GGUF's
         self.pool_head = SentenceHead(self.sentence, self.device, pool_dense) if self.sentence or pool_dense else None
         self.activation_bits = self.large_step_weights = None  # None: nothing that the setting acts on
@@ -206,7 +207,7 @@ class ModelRunner:
             if config.tensor_parallel_size > 1 or config.speculative is not None:
                 raise ValueError("an embedding (encoder) model runs without tensor parallelism or speculation")
             self.model = build_encoder(arch, weights, self.device, self.dtype, policy, block_ops=block_ops,
-                                       linear_dtype=linear_dtype)
+                                       linear_dtype=self.linear_dtype)
         else:
             self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
                                   kv_dtype=self.kv_dtype, **dense)
