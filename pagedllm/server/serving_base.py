@@ -33,11 +33,14 @@ class OpenAIServing:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
 
+    def engine_for(self, name: str) -> AsyncLLM:
+        """The engine serving model ``name`` (a name ``check_model`` returned): the primary, or the fallback."""
+        return self.engine if name == self.model_names[0] else self.router.fallback
+
     def check_generative(self, model: str | None) -> str:
         """``check_model`` for the text routes: an embedding model answers them with a 400 naming its routes."""
         name = self.check_model(model)
-        engine = self.engine if name == self.model_names[0] else self.router.fallback
-        if engine.is_embedding_model:
+        if self.engine_for(name).is_embedding_model:
             raise APIError(400, f"`{name}` is an embedding model: it serves /v1/embeddings, /v1/rerank and /score, "
                                 "not text generation", "model")
         return name

@@ -38,9 +38,6 @@ def _cosine(a: list[float], b: list[float]) -> float:
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    def _engine(self, model: str) -> AsyncLLM:
-        return self.engine if model == self.model_names[0] else self.router.fallback
-
     async def _embed(self, engine: AsyncLLM, inputs: list, req, raw: Request, prompt_name: str | None = None,
                      pooling: str | None = None) -> tuple[list[list[float]], int]:
         """The inputs' vectors (pooled, through the model's Dense layers; not normalised) and their token count."""
@@ -59,7 +56,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> dict:
         model = self.check_model(req.model)
         self.refuse_unsupported(req)
-        engine = self._engine(model)
+        engine = self.engine_for(model)
         dims = engine.sentence.matryoshka_dimensions if engine.sentence is not None else ()
         if req.dimensions is not None and not dims:
             raise APIError(400, "dimensions is not supported: this model was not trained for shorter vectors "
@@ -82,7 +79,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     def _scoring_engine(self, req) -> tuple[str, AsyncLLM]:
         model = self.check_model(req.model)
         self.refuse_unsupported(req)
-        engine = self._engine(model)
+        engine = self.engine_for(model)
         if not engine.is_embedding_model:
             raise APIError(400, "scores come from an embedding model: this model is a generative one (serve an "
                                 "embedding model, e.g. `pagedllm fetch all-minilm-l6-v2`)", "model")
