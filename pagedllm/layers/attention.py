@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers.rotary import RotaryEmbedding
+
 Q_TILE = 256
 K_TILE = 512
 
@@ -181,3 +183,60 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         y = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = y[0].transpose(0, 1)
     return out
+
+
+class Attention:
+    """A layer's self-attention: the fused q/k/v projection, QK-norm (optional), the rotary, attention over the
+    paged KV cache (causal, within the layer's window, scores soft-capped where the model does) or, in an encoder,
+    over each whole text (``causal`` False: nothing cached), and the output projection. ``num_heads`` /
+    ``num_kv_heads``: this rank's heads (all of them without tensor parallelism); the output projection's partial
+    sums are reduced by the caller."""
+
+    def __init__(self, qkv, o, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 rotary: RotaryEmbedding, window: int = 0, softcap: float = 0.0, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None, eps: float = 1e-6, causal: bool = True) -> None:
+        self.qkv, self.o = qkv, o
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale, self.rotary, self.window, self.softcap = scale, rotary, window, softcap
+        self.q_norm, self.k_norm, self.eps, self.causal = q_norm, k_norm, eps, causal
+
+    @staticmethod
+    def load_projections(src, prefix: str, bias: bool):
+        """(qkv, o) from ``{prefix}qkv`` (or ``q``, ``k``, ``v`` fused here; their biases with ``bias``) and
+        ``{prefix}o``."""
+        b = None
+        if bias:
+            b = src.pop(prefix + "qkv_bias") if prefix + "qkv_bias" in src else torch.cat(
+                [src.pop(prefix + "q_bias"), src.pop(prefix + "k_bias"), src.pop(prefix + "v_bias")])
+        qkv = src.linear(prefix + "qkv", [prefix + "q", prefix + "k", prefix + "v"], "attn", b)  # (Q+2K, H)
+        return qkv, src.linear(prefix + "o", [prefix + "o"], "attn")
+
+    def linear_slots(self, prefix: str):
+        yield prefix + "qkv", self, "qkv"
+        yield prefix + "o", self, "o"
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        return {} if self.q_norm is None else {"q_norm": self.q_norm, "k_norm": self.k_norm}
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rot, kv: tuple, meta, ops) -> torch.Tensor:
+        """x: (T, H) normalised rows -> (T, H) (before any reduction over ranks). ``rot``: the step's rotary
+        (``ops.step_rotary``); ``kv``: the layer's (K, V) caches, or (None, None) in an encoder, whose ``meta``
+        is the step's spans (one per text)."""
+        t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)  # (T, Q+2K)
+        if self.q_norm is not None:  # each q and k head normalised in place, before the rotary
+            ops.qk_norm(qkv, self.q_norm, self.k_norm, nq, nkv, self.eps)
+        k_cache, v_cache = kv
+        ops.rope_write_kv(qkv, positions, rot, meta.slot_mapping if self.causal else None, k_cache, v_cache, nq, nkv)
+        q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
+        if self.causal:
+            attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale, ops.kernels,
+                                   window=self.window, softcap=self.softcap)  # (T, Hq, D)
+        else:  # transformers' bidirectional sliding layers: |query - key| < window // 2 + 1
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, nkv, d)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, d)
+            attn = bidirectional_attention(q, k, v, meta, self.scale, self.window // 2)
+        return self.o(attn.reshape(t, self.q_size))
+
+    __call__ = forward

@@ -73,6 +73,14 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def runs_on_blocks(w, block_ops, device: torch.device) -> bool:
+    """Whether ``build_linear`` runs the stored weight ``w`` on the block kernels (``BlockQuantLinear``): integer
+    blocks (a ``QuantizedWeight``, or ``LazyBlocks`` not yet decoded) in groups of a multiple of 16, on a CPU with
+    the kernels built."""
+    return (block_ops is not None and device.type == "cpu" and hasattr(w, "group_size") and not isinstance(w, Fp8Weight)
+            and w.group_size % SUBBLOCK == 0 and w.shape[1] % QBLOCK == 0)
+
+
 def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype, dense_min_tokens: int = 0,
                  block_ops=None, dense_dtype: torch.dtype = ACT_DTYPE):
     """The right linear kind for ``w``: a float tensor, a ``QuantizedWeight`` or an ``Fp8Weight``.
@@ -88,8 +96,7 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
     try:
         if isinstance(w, Fp8Weight):
             lin = Fp8Linear(w, bias, device, dtype)
-        elif (block_ops is not None and device.type == "cpu" and w.group_size % SUBBLOCK == 0
-              and w.shape[1] % QBLOCK == 0):
+        elif runs_on_blocks(w, block_ops, device):
             lin = BlockQuantLinear(w, bias, device, dtype, block_ops)
         elif (w := w.materialized()).bits == 8 and w.symmetric and w.group_size == w.shape[1]:
             lin = Int8Linear(w, bias, device, dtype)

@@ -18,32 +18,30 @@ from safetensors.torch import load_file
 
 from pagedllm.layers.attention import bidirectional_attention
 from pagedllm.layers.linear import build_linear, tensor_bytes
+from pagedllm.layers.ops import TorchOps
+from pagedllm.layers.weights import LinearBuild
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.decoder import CausalLM
 from pagedllm.model.sentence import SentenceModules
-from pagedllm.quant.policy import QuantPolicy, quantize_weight
+from pagedllm.quant.policy import quantize_weight
 
 
 class BidirectionalLM(CausalLM):
-    """The decoder's layers (norms, rotary, QK-norm, GeGLU) with bidirectional attention; ``forward`` takes the
-    step's spans (one per text) instead of a KV cache."""
+    """The decoder's layers (norms, rotary, QK-norm, GeGLU) with bidirectional attention (``Attention(causal=
+    False)``); ``forward`` takes the step's spans (one per text) instead of a KV cache."""
 
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quant: QuantPolicy | None = None, block_ops=None, linear_dtype: torch.dtype | None = None) -> None:
+                 build: LinearBuild | None = None) -> None:
         if cfg.attn_softcap:
             raise ValueError(f"{cfg.arch}: attention soft-capping is not supported in an encoder")
-        super().__init__(cfg, weights, device, dtype, quant, block_ops=block_ops, linear_dtype=linear_dtype)
-        self.ops = None  # the torch layers: the fused ones write the KV cache that an encoder does not keep
+        super().__init__(cfg, weights, device, dtype, build, causal=False)
+        self.ops = TorchOps()  # the fused rotary writes the KV cache that an encoder does not keep
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         """input_ids, positions: (T,), each span a whole text -> final hidden states (T, H)."""
         none = [(None, None)] * len(self.layers)
-        return self._forward_torch(input_ids, positions, none, [spans] * (max(self.kv_group) + 1))
-
-    def _attention(self, layer: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple, spans):
-        # transformers' bidirectional sliding layers: |query - key| < window // 2 + 1
-        return bidirectional_attention(q, k, v, spans, self.scale, layer["window"] // 2)
+        return self._layers(input_ids, positions, none, [spans] * (max(self.kv_group) + 1))
 
 
 class BertEncoder:
@@ -51,12 +49,14 @@ class BertEncoder:
     LayerNorm, a GELU MLP (biases), add and LayerNorm. Single texts: token type 0 everywhere."""
 
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 quant: QuantPolicy | None = None, block_ops=None, linear_dtype: torch.dtype | None = None) -> None:
-        """``linear_dtype``: the linears' weights in this dtype (bfloat16 GEMMs under float32 activations)."""
+                 build: LinearBuild | None = None) -> None:
+        """``build.linear_dtype``: the linears' weights in this dtype (bfloat16 GEMMs under float32 activations)."""
+        build = build or LinearBuild()
+        quant, linear_dtype = build.quant, build.linear_dtype
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.num_heads = self.num_kv_heads = cfg.num_heads
         self.scale = cfg.head_dim ** -0.5
-        self.ops = None
+        self.ops = TorchOps()
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -68,7 +68,7 @@ class BertEncoder:
             b = torch.cat([weights.pop(p + "_bias") for p in parts])
             if quant is not None:
                 w = quantize_weight(w.float(), quant.scheme(layer_type), quant)
-            lin = build_linear(w, b, device, linear_dtype or dtype, block_ops=block_ops)
+            lin = build_linear(w, b, device, linear_dtype or dtype, block_ops=build.block_ops)
             return lin.prepack(keep_weight=False) if lin.kind == "dense" else lin
 
         self.embed = take("embed")
@@ -113,9 +113,9 @@ class BertEncoder:
 
 
 def build_encoder(cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                  quant: QuantPolicy | None = None, block_ops=None, linear_dtype: torch.dtype | None = None):
+                  build: LinearBuild | None = None):
     cls = BertEncoder if cfg.arch == "bert" else BidirectionalLM
-    return cls(cfg, weights, device, dtype, quant, block_ops=block_ops, linear_dtype=linear_dtype)
+    return cls(cfg, weights, device, dtype, build)
 
 
 class SentenceHead:

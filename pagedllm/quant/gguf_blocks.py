@@ -310,6 +310,14 @@ def _fields(k: KScales) -> tuple:
 # block types that decode to 4-bit codes (the others: signed 8-bit), and those with a scale per 16 values
 FOUR_BIT = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"})
 GROUP_16 = frozenset({"Q2_K", "Q3_K", "Q6_K"})
+# the types whose decoders keep the file's two-level scales (``QuantizedWeight.kscales``: a float16 scale per
+# super-block of 256 and small integer ones per sub-block), which llama.cpp multiplies with 8-bit activations
+K_SCALED = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
+
+
+def k_scaled(w) -> bool:
+    """Whether a stored weight (decoded, or ``LazyBlocks`` not yet) carries K-quant two-level scales."""
+    return w.kind in K_SCALED if isinstance(w, LazyBlocks) else getattr(w, "kscales", None) is not None
 
 
 class LazyBlocks:

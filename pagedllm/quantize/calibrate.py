@@ -67,18 +67,14 @@ def collect_stats(model, sequences: list[list[int]], names: list[str], want_hess
     """Run ``sequences`` through ``model`` recording the inputs of the named fused linears
     (``layers.{i}.{qkv,o,gate_up,down}``)."""
     stats: dict[str, LinearStats] = {}
-    originals = {}
-    for n in names:
-        i, kind = n.split(".")[1:3]
-        layer = model.layers[int(i)]
-        stats[n] = LinearStats(layer[kind].in_features, want_hessian, max_rows, seed=len(stats))
-        originals[n] = layer[kind]
-        layer[kind] = _Recorder(layer[kind], stats[n])
+    originals = {n: model.linears()[n] for n in names}
+    for n, lin in originals.items():
+        stats[n] = LinearStats(lin.in_features, want_hessian, max_rows, seed=len(stats))
+        model.set_linear(n, _Recorder(lin, stats[n]))
     try:
         for seq in tqdm(sequences, desc="calibration", unit="seq", leave=False):
             sequence_hidden(model, seq)
     finally:
         for n, lin in originals.items():
-            i, kind = n.split(".")[1:3]
-            model.layers[int(i)][kind] = lin
+            model.set_linear(n, lin)
     return stats

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from pagedllm.config import resolve_model_path
 from pagedllm.engine.tokenizer import load_tokenizer
-from pagedllm.model.decoder import NORMS, CausalLM
+from pagedllm.model.decoder import CausalLM
 from pagedllm.model.loader import load_model_files
 from pagedllm.quant.checkpoint import save_checkpoint
 from pagedllm.quant.policy import LINEAR_TYPES, QuantPolicy, quantize_weight
@@ -43,8 +43,9 @@ def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequ
                          "serve the GGUF file's own blocks instead")
     model = CausalLM(arch, raw, torch.device("cpu"), torch.float32)
     del raw
-    linear_names = [f"layers.{i}.{k}" for i in range(arch.num_layers) for k in LINEAR_TYPES]
-    targets = [n for n in linear_names if policy.scheme(LINEAR_TYPES[n.split(".")[2]]) in ("int4", "int8")]
+    linears = model.linears()  # the layers' linears, as the model names them (layers.{i}.qkv, ...)
+    linear_names = [n for n in linears if n.startswith("layers.")]
+    targets = [n for n in linear_names if policy.scheme(LINEAR_TYPES[n.rsplit(".", 1)[1]]) in ("int4", "int8")]
     stats = {}
     if method != "rtn" and targets:
         if not calib_sequences:
@@ -53,9 +54,8 @@ def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequ
     weights: dict = {"norm": model.norm}
     report: dict = {"layers": {}}
     for n in tqdm(linear_names, desc=f"quantize ({method})", unit="layer", disable=not progress):
-        i, kind = n.split(".")[1:3]
-        lin = model.layers[int(i)][kind]
-        scheme = policy.scheme(LINEAR_TYPES[kind])
+        lin = linears[n]
+        scheme = policy.scheme(LINEAR_TYPES[n.rsplit(".", 1)[1]])
         w = lin.weight.float()
         if scheme in ("int4", "int8") and method != "rtn":
             bits = 4 if scheme == "int4" else 8
@@ -69,12 +69,11 @@ def quantize_model(model_path: str, method: str, policy: QuantPolicy, calib_sequ
         else:
             qw = quantize_weight(w, scheme, policy)
         weights[n] = qw
-        if lin.bias is not None:
-            weights[f"layers.{i}.qkv_bias"] = lin.bias
+        if lin.bias is not None:  # (only q/k/v have biases)
+            weights[n + "_bias"] = lin.bias
     for i, layer in enumerate(model.layers):
-        for name in NORMS:
-            if name in layer:
-                weights[f"layers.{i}.{name}"] = layer[name]
+        for name, norm in layer.norms().items():
+            weights[f"layers.{i}.{name}"] = norm
     # embedding and LM head: round to nearest (salience scaling would break a tied table)
     head = model.lm_head.weight.float()
     weights["lm_head"] = quantize_weight(head, policy.lm_head, policy)

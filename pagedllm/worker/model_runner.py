@@ -24,24 +24,21 @@ from pagedllm.config import EngineConfig, resolve_model_path
 from pagedllm.distributed.launcher import join_tensor_parallel, rank_device
 from pagedllm.distributed.sharding import check_shardable, shard_weights
 from pagedllm.errors import TensorParallelError
-from pagedllm.kernels import cpu_info, cpu_ops, kernel_path
+from pagedllm.kernels import cpu_ops, kernel_path
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.decoder import CausalLM
 from pagedllm.model.encoder import SentenceHead, build_encoder
-from pagedllm.model.loader import load_model_files
 from pagedllm.model.sentence import read_sentence_modules
-from pagedllm.model.weights import load_weights
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
-from pagedllm.quant.verdicts import BF16_DEFAULT, decide, default_for_blocks, start_sha256
 from pagedllm.sample.metadata import CachedRequestState, build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.sample.structured import StructuredOutputs, grammar_masks, sync_matcher
 from pagedllm.spec.proposer import DraftProposer, NgramProposer, Proposer, load_draft_model
 from pagedllm.spec.verify import accept_greedy, verify_random
-from pagedllm.worker.autotune import (WeightPlan, blocks_for_autotune, choose_plan, dense_copy_bytes, fit_to_steps,
-                                      plan_summary)
+from pagedllm.worker.autotune import plan_summary
 from pagedllm.worker.kv_cache import KVCache
+from pagedllm.worker.plan import BF16_STEP_MIN_TOKENS, DTYPES, choose_device, load_and_plan
 from pagedllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -50,7 +47,6 @@ logger = logging.getLogger(__name__)
 # (up to this context the row kernel is at least as fast as the tiled matmuls, and much faster for many short
 # prompts, which it takes without a per-sequence gather: docs/history.md)
 ROW_KERNEL_MAX_CONTEXT = 2048
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # glibc's malloc options (mallopt's parameter numbers) and what keep_freed_memory sets them to
@@ -74,73 +70,6 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return all(mallopt(param, value) == 1 for param, value in _MALLOC_OPTIONS.values())
-
-
-def choose_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but CUDA is not available")
-    return torch.device(requested)
-
-
-def choose_dtype(requested: str, device: torch.device) -> torch.dtype:
-    if requested == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[requested]
-
-
-def _activation_bits(requested: str, model_path: str, k_quants: bool) -> tuple[int, str]:
-    """The block kernels' activation bits and why: as asked, or (auto) 8 where the file's quality verdict lets it
-    (``quant.verdicts``: the user's recorded one, the shipped table, else the default, which takes 8 bits where
-    every layer's blocks are ``k_quants``), else 16."""
-    if requested != "auto":
-        return int(requested), "as asked"
-    v = decide(model_path, 8, "blocks", "8-bit activations", default_for_blocks(k_quants))
-    return (8 if v.passed else 16), v.why
-
-
-def _k_quant_layers(model: CausalLM) -> bool:
-    """Whether every block linear of the layers holds GGUF K-quant blocks (their super-block scales)."""
-    lins = [lin for name, lin in model.linears().items() if name.startswith("layers.") and hasattr(lin, "act_levels")]
-    return bool(lins) and all(getattr(lin, "super_scales", None) is not None for lin in lins)
-
-
-# rows from which a step runs the layers on bfloat16 weight stripes (--large-step-weights bf16): on a Xeon with AMX
-# (2 cores) the stripes beat the block kernels from 128-256 rows on the 1.5B's shapes (gate_up 18.0 -> 15.1 ms at 256
-# rows, 7.6 -> 9.5 ms at 128; docs/benchmarks.md)
-BF16_STEP_MIN_TOKENS = 256
-
-
-def _large_step_weights(requested: str, model_path: str, bits: int) -> tuple[str, str]:
-    """``blocks`` or ``bf16`` for the large steps, and why: as asked, or (auto) bf16 on a CPU with AMX-BF16 where
-    the file's quality verdict on bf16 large steps with ``bits``-bit activations lets it (``quant.verdicts``)."""
-    if requested != "auto":
-        return requested, "as asked"
-    if "amx_bf16" not in cpu_info()[1]:
-        return "blocks", "no AMX-BF16 on this CPU"
-    v = decide(model_path, bits, "bf16", f"bf16 large steps with {bits}-bit activations", BF16_DEFAULT)
-    return ("bf16" if v.passed else "blocks"), v.why
-
-
-def encoder_linear_dtype(flags: frozenset[str]) -> tuple[torch.dtype | None, str]:
-    """An embedding model's ``--dtype auto`` on CPU, and why: float32 activations (residual stream, norms,
-    attention), with the linears' weights and GEMMs in bfloat16 where the CPU has bfloat16 dot products (the
-    vectors stay within cosine 0.9999 of float32's: docs/benchmarks.md#embedding-models), else float32 throughout
-    (None)."""
-    if flags & {"avx512_bf16", "amx_bf16"}:
-        return torch.bfloat16, ("float32 activations, bfloat16 linears: this CPU computes bfloat16 dot products "
-                                "(vectors within cosine 0.9999 of float32's)")
-    return None, "float32: this CPU has no bfloat16 dot products"
-
-
-def choose_kv_dtype(requested: str, model_dtype: torch.dtype, measured_plan: bool) -> torch.dtype:
-    """``--kv-cache-dtype``; auto: bfloat16 under the measured packed-weight plan of ``--dtype auto`` on CPU
-    (decode attention reads half the bytes; passes ``pagedllm eval`` against float32, docs/benchmarks.md),
-    otherwise the model's dtype (``--dtype float32`` stays the exact-HF reference)."""
-    if requested != "auto":
-        return _DTYPES[requested]
-    return torch.bfloat16 if measured_plan else model_dtype
 
 
 # prompt logprobs: logits are computed this many rows at a time (a 2048-token chunk of a 150k vocabulary at once
@@ -171,56 +100,31 @@ class ModelRunner:
         self.device = choose_device(config.device)
         if config.tensor_parallel_size > 1:
             self.device = rank_device(self.device, rank)
-        self.dtype = choose_dtype(config.model.dtype, self.device)
         path = resolve_model_path(config.model.model)
         self.model_path = path
         ops = cpu_ops() if self.device.type == "cpu" else None
         self.kernel_path = kernel_path() if self.device.type == "cpu" else f"torch on {self.device}"
-        self.weight_plan: WeightPlan | None = None
-        if "auto" in (config.activation_bits, config.large_step_weights) and path.endswith(".gguf"):
-            start_sha256(path)  # the quality verdicts' key, hashed while the weights load
-        arch, weights, policy, self.quantization = self._load(path, ops)
+        # every speed choice, made before the model is built (``worker.plan``)
+        arch, weights, self.plan = load_and_plan(config, path, self.device, ops)
+        plan = self.plan
+        self.dtype, self.kv_dtype, self.quantization = plan.dtype, plan.kv_dtype, plan.quantization
         self.arch: ModelArchConfig = arch
-        self.path_reasons = {}  # why each auto choice was made (logs, /health)
-        self.linear_dtype = None  # an encoder's linears in their own dtype (bfloat16 GEMMs, float32 activations)
-        if arch.encoder and config.model.dtype == "auto" and self.device.type == "cpu":
-            self.linear_dtype, self.path_reasons["dtype"] = encoder_linear_dtype(cpu_info()[1])
         # an embedding model's sentence-transformers modules: its pooling, Dense layers, prompts and length
         self.sentence = read_sentence_modules(path)
         if self.sentence is not None:
             arch = self.arch = dataclasses.replace(arch, pooling=self.sentence.pooling)
         if config.tensor_parallel_size > 1:
             weights = self._start_tensor_parallel(arch, weights, store)
-        plan = self.weight_plan
-        if plan is not None:  # auto: the measured plan (policy is None: the weights are already packed)
-            block_ops = ops if plan.block_kernel else None
-            dense = dict(dense_min_tokens=plan.layer_dense_min_tokens, head_dense_min_tokens=plan.head_dense_min_tokens,
-                         dense_dtype=_DTYPES[plan.dense_dtype])
-        else:
-            block_ops = ops if config.quantization == "gguf" else None
-            dense = dict(dense_min_tokens=config.quant_dense_min_tokens)
-        self.kv_dtype = choose_kv_dtype(config.cache.kv_cache_dtype, self.dtype, plan is not None)
         pool_dense = [weights.pop(k) for k in sorted(k for k in weights if k.startswith("pool_dense."))]  # GGUF's
         self.pool_head = SentenceHead(self.sentence, self.device, pool_dense) if self.sentence or pool_dense else None
-        self.activation_bits = self.large_step_weights = None  # None: nothing that the setting acts on
         if arch.encoder:
             if config.tensor_parallel_size > 1 or config.speculative is not None:
                 raise ValueError("an embedding (encoder) model runs without tensor parallelism or speculation")
-            self.model = build_encoder(arch, weights, self.device, self.dtype, policy, block_ops=block_ops,
-                                       linear_dtype=self.linear_dtype)
+            self.model = build_encoder(arch, weights, self.device, self.dtype, plan.build)
         else:
-            self.model = CausalLM(arch, weights, self.device, self.dtype, policy, tp=self.tp, block_ops=block_ops,
-                                  kv_dtype=self.kv_dtype, **dense)
+            self.model = CausalLM(arch, weights, self.device, self.dtype, plan.build, tp=self.tp,
+                                  kv_dtype=self.kv_dtype)
         del weights
-        if not arch.encoder:
-            bits, why = _activation_bits(config.activation_bits, path, _k_quant_layers(self.model))
-            self.path_reasons["activation_bits"] = why
-            if self.model.set_activation_bits(bits):
-                self.activation_bits = bits
-            large, large_why = _large_step_weights(config.large_step_weights, path, bits)
-            self.path_reasons["large_step_weights"] = large_why
-            if self.model.set_large_step_weights(BF16_STEP_MIN_TOKENS if large == "bf16" else 0):
-                self.large_step_weights = large
         max_len = config.model.max_model_len or arch.max_position
         if arch.encoder and not config.model.max_model_len and self.sentence and self.sentence.max_seq_length:
             max_len = min(max_len, self.sentence.max_seq_length)  # the length it was trained on (its modules')
@@ -235,8 +139,6 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model" and rank == 0:
             # with tensor parallelism: whole, on rank 0 only
             self.draft_model = load_draft_model(spec.model, arch, max_len, self.device, self.dtype, self.kv_dtype)
-            self.draft_model.set_activation_bits(_activation_bits(config.activation_bits, spec.model,
-                                                                  _k_quant_layers(self.draft_model))[0])
         self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
         num_blocks = self.kv.budget_blocks()
         if self.tp is not None:
@@ -247,7 +149,7 @@ class ModelRunner:
             if self.draft_model is not None:
                 # the draft's decode metadata as the runner builds it (a partial: no reference to the runner)
                 meta = functools.partial(_decode_metadata, bs=self.block_size, dev=self.device,
-                                         with_mask=self.model.ops is None)
+                                         with_mask=not self.model.ops.fused)
                 self.proposer = DraftProposer(spec, max_len, self.draft_model, self.kv.draft_kv_caches,
                                               self.block_size, self.device, meta)
             else:
@@ -263,58 +165,33 @@ class ModelRunner:
             self.model.weight_bytes() / 2**20, self.kernel_path, self.num_blocks, self.block_size,
             str(self.kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20,
         )
-        if self.activation_bits is not None:
-            logger.info("activations: %d-bit per block of 32 (%s)", self.activation_bits, why)
-        if self.large_step_weights is not None:
+        if plan.activation_bits is not None:
+            logger.info("activations: %d-bit per block of 32 (%s)", plan.activation_bits,
+                        plan.reasons["activation_bits"])
+        if plan.large_step_weights is not None:
             logger.info("steps of %d+ rows: %s (%s)", BF16_STEP_MIN_TOKENS, "bfloat16 weight stripes" if
-                        self.large_step_weights == "bf16" else "the block kernels", large_why)
+                        plan.large_step_weights == "bf16" else "the block kernels", plan.reasons["large_step_weights"])
         if self.tp is not None and rank == 0:
             logger.info("tensor parallelism: %d ranks, weights per rank %s MiB (%.1f MiB in all), KV cache per rank "
                         "%d heads of %d", self.tp.world_size,
                         " / ".join(f"{b / 2**20:.1f}" for b in self.rank_weight_bytes),
                         sum(self.rank_weight_bytes) / 2**20, self.model.num_kv_heads, arch.num_kv_heads)
 
-    def _load(self, path: str, ops):
-        """Weights as the flags ask; with ``--dtype auto`` on CPU (no ``--quantization``, one rank, a GGUF of
-        4/8-bit blocks, kernels built) the path measured fastest here (``worker.autotune``)."""
-        c = self.config
-        auto = (c.model.dtype == "auto" and c.quantization is None and self.device.type == "cpu" and ops is not None
-                and c.tensor_parallel_size == 1 and path.endswith(".gguf"))
-        if auto:
-            arch, weights = load_model_files(path, native=True, lazy=True)
-            if not arch.encoder and blocks_for_autotune(weights, arch.num_layers):  # (an encoder: float weights)
-                plan, notes = choose_plan(weights, arch.num_layers, ops), []
-                if plan.block_kernel:  # the dense copies it may add: only those a step reaches, within the budget
-                    spec = c.speculative.num_speculative_tokens if c.speculative is not None else 0
-                    budget = c.scheduler.with_budget_for(c.model.max_model_len or arch.max_position)
-                    itemsize = _DTYPES[plan.dense_dtype].itemsize
-                    plan, notes = fit_to_steps(plan, budget.max_num_batched_tokens, c.scheduler.max_num_seqs * (1 + spec),
-                                               dense_copy_bytes(weights, arch.num_layers, itemsize),
-                                               c.dense_copy_budget_mib * 2**20)
-                self.weight_plan = plan
-                logger.info("weight path (%s on this CPU): %s%s", plan.source, plan.describe(),
-                            "".join(f"; {n}" for n in notes))
-                if plan.block_kernel:
-                    return arch, weights, None, "gguf blocks (auto)"
-                self.dtype = _DTYPES[plan.dense_dtype]
-                self.weight_plan = None  # dense weights: the plain path below
-            del weights
-        return load_weights(path, c.quantization, block_kernel=ops is not None and c.quantization == "gguf")
-
     def describe(self) -> dict:
         """What runs: device, dtype, weight format, kernel path and the auto-chosen plan (logs, /health)."""
+        p = self.plan
         d = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
              "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
              "weights": self.quantization, "kernels": self.kernel_path}
-        if self.linear_dtype is not None:
-            d["linear_dtype"] = str(self.linear_dtype).removeprefix("torch.")
-        if self.activation_bits is not None:  # the block kernels run
-            d["activation_bits"] = self.activation_bits
-        if self.large_step_weights is not None:
-            d["large_step_weights"] = self.large_step_weights
-        d["why"] = {k: v for k, v in self.path_reasons.items() if k in d}
-        if self.weight_plan is not None:
-            d["weight_plan"] = plan_summary(self.weight_plan)
+        if p.linear_dtype is not None:
+            d["linear_dtype"] = str(p.linear_dtype).removeprefix("torch.")
+        if p.activation_bits is not None:  # the block kernels run
+            d["activation_bits"] = p.activation_bits
+        if p.large_step_weights is not None:
+            d["large_step_weights"] = p.large_step_weights
+        d["why"] = {k: v for k, v in p.reasons.items() if k in d}
+        if p.weight_plan is not None:
+            d["weight_plan"] = plan_summary(p.weight_plan)
         return d
 
     # ------------------------------------------------------------------ KV cache
@@ -353,8 +230,8 @@ class ModelRunner:
         been given other flags), and a KV block count every rank can hold. Collects each rank's weight bytes."""
         a, c = self.arch, self.config.cache
         settings = [a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim,
-                    a.intermediate_size, self.block_size, list(_DTYPES.values()).index(self.dtype),
-                    list(_DTYPES.values()).index(self.kv_dtype), zlib.crc32(str(self.quantization).encode()),
+                    a.intermediate_size, self.block_size, list(DTYPES.values()).index(self.dtype),
+                    list(DTYPES.values()).index(self.kv_dtype), zlib.crc32(str(self.quantization).encode()),
                     int(c.preemption_mode == "swap"), int(c.swap_space * 2**30), c.num_host_blocks_override or 0]
         rows = self.tp.gather_ints(settings + [num_blocks, self.model.weight_bytes()])
         for r, row in enumerate(rows):
@@ -567,7 +444,7 @@ class ModelRunner:
         rows, tables, lens = list(step.decode_rows), list(decode_tables), list(step.decode_lens)
         prefills = []
         for (start, end, ctx), table in zip(step.prefills, prefill_tables):
-            if self.model.ops is not None and ctx <= ROW_KERNEL_MAX_CONTEXT:
+            if self.model.ops.fused and ctx <= ROW_KERNEL_MAX_CONTEXT:
                 rows.extend(range(start, end))
                 tables.extend([table] * (end - start))
                 lens.extend(range(ctx - (end - start) + 1, ctx + 1))
@@ -579,7 +456,7 @@ class ModelRunner:
             num_decodes=len(rows), prefills=prefills,
         )
         if rows:
-            dm = _decode_metadata([], tables, lens, self.block_size, dev, self.model.ops is None)
+            dm = _decode_metadata([], tables, lens, self.block_size, dev, not self.model.ops.fused)
             meta.decode_block_tables, meta.decode_mask, meta.decode_lens = dm.decode_block_tables, dm.decode_mask, dm.decode_lens
             if rows != list(range(len(step.input_ids))):  # None: every row, in order
                 meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)

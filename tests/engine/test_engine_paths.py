@@ -149,31 +149,33 @@ def test_8_bit_activations_batched_chunked_match_alone():
         LLM(activation_bits=4)
 
 
-def test_mlp_in_row_pieces_equals_one_call(monkeypatch):
-    """The fused CPU path runs a long step's MLP in pieces of ``MLP_ROWS`` rows (bounded activations, reused from
+def test_mlp_in_row_pieces_equals_one_call():
+    """The fused CPU path runs a long step's MLP in pieces of ``mlp_rows`` rows (bounded activations, reused from
     the heap): on the default path's packed blocks, the same numbers as one call over all rows, and each row as it
     is alone."""
     import torch
 
-    import pagedllm.model.decoder as decoder
     from helpers import model_of
+    from pagedllm.layers.mlp import GatedMLP
+    from pagedllm.layers.ops import FusedOps
 
     model = model_of(LLM(enable_prefix_caching=False, large_step_weights="blocks"))  # not the bf16 stripes
-    assert model.ops is not None
-    layer = model.layers[0]
-    assert hasattr(layer["gate_up"], "act_levels") and hasattr(layer["down"], "act_levels")  # block linears
+    ops = model.ops
+    assert ops.fused
+    mlp = model.layers[0].mlp
+    assert hasattr(mlp.gate_up, "act_levels") and hasattr(mlp.down, "act_levels")  # block linears
     torch.manual_seed(0)
-    x = torch.randn(decoder.MLP_ROWS + 45, model.cfg.hidden_size)
+    x = torch.randn(ops.mlp_rows + 45, model.cfg.hidden_size)
     calls = []
-    gate_up = layer["gate_up"]
 
     def counted(rows):
         calls.append(rows.shape[0])
-        return gate_up(rows)
+        return mlp.gate_up(rows)
 
-    pieces = model._gated(counted, layer["down"], x)
-    assert calls == [decoder.MLP_ROWS, 45]
-    monkeypatch.setattr(decoder, "MLP_ROWS", 10**6)
-    whole = model._gated(gate_up, layer["down"], x)
+    pieces = GatedMLP(counted, mlp.down, mlp.act)(x, ops)
+    assert calls == [ops.mlp_rows, 45]
+    whole_ops = FusedOps(ops.kernels)
+    whole_ops.mlp_rows = 10**6
+    whole = mlp(x, whole_ops)
     assert torch.equal(pieces, whole)
-    assert torch.equal(model._gated(gate_up, layer["down"], x[-1:]), whole[-1:])
+    assert torch.equal(mlp(x[-1:], ops), whole[-1:])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm.quant.formats import concat, dequantize
-from pagedllm.quant.gguf_blocks import DECODERS, FAST_CODES, decode
+from pagedllm.quant.gguf_blocks import DECODERS, FAST_CODES, K_SCALED, decode, k_scaled
 from helpers import model_of
 
 # byte offsets of each type's float16 fields in a block (set to finite random values)
@@ -176,6 +176,7 @@ def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
     qw = decode(raw, kind)
     w = reference(raw, kind)
     lin = BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, ops)
+    assert k_scaled(qw) == (kind in K_SCALED) == (qw.kscales is not None)  # the table the runtime plan reads
     assert torch.equal(lin.dequantized(), w)  # the packed layout decodes back to the file's numbers
     assert torch.equal(lin.embedding(torch.tensor([[0, 7, 43]])), w[[0, 7, 43]].unsqueeze(0))
     flat = None  # K-quants: the same weight with float32 scales per block instead of the file's two-level ones
@@ -342,10 +343,10 @@ def test_every_block_type_through_the_engine(tiny_gguf, monkeypatch):
     (0.06 ms a call) whether a float32 copy wins by the plan's margin is the timer's coin toss, which
     ``tests/worker/test_autotune.py`` covers."""
     from pagedllm import LLM, SamplingParams
-    from pagedllm.worker import model_runner
+    from pagedllm.worker import plan as runtime_plan
     from pagedllm.worker.autotune import WeightPlan
 
-    monkeypatch.setattr(model_runner, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
+    monkeypatch.setattr(runtime_plan, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
 
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]
@@ -448,10 +449,10 @@ def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
     activation bits) says they fail."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.quant.verdicts import record
-    from pagedllm.worker import model_runner
+    from pagedllm.worker import plan as runtime_plan
     from pagedllm.worker.autotune import WeightPlan
 
-    monkeypatch.setattr(model_runner, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
+    monkeypatch.setattr(runtime_plan, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     prompt = {"prompt_token_ids": [(i * 37) % 5000 + 10 for i in range(300)]}
     ref = LLM(model=tiny_gguf, dtype="float32", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)
@@ -481,37 +482,40 @@ def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
     import inspect
 
     from pagedllm.eval.quality import eval_chunks
-    assert inspect.signature(eval_chunks).parameters["chunk_len"].default >= model_runner.BF16_STEP_MIN_TOKENS
+    assert inspect.signature(eval_chunks).parameters["chunk_len"].default >= runtime_plan.BF16_STEP_MIN_TOKENS
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tiny_gguf) + ".cache")
-    choice = lambda: model_runner._large_step_weights("auto", tiny_gguf, 16)[0]  # noqa: E731
+    choice = lambda: runtime_plan.large_step_weights("auto", tiny_gguf, 16)[0]  # noqa: E731
     amx = {"amx_bf16"}
-    monkeypatch.setattr(model_runner, "cpu_info", lambda: ("cpu", amx))
+    monkeypatch.setattr(runtime_plan, "cpu_info", lambda: ("cpu", amx))
     assert choice() == "bf16"  # a file without a verdict: the default
     record(tiny_gguf, 16, "bf16", False, "a looser gate", standard=False)
     assert choice() == "bf16"  # not trusted
     record(tiny_gguf, 8, "bf16", False, "the standard gate at 8 bits", standard=True)
-    assert choice() == "bf16" and model_runner._large_step_weights("auto", tiny_gguf, 8)[0] == "blocks"
+    assert choice() == "bf16" and runtime_plan.large_step_weights("auto", tiny_gguf, 8)[0] == "blocks"
     record(tiny_gguf, 16, "bf16", False, "the standard gate", standard=True)
     assert choice() == "blocks"
     record(tiny_gguf, 16, "bf16", True, "the standard gate", standard=True)
     assert choice() == "bf16"
-    assert model_runner._large_step_weights("blocks", tiny_gguf, 16)[0] == "blocks"
+    assert runtime_plan.large_step_weights("blocks", tiny_gguf, 16)[0] == "blocks"
     amx.clear()  # a CPU without AMX-BF16: blocks unless asked
-    assert choice() == "blocks" and model_runner._large_step_weights("bf16", tiny_gguf, 16)[0] == "bf16"
+    assert choice() == "blocks" and runtime_plan.large_step_weights("bf16", tiny_gguf, 16)[0] == "bf16"
     # 8-bit activations for a file without a verdict: only where every layer's blocks are K-quants (this file
     # mixes in Q4_0 / Q4_1 / Q8_0 / IQ4...: 16)
     llm = LLM(model=tiny_gguf, enable_prefix_caching=False)
-    assert llm.engine.runtime["activation_bits"] == 16 and not model_runner._k_quant_layers(model_of(llm))
-    lins = model_of(llm).linears()
-    assert model_runner._activation_bits("auto", tiny_gguf, True)[0] == 8
-    assert model_runner._activation_bits("auto", tiny_gguf, False)[0] == 16
+    assert llm.engine.runtime["activation_bits"] == 16
+    assert runtime_plan.activation_bits("auto", tiny_gguf, True)[0] == 8
+    assert runtime_plan.activation_bits("auto", tiny_gguf, False)[0] == 16
     record(tiny_gguf, 8, "blocks", False, "the standard gate", standard=True)
-    assert model_runner._activation_bits("auto", tiny_gguf, True)[0] == 16  # a verdict wins over the default
+    assert runtime_plan.activation_bits("auto", tiny_gguf, True)[0] == 16  # a verdict wins over the default
     del llm
+    # the plan reads K-quant-ness off the stored weights, before any model exists: all the layers' block weights
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.model.loader import load_model_files
 
-    class KQuants:  # a model whose layer linears all carry K-quant super-block scales
-        def linears(self):
-            return {n: type("L", (), {"act_levels": 2, "super_scales": object()})() for n in lins}
-
-    assert model_runner._k_quant_layers(KQuants())
+    cpu, ops = torch.device("cpu"), cpu_ops()
+    arch, weights = load_model_files(str(tiny_gguf), native=True, lazy=True)
+    assert not runtime_plan.k_quant_layers(weights, ops, cpu)
+    k_only = {n: w for n, w in weights.items() if not runtime_plan.block_weights({n: w}, ops, cpu) or k_scaled(w)}
+    assert len(k_only) < len(weights) and runtime_plan.k_quant_layers(k_only, ops, cpu)
+    assert not runtime_plan.k_quant_layers(k_only, None, cpu)  # no block kernels: nothing runs on blocks
     assert LLM(model=tiny_gguf, enable_prefix_caching=False).engine.runtime["large_step_weights"] == "blocks"

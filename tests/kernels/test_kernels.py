@@ -11,6 +11,7 @@ from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import decode_attention, write_kv
 from pagedllm.layers.linear import DenseLinear
 from pagedllm.layers.norm import rms_norm
+from pagedllm.layers.ops import TorchOps
 from pagedllm.layers.rotary import RotaryEmbedding
 from helpers import model_of
 
@@ -309,7 +310,8 @@ def test_fused_and_torch_paths_agree():
     llm = LLM(dtype="float32", enable_prefix_caching=False)
     model = model_of(llm)
     fused = llm.generate(PROMPTS, sp, use_tqdm=False)
-    ops, model.ops = model.ops, None
+    assert model.ops.fused
+    ops, model.ops = model.ops, TorchOps()
     try:
         plain = llm.generate(PROMPTS, sp, use_tqdm=False)
     finally:

@@ -116,7 +116,6 @@ def test_gemma_norms_multiply_in_float32_under_bfloat16(tmp_path, llm):
     once, as HF's bfloat16 model computes it: rounding 1 + w to bfloat16 moved every weight by up to 0.4%. The
     checkpoint is HF's bfloat16 model; our final norm equals HF's on the same hidden states (the torch path bit
     for bit, the fused kernel's other reduction order within an ulp), and the model generates."""
-    from pagedllm.model.decoder import NORMS
 
     model = _hf_model("gemma3", llm.engine.core.vocab_size).to(torch.bfloat16)
     d = tmp_path / "gemma3_bf16"
@@ -124,7 +123,7 @@ def test_gemma_norms_multiply_in_float32_under_bfloat16(tmp_path, llm):
     llm.get_tokenizer().save_pretrained(d)
     ours = LLM(model=str(d), max_model_len=128, dtype="bfloat16", enable_prefix_caching=False)
     m = ours.engine.runner.model
-    assert all(t.dtype == torch.float32 for t in [m.norm] + [la[n] for la in m.layers for n in NORMS if n in la])
+    assert all(t.dtype == torch.float32 for t in [m.norm] + [t for la in m.layers for t in la.norms().values()])
     h = (torch.randn(9, 64) * 4).bfloat16()
     with torch.inference_mode():
         ref = model.model.norm(h)

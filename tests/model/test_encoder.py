@@ -13,7 +13,7 @@ from helpers import encoder_gguf, sentence_model
 from pagedllm import LLM
 from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.kernels import cpu_info
-from pagedllm.worker.model_runner import encoder_linear_dtype
+from pagedllm.worker.plan import encoder_linear_dtype
 
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a",
          " ".join(["the dog read a book in the city"] * 6),  # 50 tokens: past the sliding layers' +-4

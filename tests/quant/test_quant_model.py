@@ -85,7 +85,7 @@ def test_checkpoint_reloads_to_the_same_greedy_tokens(awq_checkpoint):
     in_memory = CausalLM(arch, dict(weights), torch.device("cpu"), torch.float32)
     llm = LLM(dtype="float32", model=out)  # the checkpoint directory is recognised without --quantization
     assert llm.engine.core.runner.quantization.startswith("awq")
-    assert model_of(llm).layers[0]["qkv"].kind == "int4"
+    assert model_of(llm).layers[0].attn.qkv.kind == "int4"
     prompts = ["The capital of France is", "def add(a, b):\n"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):

@@ -64,9 +64,9 @@ def test_engine_keeps_only_the_copies_its_steps_reach(monkeypatch):
     engine's that keeps both (no step of 4 sequences reaches the head's copy). A budget of 0 keeps neither."""
     from conftest import PROMPTS
     from pagedllm import LLM, SamplingParams
-    from pagedllm.worker import model_runner
+    from pagedllm.worker import plan as runtime_plan
 
-    monkeypatch.setattr(model_runner, "choose_plan", lambda *a, **k: WeightPlan(True, 16, 8, "float32", "measured", {}))
+    monkeypatch.setattr(runtime_plan, "choose_plan", lambda *a, **k: WeightPlan(True, 16, 8, "float32", "measured", {}))
     sp = SamplingParams(temperature=0.0, max_tokens=8)
     both = LLM(enable_prefix_caching=False, max_num_seqs=8, dense_copy_budget_mib=1024)
     four = LLM(enable_prefix_caching=False, max_num_seqs=4, dense_copy_budget_mib=1024)

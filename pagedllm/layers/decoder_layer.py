@@ -1,0 +1,53 @@
+"""One transformer layer, pre-norm: RMSNorm -> attention -> (sandwich norm) -> residual add -> RMSNorm -> MLP or
+MoE -> (sandwich norm) -> residual add, over one ops backend (``layers.ops``).
+
+The residual stream ``h`` is added to in place and each add is folded into the norm that follows it: a layer
+receives its input already normalised and returns the next layer's normalised input (``next_norm``: the next
+layer's input norm, or the model's final norm)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.mlp import GatedMLP, MoE
+
+
+class DecoderLayer:
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, attn: Attention, mlp: GatedMLP | MoE,
+                 eps: float, attn_out_norm: torch.Tensor | None = None, mlp_out_norm: torch.Tensor | None = None,
+                 tp=None) -> None:
+        """``post_norm``: the norm before the MLP; ``attn_out_norm`` / ``mlp_out_norm``: gemma's sandwich norms on
+        each block's output; ``tp``: the tensor-parallel group that sums the row-parallel outputs (None: one
+        rank)."""
+        self.input_norm, self.post_norm, self.attn, self.mlp, self.eps = input_norm, post_norm, attn, mlp, eps
+        self.attn_out_norm, self.mlp_out_norm, self.tp = attn_out_norm, mlp_out_norm, tp
+
+    def linear_slots(self, prefix: str):
+        """(name, owner, attribute) of each linear: the names ``model.loader`` gives their weights."""
+        yield from self.attn.linear_slots(prefix)
+        yield from self.mlp.linear_slots(prefix)
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        out = {"input_norm": self.input_norm, "post_norm": self.post_norm, **self.attn.norms()}
+        if self.attn_out_norm is not None:
+            out.update(attn_out_norm=self.attn_out_norm, mlp_out_norm=self.mlp_out_norm)
+        return out
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.tp.all_reduce(x)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, rot, kv: tuple, meta,
+                next_norm: torch.Tensor, ops) -> torch.Tensor:
+        """x: this layer's normalised input (T, H); h: the residual stream (updated in place) -> the next layer's
+        normalised input."""
+        o = self._reduce(self.attn(x, positions, rot, kv, meta, ops))  # row-parallel: partial sums
+        if self.attn_out_norm is not None:
+            o = ops.rms_norm(o, self.attn_out_norm, self.eps)
+        x = ops.add_rms_norm(h, o, self.post_norm, self.eps)
+        m = self._reduce(self.mlp(x, ops))
+        if self.mlp_out_norm is not None:
+            m = ops.rms_norm(m, self.mlp_out_norm, self.eps)
+        return ops.add_rms_norm(h, m, next_norm, self.eps)
+
+    __call__ = forward

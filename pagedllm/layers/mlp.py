@@ -1,0 +1,77 @@
+"""The feed-forward layers: a gated MLP (SwiGLU / GeGLU: down(act(gate) * up), gate and up one fused projection)
+and a mixture of experts of them behind a softmax router."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.ops import TorchOps
+from pagedllm.layers.weights import WeightSource
+
+
+class GatedMLP:
+    def __init__(self, gate_up, down, act: str) -> None:
+        self.gate_up, self.down, self.act = gate_up, down, act
+
+    @classmethod
+    def load(cls, src: WeightSource, prefix: str, act: str, dense: bool = True) -> "GatedMLP":
+        """``{prefix}gate_up`` (or ``gate`` and ``up``, fused here) and ``{prefix}down``."""
+        return cls(src.linear(prefix + "gate_up", [prefix + "gate", prefix + "up"], "mlp", dense=dense),
+                   src.linear(prefix + "down", [prefix + "down"], "mlp", dense=dense), act)
+
+    def linear_slots(self, prefix: str):
+        yield prefix + "gate_up", self, "gate_up"
+        yield prefix + "down", self, "down"
+
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        gate_up, down = self.gate_up, self.down
+        act_and_mul = ops.act_and_mul(self.act)
+        if ops.fused and hasattr(gate_up, "gated"):  # packed weights' own large-step path (bfloat16 stripes)
+            y = gate_up.gated(x, act_and_mul, down)
+            if y is not None:
+                return y
+        rows = ops.mlp_rows
+        # whole where a piece would take gate_up's stripes (each piece would decode every weight again)
+        if not rows or x.shape[0] <= rows or 0 < getattr(gate_up, "bf16_min_tokens", 0) <= rows:
+            return down(act_and_mul(gate_up(x)))
+        return torch.cat([down(act_and_mul(gate_up(x[i:i + rows]))) for i in range(0, x.shape[0], rows)])
+
+    __call__ = forward
+
+
+class MoE:
+    """Softmax over the router's logits (float32), the top k experts per token (renormalised where the model says),
+    and the step's tokens grouped per expert, so each chosen expert runs once on all of its tokens; experts are added
+    in ascending order, as the reference does."""
+
+    def __init__(self, router: torch.Tensor, experts: list[GatedMLP], top_k: int, norm_topk_prob: bool) -> None:
+        self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
+
+    @classmethod
+    def load(cls, src: WeightSource, prefix: str, act: str, num_experts: int, top_k: int,
+             norm_topk_prob: bool) -> "MoE":
+        """``{prefix}router`` (float, small; dequantized if stored in blocks) and per expert ``{prefix}experts.{e}.``
+        its gated MLP, without dense copies (an expert sees ~k/E of a step's rows, rarely enough to pay for one)."""
+        router = src.float_tensor(prefix + "router")
+        experts = [GatedMLP.load(src, f"{prefix}experts.{e}.", act, dense=False) for e in range(num_experts)]
+        return cls(router, experts, top_k, norm_topk_prob)
+
+    def linear_slots(self, prefix: str):
+        for e, expert in enumerate(self.experts):
+            yield from expert.linear_slots(f"{prefix}experts.{e}.")
+
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            slot, rows = torch.where((chosen == e).T)  # (k, T) order: by slot, then token, as the reference
+            y = self.experts[e](x[rows].contiguous(), ops)
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+    __call__ = forward

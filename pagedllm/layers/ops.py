@@ -1,0 +1,115 @@
+"""The small operations between a layer's matmuls, behind one interface with two backends, so that each layer has
+one ``forward``:
+
+- ``FusedOps``: the C++ CPU kernels (``pagedllm.kernels``): the residual add folded into the next RMSNorm, rotary
+  and the K/V cache write in one pass, decode attention reading the cache's blocks in place, the MLP in pieces of
+  ``mlp_rows`` rows;
+- ``TorchOps``: the same arithmetic as torch operations (CUDA, float16, a CPU without a compiler, the encoders).
+
+Both keep the same in-place conventions: ``add_rms_norm`` adds into the residual stream ``h``; ``qk_norm`` and
+``rope_write_kv`` rewrite the q and k heads inside the fused qkv projection's output. ``choose_ops`` is the choice
+the model is built with.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.attention import write_kv
+from pagedllm.layers.norm import rms_norm
+from pagedllm.layers.rotary import RotaryEmbedding
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
+# The fused path runs a step's MLP in pieces of this many rows: a 2048-token prefill step's gate/up output is
+# ~150 MB for a 1.5B model (a fresh mmap, page-faulted in, on every layer), 256 rows' ~18 MB is reused from the heap
+# and stays in cache between gate/up, the activation and down. The kernels' rows do not depend on their batch, so
+# the results are the same.
+MLP_ROWS = 256
+
+
+class TorchOps:
+    """torch operations (any device and dtype)."""
+
+    fused = False
+    kernels = None  # what ``paged_attention`` runs decode attention with (None: torch's SDPA over gathered blocks)
+    mlp_rows = 0  # the MLP runs on all of a step's rows at once
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """h += delta (in place), then RMSNorm(h)."""
+        h.add_(delta)
+        return rms_norm(h, weight, eps)
+
+    def qk_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, nq: int, nkv: int,
+                eps: float) -> torch.Tensor:
+        t, d = qkv.shape[0], q_norm.shape[0]
+        qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
+        qk[:, :nq] = rms_norm(qk[:, :nq], q_norm, eps)
+        qk[:, nq:] = rms_norm(qk[:, nq:], k_norm, eps)
+        return qkv
+
+    def step_rotary(self, rotary: RotaryEmbedding, positions: torch.Tensor):
+        """What ``rope_write_kv`` rotates a step with: the step's (T, 1, D/2) cos and sin, looked up once per step
+        and shared by the layers of that rotary."""
+        return rotary.cos_sin(positions)
+
+    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, rot, slots: torch.Tensor | None,
+                      k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, nq: int, nkv: int) -> None:
+        """q and k heads of qkv rotated in place; k and v written to the caches at ``slots`` (None: no cache, an
+        encoder)."""
+        t, d = qkv.shape[0], rot[0].shape[-1] * 2
+        qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
+        qk.copy_(RotaryEmbedding.apply(rot, qk))
+        if k_cache is not None:
+            kv = qkv[:, nq * d:].view(t, 2, nkv, d)
+            write_kv(k_cache, v_cache, kv[:, 0], kv[:, 1], slots)
+
+    def act_and_mul(self, act: str):
+        """gate_up (T, 2I) -> act(gate) * up (T, I)."""
+        fn = ACTIVATIONS[act]
+
+        def act_and_mul(gu: torch.Tensor) -> torch.Tensor:
+            gate, up = gu.chunk(2, dim=-1)
+            return fn(gate) * up
+        return act_and_mul
+
+
+class FusedOps(TorchOps):
+    """The fused CPU kernels (float32 / bfloat16 on CPU)."""
+
+    fused = True
+    mlp_rows = MLP_ROWS
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def rms_norm(self, x, weight, eps):
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        return self.kernels.add_rms_norm(h, delta, weight, eps)
+
+    def qk_norm(self, qkv, q_norm, k_norm, nq, nkv, eps):
+        return self.kernels.qk_norm(qkv, q_norm, k_norm, nq, nkv, eps)
+
+    def step_rotary(self, rotary, positions):
+        return rotary.cos32, rotary.sin32  # the kernel looks the positions up itself, in float32
+
+    def rope_write_kv(self, qkv, positions, rot, slots, k_cache, v_cache, nq, nkv):
+        if k_cache is None:
+            raise ValueError("the fused rotary writes a KV cache: an encoder runs on TorchOps")
+        self.kernels.rope_write_kv(qkv, positions, rot[0], rot[1], slots, k_cache, v_cache, nq, nkv)
+
+    def act_and_mul(self, act):
+        fused = {"silu": self.kernels.silu_and_mul, "gelu_tanh": self.kernels.gelu_tanh_and_mul}.get(act)
+        return fused if fused is not None else super().act_and_mul(act)
+
+
+def choose_ops(kernels, device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """The fused kernels where they run (CPU, float32 or bfloat16 activations, ``kernels`` built), else torch."""
+    if kernels is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        return FusedOps(kernels)
+    return TorchOps()
