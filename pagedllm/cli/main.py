@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ray_serve_args(r)
     r.set_defaults(func=cmd_ray_serve)
 
-    from pagedllm.bench import compare, embed, ladder, offline, overhead, quant, reliability, roofline, serve, spec, tp
+    from pagedllm.bench import compare, embed, offline, overhead, quant, roofline, serve, spec, tp
     from pagedllm.cli import fetch
 
     def add_module_command(subparsers, name: str, module, help_text: str) -> None:
@@ -181,13 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", serve, "load-test any OpenAI-compatible server"),
         ("compare", compare, "HF vs pagedllm offline vs pagedllm server, one workload"),
         ("embed", embed, "/v1/embeddings throughput against peers, with the vectors' agreement"),
-        ("ladder", ladder, "the optimization ladder, step by step: speed, memory and quality gates"),
         ("roofline", roofline, "machine matmul/bandwidth limits and the engine's fraction of them"),
         ("spec", spec, "decode speed with and without speculative decoding"),
         ("quant", quant, "quantization methods side by side: memory, quality, speed"),
         ("tp", tp, "decode tokens/s and all-reduce time per step at several tensor-parallel sizes"),
         ("overhead", overhead, "engine overhead vs forward pass in a loaded server's steps (py-spy profile)"),
-        ("reliability", reliability, "fuzzing, disconnect storms, overload, faults, shutdown, soak: figures"),
     ):
         add_module_command(bsub, name, module, help_text)
     return p

@@ -85,7 +85,7 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._interval = _IntervalStats()
         # The engine is built and stepped in one thread: torch ops issued from two threads run two OpenMP
-        # thread teams that fight over the cores (measured: 32 -> 55 ms per batch-1 decode step).
+        # thread teams that fight over the cores (docs/history.md#figures-from-code-comments).
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, args=(config,), name="pagedllm-engine", daemon=True)

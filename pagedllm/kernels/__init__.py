@@ -130,23 +130,15 @@ def _unity(out_dir: Path, name: str) -> Path:
     return unit
 
 
-def build(march: str = "native", verbose: bool = False, source: Path | None = None, unity: bool = False):
+def build(march: str = "native", verbose: bool = False, unity: bool = False):
     """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build.
-    ``source``: another version of the kernels, a ``csrc`` directory (``git archive REV pagedllm/kernels/csrc``) or
-    the one file they were before it (``cpu_ops.cpp``); the A/B scripts build one beside the current sources: the
-    module is named by the sources' hash, so both load in one process. ``unity``: the sources as one compile unit
-    (``PAGEDLLM_CPU_UNITY=1``; the x86-level tests build three levels side by side)."""
+    ``unity``: the sources as one compile unit (``PAGEDLLM_CPU_UNITY=1``; the x86-level tests build three levels
+    side by side)."""
     from torch.utils.cpp_extension import load  # 0.2 s of setuptools: only where the kernels are built or loaded
 
-    if source is None:
-        sources, hashed = SOURCES, SOURCES + HEADERS
-    elif source.is_dir():  # an older version may lack later files (pack.cpp, qlinear_amx.h)
-        sources = tuple(source / s.name for s in SOURCES if (source / s.name).exists())
-        hashed = sources + tuple(source / h.name for h in HEADERS if (source / h.name).exists())
-    else:
-        sources = hashed = (source,)
-    key = build_key(march, hashed)
-    if unity and source is None:
+    sources = SOURCES
+    key = build_key(march)
+    if unity:
         sources = (_unity(Path(tempfile.gettempdir()), f"unity_{march}_{key}"),)
         key += "_unity"
     name = f"pagedllm_cpu_ops_{_ident(march)}_{key}"  # a module name: no "-", "." or "+"

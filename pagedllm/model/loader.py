@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.model.arch import ModelArchConfig, config_from_gguf, config_from_hf
 from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos
-from pagedllm.gguf_file import GGUFFile
+from pagedllm.gguf_file import BLOCK_TYPES, GGUFFile
 from pagedllm.quant import gguf_blocks
 from pagedllm.quant.formats import reorder_rows
 
@@ -31,8 +31,9 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-# GGUF block types the loader decodes itself (blocks of 32): bytes before a block's codes (f16 d; Q4_1: and f16 m)
-_BLOCK_HEAD = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}
+# GGUF block types the loader decodes to floats itself (blocks of 32): bytes before a block's codes (f16 d; Q4_1:
+# and f16 m), from the block types' table
+_BLOCK_HEAD = {name: t.head for name, t in BLOCK_TYPES.items() if t.head}
 
 
 def _gguf_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -41,7 +42,7 @@ def _gguf_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | 
     0-15 and the high nibbles 16-31), 8-bit ones as int8. Values: Q4_1 d*q + m, Q4_0 d*(q - 8), Q8_0 d*s."""
     head = _BLOCK_HEAD[kind]
     rows = int(np.prod(data.shape[:-1]))
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, head + (32 if kind == "Q8_0" else 16))
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, BLOCK_TYPES[kind].nbytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
     qs = blocks[..., head:]
@@ -52,7 +53,8 @@ def _gguf_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | 
 def _dequantize(data: np.ndarray, ttype) -> np.ndarray:
     """Float32 values of a GGUF tensor. Q4_0, Q4_1 and Q8_0 blocks are decoded with torch, by the same float32
     operations as gguf's numpy de-quantization (``d*q + m``, ``d*(q - 8)``, ``s*d``), so to the same numbers (a test
-    compares every tensor of the default file) and ~3x faster on two cores; other types go through gguf."""
+    compares every tensor of the default file) and faster (docs/history.md#figures-from-code-comments); other types go
+    through gguf."""
     import gguf
 
     kind = ttype.name

@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pagedllm.gguf_file import BLOCK_TYPES
 from pagedllm.kernels import cpu_ops
 from pagedllm.quant.formats import KScales, QuantizedWeight
 
@@ -85,10 +86,11 @@ def _weight(rows: int, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarra
 
 
 # The types whose codes the kernels decode in one pass (``gguf_codes``: what a start-up spends most on, a byte per
-# weight), with their (values, bytes) per block. Their decoders take those codes as ``codes`` (the rows' stored codes,
-# 8-bit ones + 128) and compute only the scales; without the kernels, numpy's steps below give the same codes.
-FAST_CODES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (QK, 144),
-              "Q5_K": (QK, 176), "Q6_K": (QK, 210)}
+# weight): those with a C++ decoder in ``gguf_file.BLOCK_TYPES``. Their decoders take those codes as ``codes`` (the
+# rows' stored codes, 8-bit ones + 128) and compute only the scales; without the kernels, numpy's steps below give
+# the same codes.
+FAST_CODES = frozenset(t.name for t in BLOCK_TYPES.values() if t.decoder)
+PLAIN_CODES = (0, 0, 0, 0)  # ``pack_parts``'s type of rows that are codes already (one byte per weight)
 
 
 class RawCodes:
@@ -99,9 +101,9 @@ class RawCodes:
     the rows' pages of the map from the resident set once packed (they stay readable)."""
 
     def __init__(self, data: np.ndarray, kind: str, widen: bool = False, release=None) -> None:
-        values, nbytes = FAST_CODES[kind]
+        t = BLOCK_TYPES[kind]
         self.data, self.kind, self.widen, self.release = data, kind, widen, release
-        self.shape = (data.shape[0], data.shape[1] // nbytes * values)
+        self.shape = (data.shape[0], data.shape[1] // t.nbytes * t.values)
 
     def widened(self) -> "RawCodes":
         return RawCodes(self.data, self.kind, True, self.release)
@@ -111,11 +113,11 @@ class RawCodes:
 
     def source(self) -> tuple:
         """``pack_parts``'s description of these rows."""
-        return self.data, self.kind, self.shape[0], self.widen
+        return self.data, BLOCK_TYPES[self.kind].kernel_type(), self.shape[0], self.widen
 
     def tensor(self) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=torch.uint8)
-        cpu_ops().gguf_codes(self.data, self.kind, out)
+        cpu_ops().gguf_codes(self.data, BLOCK_TYPES[self.kind].kernel_type(), out)
         if self.widen:
             out |= 0x80
         if self.release is not None:
@@ -162,7 +164,7 @@ def _k_scale_min(b: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K blocks' 12 bytes of eight 6-bit scales and eight 6-bit mins -> (n, 8) each."""
     ops = cpu_ops()
     if ops is not None:
-        both = ops.gguf_k_scales(b, kind).numpy()
+        both = ops.gguf_k_scales(b, BLOCK_TYPES[kind].nbytes).numpy()
         return both[:, :8].astype(np.float32), both[:, 8:].astype(np.float32)
     s = b[:, 4:16]
     d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
@@ -308,11 +310,12 @@ def _fields(k: KScales) -> tuple:
 
 
 # block types that decode to 4-bit codes (the others: signed 8-bit), and those with a scale per 16 values
-FOUR_BIT = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"})
-GROUP_16 = frozenset({"Q2_K", "Q3_K", "Q6_K"})
-# the types whose decoders keep the file's two-level scales (``QuantizedWeight.kscales``: a float16 scale per
-# super-block of 256 and small integer ones per sub-block), which llama.cpp multiplies with 8-bit activations
-K_SCALED = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
+# the table's columns as sets (``gguf_file.BLOCK_TYPES``); K-scaled: the decoders keep the file's two-level scales
+# (``QuantizedWeight.kscales``: a float16 scale per super-block of 256 and small integer ones per sub-block), which
+# llama.cpp multiplies with 8-bit activations
+FOUR_BIT = frozenset(t.name for t in BLOCK_TYPES.values() if t.code_bits == 4)
+GROUP_16 = frozenset(t.name for t in BLOCK_TYPES.values() if t.group == 16)
+K_SCALED = frozenset(t.name for t in BLOCK_TYPES.values() if t.k_scaled)
 
 
 def k_scaled(w) -> bool:

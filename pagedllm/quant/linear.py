@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.quant.formats import FP8_MAX, Fp8Weight, QuantizedWeight
+from pagedllm.quant.gguf_blocks import PLAIN_CODES
 
 ACT_DTYPE = torch.bfloat16
 QBLOCK = 32  # input channels per block of BlockQuantLinear
@@ -166,7 +167,7 @@ class BlockQuantLinear(_Packed):
         # the interleaved layout (kernels' pack.cpp), padded with zero weights; a fused weight's parts one after
         # another (no concatenated copy), a GGUF tensor's codes decoded from its blocks as they are packed
         parts = qw.code_parts if qw.code_parts is not None else (codes,)
-        sources = [(c.contiguous().numpy(), "", len(c), False) if isinstance(c, torch.Tensor) else c.source()
+        sources = [(c.contiguous().numpy(), PLAIN_CODES, len(c), False) if isinstance(c, torch.Tensor) else c.source()
                    for c in parts]
         self.codes = ops.pack_parts(sources, qw.bits, k)
         for c in parts:

@@ -5,7 +5,7 @@ response bodies (OpenAI's shapes, Anthropic's on ``/v1/messages``; JSON or an SS
 route can answer with (OpenAI's error object, Anthropic's on its routes; 400 where FastAPI would document 422), the
 numeric ranges the engine enforces (``sampling_params.RANGES``), that unknown request fields are refused, and the
 key's security schemes (bearer; also ``x-api-key`` on the Anthropic routes).
-A fuzzer (`pagedllm bench reliability`) checks every response against this schema.
+A fuzzer (`python -m tools.reliability`) checks every response against this schema.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from pagedllm.sim.hardware import HardwareProfile
 from pagedllm.sim.kvcalc import kv_dtype_bytes
+from pagedllm.model.arch import KVGroups
 from pagedllm.sim.model_profile import ModelProfile, QuantScheme
 
 
@@ -73,7 +74,14 @@ class Deployment:
 
     @property
     def kv_bytes_per_token_device(self) -> int:
+        """K and V of one token in every layer, on one device (a full-attention figure)."""
         return self.kv_bytes_per_token_layer * self.model.num_layers
+
+    def kv_bytes_per_block(self, block_size: int = 16) -> int:
+        """One KV block on one device: ``block_size`` tokens of the layers one block holds (the engine's layout,
+        ``ModelProfile.kv_layout``: all the layers, or a group's where sliding and full layers keep separate
+        block tables)."""
+        return block_size * self.kv_bytes_per_token_layer * self.model.kv_layout.slots
 
     def memory_plan(self, block_size: int = 16) -> "MemoryPlan":
         hw = self.hardware
@@ -83,13 +91,12 @@ class Deployment:
         budget = hw.memory_bytes * self.gpu_memory_utilization
         left = budget - self.weight_bytes_per_device - reserve
         pool = min(self.kv_cache_bytes, max(left, 0)) if self.kv_cache_bytes is not None else max(left, 0)
-        tokens = int(pool // self.kv_bytes_per_token_device)
-        blocks = tokens // block_size
-        per_token = self.kv_bytes_per_token_device
+        per_block = self.kv_bytes_per_block(block_size)
+        blocks = int(pool // per_block)
         return MemoryPlan(budget_per_device=budget, weights_per_device=self.weight_bytes_per_device,
-                          reserve_per_device=reserve, kv_pool_per_device=blocks * block_size * per_token,
-                          kv_bytes_per_token_device=per_token, num_blocks=blocks, block_size=block_size,
-                          num_devices=self.tp)
+                          reserve_per_device=reserve, kv_pool_per_device=blocks * per_block,
+                          kv_bytes_per_token_device=self.kv_bytes_per_token_device, num_blocks=blocks,
+                          block_size=block_size, num_devices=self.tp, kv_layout=self.model.kv_layout)
 
 
 @dataclass(frozen=True)
@@ -102,10 +109,24 @@ class MemoryPlan:
     num_blocks: int
     block_size: int
     num_devices: int
+    kv_layout: KVGroups | None = None  # None: one group of every layer
 
     @property
     def kv_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens the pool holds in every layer (a sliding-window model's sequences keep fewer: ``fits``)."""
+        groups = 1 if self.kv_layout is None else len(self.kv_layout.windows)
+        return self.num_blocks * self.block_size // groups
+
+    def blocks_per_sequence(self, seq_len: int) -> int:
+        """Blocks a sequence of ``seq_len`` tokens holds: per group, its tokens (a sliding group: its window's, and
+        the block the window starts in)."""
+        windows = (0,) if self.kv_layout is None else self.kv_layout.windows
+        bs = self.block_size
+        return sum(-(-seq_len // bs) if not w or w >= seq_len else min(-(-seq_len // bs), -(-w // bs) + 1)
+                   for w in windows)
+
+    def sequences_that_fit(self, seq_len: int) -> int:
+        return self.num_blocks // self.blocks_per_sequence(seq_len)
 
     @property
     def fits(self) -> bool:
@@ -115,6 +136,22 @@ class MemoryPlan:
     def total_bytes(self) -> float:
         """Weights + KV pool over all devices."""
         return (self.weights_per_device + self.kv_pool_per_device) * self.num_devices
+
+
+def _keys_attended(q: int, c0: int, window: int) -> float:
+    """Sum over ``q`` query rows at positions c0 .. c0+q-1 of the keys each attends to: its prefix (causal), at
+    most ``window`` (0: no window)."""
+    full = q * c0 + q * (q + 1) / 2
+    if not window or c0 + q <= window:
+        return full
+    capped = q - max(0, window - c0)  # rows whose prefix exceeds the window
+    first = max(c0, window)  # those rows' positions start here (0-based); each would see position + 1 keys
+    return full - sum_range(first + 1, c0 + q) + capped * window
+
+
+def sum_range(a: int, b: int) -> float:
+    """a + (a+1) + ... + b."""
+    return (a + b) * (b - a + 1) / 2 if b >= a else 0.0
 
 
 # ------------------------------------------------------------------ one step
@@ -198,6 +235,8 @@ class CostModel:
         self._embed_bpw = deployment.scheme.embed.bytes_per_weight
         self._heads_dev = m.num_heads // tp
         self._kv_layer = deployment.kv_bytes_per_token_layer
+        windows = m.layer_windows or (0,) * m.num_layers
+        self._windows = [(w, windows.count(w)) for w in sorted(set(windows))]  # (window or 0, layers)
         self._attn_rate = hw.peak_flops(hw.attention_dtype) * hw.attention_efficiency
 
     def _gemm(self, name: str, rows: int, flops: float, nbytes: float, fmt) -> OpTime:
@@ -223,14 +262,15 @@ class CostModel:
                 ops.append(self._gemm(name, rows, flops_row * rows, wbytes + act_row * rows * self._act, fmt))
             # attention: each query row attends to its own prefix (causal); K/V of the context read once per
             # sequence and layer, the new tokens' K/V written
+            # (a sliding-window layer: at most its window of keys per query row)
             d, h = m.head_dim, self._heads_dev
             a_flops = a_bytes = 0.0
             for w in work:
                 q, c0 = w.query_tokens, w.context_before
-                a_flops += 4 * d * h * (q * c0 + q * (q + 1) / 2)
-                a_bytes += self._kv_layer * (c0 + 2 * q) + 2 * q * h * d * self._act
-            a_flops *= m.num_layers
-            a_bytes *= m.num_layers
+                for window, layers in self._windows:
+                    a_flops += layers * 4 * d * h * _keys_attended(q, c0, window)
+                    read = c0 if not window else min(c0, window)
+                    a_bytes += layers * (self._kv_layer * (read + 2 * q) + 2 * q * h * d * self._act)
             ops.append(OpTime("attention", a_flops, a_bytes, a_flops / self._attn_rate, a_bytes / self._bw))
             e_bytes = rows * m.hidden_size * (self._embed_bpw / tp + self._act)
             ops.append(OpTime("embedding", 0.0, e_bytes, 0.0, e_bytes / self._bw))

@@ -2,7 +2,9 @@
 
 Per token, every layer stores one key and one value vector per KV head:
 ``2 x layers x kv_heads x head_dim x bytes``. The formula often quoted, ``2 x layers x hidden x bytes``, counts a
-KV vector per query head (multi-head attention); with GQA it overstates by ``num_heads / num_kv_heads``.
+KV vector per query head (multi-head attention); with GQA it overstates by ``num_heads / num_kv_heads``. A
+sliding-window layer (Gemma 2 / 3, Mistral) keeps at most its window of a sequence: the per-sequence figures count
+it so, as the engine's KV cache frees the blocks that fell out of the window.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ def kv_bytes_per_token(m: ModelProfile, kv_dtype: str = "bf16") -> int:
     return 2 * m.num_layers * m.num_kv_heads * m.head_dim * kv_dtype_bytes(kv_dtype)
 
 
+def kv_bytes_per_sequence(m: ModelProfile, seq_len: int, kv_dtype: str = "bf16") -> int:
+    """Bytes of K and V a sequence of ``seq_len`` tokens holds across all layers (sliding layers: their window)."""
+    return 2 * m.kv_token_layers(seq_len) * m.num_kv_heads * m.head_dim * kv_dtype_bytes(kv_dtype)
+
+
 def naive_kv_bytes_per_token(m: ModelProfile, kv_dtype: str = "bf16") -> int:
     """The common formula 2 x layers x hidden x bytes (one KV vector per query head)."""
     return 2 * m.num_layers * m.hidden_size * kv_dtype_bytes(kv_dtype)
@@ -39,10 +46,11 @@ class KVReport:
     batch: int
     per_token: int
     naive_per_token: int
+    per_sequence: int  # sliding layers count their window only
 
     @property
     def total(self) -> int:
-        return self.per_token * self.seq_len * self.batch
+        return self.per_sequence * self.batch
 
     @property
     def naive_total(self) -> int:
@@ -59,12 +67,15 @@ class KVReport:
             "| formula | per token | per sequence | batch x sequence |",
             "|---|---|---|---|",
             f"| GQA: 2 x layers x kv_heads x head_dim x bytes | {human_bytes(self.per_token)} "
-            f"({self.per_token:,} B) | {human_bytes(self.per_token * self.seq_len)} | {human_bytes(self.total)} |",
+            f"({self.per_token:,} B) | {human_bytes(self.per_sequence)} | {human_bytes(self.total)} |",
             f"| common: 2 x layers x hidden x bytes | {human_bytes(self.naive_per_token)} "
             f"({self.naive_per_token:,} B) | {human_bytes(self.naive_per_token * self.seq_len)} "
             f"| {human_bytes(self.naive_total)} |",
             "",
-            f"The common formula overstates by {self.overstatement:g}x (= num_heads / num_kv_heads).",
+            f"The common formula overstates by {self.overstatement:g}x (= num_heads / num_kv_heads)."
+            + (f" Sliding-window layers keep at most their window: a sequence holds "
+               f"{self.per_sequence / (self.per_token * self.seq_len):.0%} of the all-global figure."
+               if self.per_sequence < self.per_token * self.seq_len else ""),
         ])
 
 
@@ -72,4 +83,4 @@ def kv_report(m: ModelProfile, kv_dtype: str = "bf16", seq_len: int = 8192, batc
     if seq_len < 1 or batch < 1:
         raise ValueError("seq_len and batch must be >= 1")
     return KVReport(m.name, kv_dtype, seq_len, batch, kv_bytes_per_token(m, kv_dtype),
-                    naive_kv_bytes_per_token(m, kv_dtype))
+                    naive_kv_bytes_per_token(m, kv_dtype), kv_bytes_per_sequence(m, seq_len, kv_dtype))

@@ -80,7 +80,7 @@ def run_ladder(cfg: LadderConfig) -> list[LadderRow]:
     q_tp, q_note = cfg.tp, ""
     if cfg.tp > 1:
         one = dep(cfg.quant_scheme, 1)
-        if one.memory_plan(cfg.settings.block_size).kv_tokens >= max_len:
+        if one.memory_plan(cfg.settings.block_size).sequences_that_fit(max_len) >= 1:
             q_tp = 1
         else:
             q_note = f"does not fit on one {cfg.hardware.name} with a {max_len}-token KV: kept tp={cfg.tp}"

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from pagedllm.gguf_file import GGUFFile
-from pagedllm.model.arch import ModelArchConfig, config_from_gguf, config_from_hf
+from pagedllm.gguf_file import BLOCK_TYPES, GGUFFile
+from pagedllm.model.arch import KVGroups, ModelArchConfig, config_from_gguf, config_from_hf, kv_groups
 from pagedllm.model.archs import GGUFMeta
 from pagedllm.sim.hardware import COMPUTE_DTYPES
 
@@ -30,6 +30,9 @@ class ModelProfile:
     max_position: int = 8192
     attention_bias: bool = False
     gguf_scheme: "QuantScheme | None" = None  # the tensor formats of the GGUF file this profile was read from
+    # per layer, the keys it attends to (0: all of the context; a sliding window in tokens), as the model's own
+    # ``ModelArchConfig.window`` gives it; empty: every layer full
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
@@ -45,6 +48,19 @@ class ModelProfile:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim < 1:
             raise ValueError(f"model {self.name}: head_dim must be >= 1")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"model {self.name}: {len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    @property
+    def kv_layout(self) -> KVGroups:
+        """How the layers share the paged KV cache: the engine's own grouping (``model.arch.kv_groups``), sliding
+        groups freeing the blocks that fell out of their window."""
+        return kv_groups(list(self.layer_windows) or [0] * self.num_layers)
+
+    def kv_token_layers(self, seq_len: int) -> int:
+        """Layer-tokens of K/V a sequence of ``seq_len`` tokens keeps: all of them in a full layer, at most its
+        window in a sliding one."""
+        return sum(min(seq_len, w) if w else seq_len for w in (self.layer_windows or [0] * self.num_layers))
 
     @property
     def q_dim(self) -> int:
@@ -116,10 +132,8 @@ FORMATS = MappingProxyType({
     "int8": WeightFormat("int8", 1.0, "int8", per_channel_bytes=4),
     "awq4": WeightFormat("awq4", 0.5 + 2.5 / _GROUP, "bf16", compute_factor=0.75),
     "gptq4": WeightFormat("gptq4", 0.5 + 2.5 / _GROUP, "bf16", compute_factor=0.75),
-    # GGUF blocks of 32: Q4_0 = f16 scale + 16 bytes; Q4_1 = f16 scale + f16 min + 16 bytes; Q8_0 = f16 + 32
-    "q4_0": _gguf_block("q4_0", 32, 18),
-    "q4_1": _gguf_block("q4_1", 32, 20),
-    "q8_0": _gguf_block("q8_0", 32, 34),
+    # GGUF block types (``gguf_file.BLOCK_TYPES``: their bytes per block of values), on the integer block kernels
+    **{name.lower(): _gguf_block(name.lower(), t.values, t.nbytes) for name, t in BLOCK_TYPES.items()},
 })
 
 
@@ -210,6 +224,7 @@ def _from_arch(cfg: ModelArchConfig, name: str, path: str, scheme: "QuantScheme 
         num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
         tie_word_embeddings=cfg.tie_word_embeddings, head_dim=cfg.head_dim, max_position=cfg.max_position,
         attention_bias=cfg.attention_bias, gguf_scheme=scheme,
+        layer_windows=tuple(cfg.window(i) for i in range(cfg.num_layers)) if cfg.layer_types else (),
     )
 
 
@@ -227,13 +242,13 @@ def from_hf_config(path: str) -> ModelProfile:
 
 def _gguf_format(type_name: str, block: int, type_size: int) -> WeightFormat:
     key = type_name.lower()
-    if key in FORMATS:
+    if key in FORMATS:  # the block types pagedllm runs, and the float ones
         return FORMATS[key]
     if key in ("f16", "bf16"):
         return FORMATS["bf16"]
     if key == "f32":
         return FORMATS["fp32"]
-    return _gguf_block(key, block, type_size)  # k-quants etc.: their block size, integer kernels
+    return _gguf_block(key, block, type_size)  # a type outside the table: gguf's block size, integer kernels
 
 
 def from_gguf(path: str) -> ModelProfile:

@@ -195,7 +195,9 @@ class _Engine:
     def __init__(self, dep: Deployment, settings: EngineSettings, num_blocks: int, max_len: int,
                  rng: random.Random) -> None:
         spec = settings.spec
-        self.kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
+        # the model's own KV layout: a block table per layer group, sliding groups freeing what left their window
+        self.kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching,
+                                 windows=dep.model.kv_layout.windows)
         self.sched = Scheduler(
             SchedulerConfig(max_num_batched_tokens=settings.max_num_batched_tokens,
                             max_num_seqs=settings.max_num_seqs, enable_chunked_prefill=settings.enable_chunked_prefill),
@@ -317,7 +319,7 @@ def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = Eng
     summary = summarize(
         system, records, start_s, end_s, dep.num_devices * replicas, dep.hardware.price_per_hour,
         dep.weight_bytes * replicas,
-        num_blocks * settings.block_size * dep.kv_bytes_per_token_device * dep.num_devices * replicas,
+        num_blocks * dep.kv_bytes_per_block(settings.block_size) * dep.num_devices * replicas,
         kv_usage_max=max(e.usage_max for e in engines),
         kv_usage_mean=sum(e.usage_area for e in engines) / span / replicas,
         preemptions=sum(e.sched.counters.num_preemptions for e in engines),

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 BATCH_SIZES = (1, 4, 16, 64, 256)
 HEAD_ROWS = 32768  # rows of the LM head timed (scaled to all of them)
 # A dense path (4-8x the packed weights' memory, alone or as a copy) only where it beats the blocks by this factor:
-# a tie (a tiny model's 0.06 ms, or a busy machine's noise) keeps the packed weights alone.
+# a tie (a tiny model's sub-millisecond timings, or a busy machine's noise) keeps the packed weights alone.
 DENSE_MARGIN = 0.9
 CACHE_VERSION = 3  # 2: no bfloat16 candidate; 3: consistency-checked timings, the head timed on a slice
 

@@ -23,10 +23,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, coun
     with the budget. One buffer, not one per tensor: glibc serves a freed-then-requested block below its mmap
     threshold from the heap and must clear it, so a per-tensor cache made every engine start after the first in a
     process zero the whole cache (the measured cost: docs/history.md). In 4 KiB pages (``MADV_NOHUGEPAGE``; numpy's
-    ``zeros`` asks for transparent huge pages): under a hypervisor a huge page's first touch can cost ~12 ms (256
-    MiB: 1.6 s against 58 ms in small pages, on the Sapphire Rapids VM), and a step writing the first tokens of its
-    blocks touches a new one every 2 MiB of each layer's cache: a fresh server's first 32-request run was 15-20%
-    slower than the next."""
+    ``zeros`` asks for transparent huge pages): under a hypervisor a huge page's first touch can cost milliseconds,
+    and a step writing the first tokens of its blocks touches a new one every 2 MiB of each layer's cache, which
+    slowed a fresh server's first runs (docs/history.md#figures-from-code-comments)."""
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
     nbytes = math.prod(shape) * dtype.itemsize

@@ -93,7 +93,6 @@ class ModelRunner:
         ``serve_steps`` (``store``: a local worker's rendezvous store)."""
         self.config = config
         self.rank = rank
-        self._fail_token: int | None = None  # fault injection (reliability tests): see inject_forward_fault
         self.tp = None  # a TPGroup when tensor_parallel_size > 1
         self.tp_workers = None  # rank 0's local worker processes (LocalWorkers), when it started them
         self.rank_weight_bytes: list[int] = []  # weight bytes held by each rank (tensor parallelism)
@@ -250,9 +249,20 @@ class ModelRunner:
             self._forward_step(StepInputs.unpack(packed))
 
     def inject_forward_fault(self, token_id: int | None) -> None:
-        """Fault injection for reliability tests: every forward pass whose batch holds ``token_id`` raises, as a
-        failing kernel would (the engine then isolates the request that carries it)."""
-        self._fail_token = token_id
+        """Fault injection for reliability tests (``serve --fault-injection``): this runner's forward steps are
+        wrapped so that each one whose batch holds ``token_id`` raises, as a failing kernel would (the engine then
+        isolates the request that carries it); None unwraps them. Nothing is checked on the normal path."""
+        self.__dict__.pop("_forward_step", None)  # the class's own method again
+        if token_id is None:
+            return
+        forward = self._forward_step
+
+        def faulty_forward_step(step: StepInputs, *args, **kwargs):
+            if token_id in step.input_ids:
+                raise RuntimeError(f"injected fault: token {token_id} in the forward pass's batch")
+            return forward(step, *args, **kwargs)
+
+        self._forward_step = faulty_forward_step
 
     def shutdown(self) -> None:
         """Rank 0 tells the other ranks to stop and waits for its local workers; any rank leaves the group.
@@ -348,8 +358,6 @@ class ModelRunner:
             self.kv.swap(step.swap_out, step.swap_in)
         if not step.input_ids:
             return None
-        if self._fail_token is not None and self._fail_token in step.input_ids:
-            raise RuntimeError(f"injected fault: token {self._fail_token} in the forward pass's batch")
         if self.arch.encoder:  # whole texts, nothing cached: each prompt is a span of the flat batch
             ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
             pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)

@@ -1,11 +1,11 @@
-"""`pagedllm bench ladder`: workloads, step flags, gates and the report, on hand-made rows (no server, no model:
+"""`python -m tools.ladder`: workloads, step flags, gates and the report, on hand-made rows (no server, no model:
 the end-to-end run takes minutes and is done by hand, see docs/benchmarks.md)."""
 
 import json
 
 import pytest
 
-from pagedllm.bench import ladder
+from tools import ladder
 
 
 def _w(tok_s, **kw):
@@ -55,7 +55,7 @@ def test_gates_pass_and_report_lists_every_step():
     rows = _fake_rows()
     ladder.compute_gates(rows, EVAL_PASS)
     assert [r["gate"]["status"] for r in rows] == ["reference", "PASS", "PASS", "PASS", "PASS"]
-    meta = {"command": "pagedllm bench ladder", "output_len": 128, "concurrency": 32, "cpu": "AMD EPYC (avx2)",
+    meta = {"command": "python -m tools.ladder", "output_len": 128, "concurrency": 32, "cpu": "AMD EPYC (avx2)",
             "cpus": 2}
     md = ladder.build_report(rows, meta)
     assert "**FAILED**" not in md
@@ -65,7 +65,7 @@ def test_gates_pass_and_report_lists_every_step():
     assert "| 10.00x |" in ladder_lines[2]
     assert "110 + 0 = 110" in ladder_lines[2]  # weights + peak KV
     assert "**120.0 (15.00x)**" in md  # step 4's target workload in bold in the per-workload table
-    assert "AMD EPYC (avx2)" in md and "`pagedllm bench ladder`" in md
+    assert "AMD EPYC (avx2)" in md and "`python -m tools.ladder`" in md
 
 
 def test_a_changed_output_fails_the_gate_and_is_shown_failed():
@@ -148,20 +148,18 @@ def test_steps_are_cumulative_and_the_spec_flag_survives_splitting():
 
 
 def test_argument_parsing():
-    from pagedllm.cli.main import build_parser
-
-    p = build_parser()
-    a = p.parse_args(["bench", "ladder"])
+    p = ladder.build_parser()
+    a = p.parse_args([])
     assert (a.num_prompts, a.output_len, a.concurrency, a.steps) == (32, 128, 32, [1, 2, 3, 4, 5])
     assert a.func is ladder.main and not a.skip_hf and not a.skip_eval and a.results_dir == "results/ladder"
-    a = p.parse_args(["bench", "ladder", "--num-prompts", "4", "--output-len", "8", "--concurrency", "4",
+    a = p.parse_args(["--num-prompts", "4", "--output-len", "8", "--concurrency", "4",
                       "--steps", "3", "1", "5", "--skip-hf", "--skip-eval", "--result-json", "x.json",
                       "--spec-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert (a.num_prompts, a.output_len, a.concurrency, a.skip_eval, a.result_json) == (4, 8, 4, True, "x.json")
     assert ladder.selected_steps(a) == [3, 5]
     assert a.spec_config["num_speculative_tokens"] == 2
     with pytest.raises(SystemExit):
-        p.parse_args(["bench", "ladder", "--steps", "6"])
+        p.parse_args(["--steps", "6"])
 
 
 def test_weights_from_the_start_up_log():
@@ -187,7 +185,7 @@ def test_counter_deltas():
 def test_outputs_written(tmp_path):
     rows = _fake_rows()
     ladder.compute_gates(rows, EVAL_PASS)
-    meta = {"command": "pagedllm bench ladder", "output_len": 128, "concurrency": 32, "num_prompts": 32}
+    meta = {"command": "python -m tools.ladder", "output_len": 128, "concurrency": 32, "num_prompts": 32}
     md = ladder.write_outputs(rows, meta, str(tmp_path), str(tmp_path / "sub" / "x.json"))
     assert (tmp_path / "results.md").read_text() == md
     doc = json.loads((tmp_path / "sub" / "x.json").read_text())

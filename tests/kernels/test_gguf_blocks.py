@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pagedllm.quant.formats import concat, dequantize
-from pagedllm.quant.gguf_blocks import DECODERS, FAST_CODES, K_SCALED, decode, k_scaled
+from pagedllm.gguf_file import BLOCK_TYPES
+from pagedllm.quant.gguf_blocks import DECODERS, FAST_CODES, K_SCALED, PLAIN_CODES, decode, k_scaled
 from helpers import model_of
 
 # byte offsets of each type's float16 fields in a block (set to finite random values)
@@ -41,7 +42,21 @@ def reference(raw: np.ndarray, kind: str) -> torch.Tensor:
 
 
 def test_every_listed_type_has_a_decoder_and_a_test():
-    assert set(DECODERS) == set(F16_FIELDS)
+    assert set(DECODERS) == set(F16_FIELDS) == set(BLOCK_TYPES)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+def test_the_block_types_table_is_the_files_and_the_decoders(kind):
+    """``gguf_file.BLOCK_TYPES``, the one table of a block type's facts: its geometry is gguf's, its code width,
+    group and two-level scales are what its decoder gives, the loader's own float path covers its header bytes."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    t = BLOCK_TYPES[kind]
+    assert GGML_QUANT_SIZES[GGMLQuantizationType[kind]] == (t.values, t.nbytes)
+    qw = decode(random_blocks(kind, 8, 512), kind)
+    assert (qw.bits, qw.group_size, qw.kscales is not None) == (t.code_bits, t.group, t.k_scaled)
+    assert (kind in FAST_CODES) == (t.decoder > 0)
+    assert t.head == 0 or (t.values == 32 and t.nbytes - t.head in (16, 32))
 
 
 @pytest.mark.parametrize("kind", sorted(DECODERS))
@@ -76,18 +91,25 @@ def test_kernel_decoded_codes_equal_numpy_decoders(kind, monkeypatch):
     assert torch.equal(dequantize(fast), dequantize(slow))
     from pagedllm.kernels import cpu_ops
 
-    values, nbytes = FAST_CODES[kind]
+    t = BLOCK_TYPES[kind]
+    values, nbytes = t.values, t.nbytes
     with pytest.raises(RuntimeError, match="not whole"):
-        cpu_ops().gguf_codes(raw.reshape(-1)[:-1], kind, torch.empty(raw.size // nbytes * values, dtype=torch.uint8))
+        cpu_ops().gguf_codes(raw.reshape(-1)[:-1], t.kernel_type(), torch.empty(raw.size // nbytes * values,
+                                                                                 dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="out must be"):
-        cpu_ops().gguf_codes(raw.reshape(-1), kind, torch.empty(raw.size // nbytes * values - 1, dtype=torch.uint8))
+        cpu_ops().gguf_codes(raw.reshape(-1), t.kernel_type(), torch.empty(raw.size // nbytes * values - 1,
+                                                                          dtype=torch.uint8))
+    wrong = dataclasses.replace(t, nbytes=t.nbytes + 2)  # a row that disagrees with the decoder's own layout
+    with pytest.raises(RuntimeError, match="decoder"):
+        cpu_ops().gguf_codes(raw.reshape(-1), wrong.kernel_type(), torch.empty(raw.size // nbytes * values,
+                                                                              dtype=torch.uint8))
 
 
 def _pack(parts, bits):
     """``pack_parts`` of code tensors."""
     from pagedllm.kernels import cpu_ops
 
-    return cpu_ops().pack_parts([(p.numpy(), "", len(p), False) for p in parts], bits, parts[0].shape[1])
+    return cpu_ops().pack_parts([(p.numpy(), PLAIN_CODES, len(p), False) for p in parts], bits, parts[0].shape[1])
 
 
 def test_pack_parts_equals_the_layout_of_their_concatenation():
@@ -127,7 +149,7 @@ def test_packing_raw_blocks_equals_packing_their_decoded_codes(kind):
     bits = 4 if decode(raw, kind).bits == 4 else 8
     other = torch.randint(0, 2 ** bits, (11, 512), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     assert torch.equal(ops.pack_parts([rc.source()], bits, 512), _pack([codes], bits))
-    assert torch.equal(ops.pack_parts([(other.numpy(), "", 11, False), rc.source()], bits, 512),
+    assert torch.equal(ops.pack_parts([(other.numpy(), PLAIN_CODES, 11, False), rc.source()], bits, 512),
                        _pack([other, codes], bits))
     if bits == 4:
         assert torch.equal(rc.widened().tensor(), codes + 128)
@@ -138,7 +160,7 @@ def test_packing_raw_blocks_equals_packing_their_decoded_codes(kind):
     assert torch.equal(row_slice(deferred, 5).materialized().codes, codes[:5])
     assert torch.equal(dequantize(deferred), dequantize(decode(raw, kind)))
     with pytest.raises(RuntimeError, match="a part of 21 rows has"):  # bytes that are not the rows they claim
-        ops.pack_parts([(raw[:20], kind, 21, False)], bits, 512)
+        ops.pack_parts([(raw[:20], BLOCK_TYPES[kind].kernel_type(), 21, False)], bits, 512)
     with pytest.raises(RuntimeError, match="must be widened"):  # codes of the other width than the layout's
         ops.pack_parts([rc.source()], 12 - bits, 512)
 

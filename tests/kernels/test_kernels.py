@@ -632,7 +632,7 @@ def arm_objects(tmp_path_factory):
 def test_kernels_compile_for_arm(target, arm_objects):
     """The kernels compile for ARM (Linux and macOS) to an object of that architecture holding the NEON vector path
     (its ``isa()`` names "neon"; "neon+dotprod" with qlinear's dot-product path), with no x86 code. Running it
-    needs an ARM machine or emulation: ``scripts/arm_emulated_tests.sh`` runs this file's kernel tests on aarch64
+    needs an ARM machine or emulation: ``tools/scripts/arm_emulated_tests.sh`` runs this file's kernel tests on aarch64
     under qemu."""
     obj = arm_objects[target]
     if isinstance(obj, Exception):

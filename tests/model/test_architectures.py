@@ -12,7 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.norm import rms_norm
-from helpers import model_of
+from helpers import ARCH_MODULES, model_of
 
 MAX_TOKENS = 16
 PROMPTS = [[5, 17, 300, 42, 9], list(range(100, 140)), [1000, 2000, 3000] * 9]
@@ -76,10 +76,27 @@ def _reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return full[0, len(prompt):].tolist(), torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
 
 
+def test_each_architecture_is_one_archs_module():
+    import importlib
+
+    from pagedllm.model import archs
+
+    assert {importlib.import_module(f"pagedllm.model.archs.{m}").ARCH.name: m for m in archs._MODULES} == {
+        a: m for a, (m, _) in ARCH_MODULES.items()}
+
+
+def _layer_classes(model) -> set[str]:
+    return {type(m).__name__ for la in model.layers for m in (la, la.attn, la.mlp)}
+
+
 def _check(path: str, model, arch: str):
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     alone = LLM(model=path, max_model_len=512, dtype="float32", enable_prefix_caching=False)
     assert alone.engine.core.runner.arch.arch == arch
+    built = model_of(alone)
+    assert type(built).__name__ == ARCH_MODULES[arch][1]
+    mlp = "MoE" if built.cfg.num_experts else "GatedMLP"
+    assert _layer_classes(built) == {"DecoderLayer", "Attention", mlp}
     for p in PROMPTS:
         got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
         want, ref_lp = _reference(model, p)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import encoder_gguf, sentence_model
+from helpers import ARCH_MODULES, encoder_gguf, sentence_model
 from pagedllm import LLM
 from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.kernels import cpu_info
@@ -111,7 +111,11 @@ def test_gguf_files_as_llama_cpp_writes_them(model, tmp_path):
     gguf_path = tmp_path / f"{kind}.gguf"
     encoder_gguf(gguf_path, path, kind)
     llm = LLM(model=str(gguf_path), dtype="float32")
-    assert llm.engine.core.runner.arch.arch == {"bert": "bert", "gemma": "gemma-embedding"}[kind]
+    arch = llm.engine.core.runner.arch.arch
+    assert arch == {"bert": "bert", "gemma": "gemma-embedding"}[kind]
+    built = llm.engine.core.runner.model
+    assert type(built).__name__ == ARCH_MODULES[arch][1]
+    assert kind == "bert" or {la.attn.causal for la in built.layers} == {False}  # the decoder's layers, both ways
     assert [llm.engine.encode_text(t) for t in TEXTS] == [st.tokenizer(t)["input_ids"] for t in TEXTS]
     got = np.array([o.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
     if kind == "bert":  # its Dense layer (bias, tanh) is a sentence-transformers module llama.cpp does not write

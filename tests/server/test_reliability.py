@@ -1,4 +1,4 @@
-"""The reliability suite's fast subset (`pagedllm bench reliability` runs the same phases at volume; figures in
+"""The reliability suite's fast subset (`python -m tools.reliability` runs the same phases at volume; figures in
 docs/reliability.md): fuzzing against the server's own OpenAPI schema, a disconnect storm, an overload burst, an
 injected forward-pass fault, auth on every route, SIGTERM with requests in flight, corrupt model files."""
 
@@ -8,9 +8,9 @@ import os
 import httpx
 import pytest
 
-from pagedllm.bench import reliability
+from tools import reliability
 from pagedllm.bench.compare import _free_port
-from pagedllm.bench.reliability import fuzz
+from tools.reliability import fuzz
 from pagedllm.config import default_model_path
 from pagedllm.model.loader import open_gguf
 
@@ -125,7 +125,7 @@ def test_corrupt_gguf_refused_naming_the_file(tmp_path):
 
 
 def test_command_against_a_running_server(base, tmp_path):
-    """`pagedllm bench reliability --url`: the phases that need no process control, a table and JSON."""
+    """`python -m tools.reliability --url`: the phases that need no process control, a table and JSON."""
     import argparse
 
     p = argparse.ArgumentParser()

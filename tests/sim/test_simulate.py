@@ -374,6 +374,54 @@ def test_simulator_reads_a_checkpoint_as_the_model_loader_does(tmp_path):
     assert [getattr(g, f) for f in fields] == [getattr(loaded, f) for f in fields]
 
 
+def test_sliding_window_models_keep_the_engines_kv_layout(tmp_path):
+    """A Gemma 3 config (5 of every 6 layers sliding, window 512): the simulator reads the windows as the model
+    loader does, groups the layers as the engine does (``model.arch.kv_groups``), sizes blocks for a group, runs the
+    real KV cache manager with those windows (a long sequence holds fewer blocks than in an all-global model, so
+    more of them fit), and charges a sliding layer's attention at most its window of keys."""
+    from pagedllm.model.arch import config_from_hf
+    from pagedllm.sim.cost import _keys_attended
+    from pagedllm.sim.kvcalc import kv_bytes_per_sequence
+
+    cfg = {"model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26, "num_attention_heads": 4,
+           "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 6912, "vocab_size": 262144,
+           "sliding_window": 512, "max_position_embeddings": 32768, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = from_hf_config(str(tmp_path))
+    ref = config_from_hf(cfg)
+    assert m.layer_windows == tuple(ref.window(i) for i in range(26)) and m.kv_layout == ref.kv_groups()
+    assert m.layer_windows.count(512) == 22 and m.kv_layout.hybrid
+    glob = replace(m, layer_windows=())  # the same shapes, every layer global (what the simulator assumed before)
+    assert kv_bytes_per_sequence(m, 256) == kv_bytes_per_sequence(glob, 256) == 256 * kv_bytes_per_token(m)
+    assert kv_bytes_per_sequence(m, 8192) == 2 * 256 * 2 * (4 * 8192 + 22 * 512)  # bf16, 1 KV head of 256
+    assert "Sliding-window layers keep at most their window" in kv_report(m, seq_len=8192).markdown()
+    d, dg = dep(m, kv_cache_bytes=2**30), dep(glob, kv_cache_bytes=2**30)
+    plan = d.memory_plan()
+    assert d.kv_bytes_per_block() == 16 * 2 * 256 * 2 * m.kv_layout.slots
+    assert plan.num_blocks == 2**30 // d.kv_bytes_per_block()
+    assert abs(plan.kv_tokens - dg.memory_plan().kv_tokens) < 16  # tokens in every layer: the same pool (whole blocks)
+    assert plan.sequences_that_fit(8192) > 2.5 * dg.memory_plan().sequences_that_fit(8192)
+    # the real KV cache manager with the model's windows: in a pool that holds 3 long sequences all-global, all 8
+    # run at once (the all-global reading admits 3 at a time: the others wait)
+    pool = 3 * dg.memory_plan().blocks_per_sequence(4096 + 64) * dg.kv_bytes_per_block()
+    d, dg = dep(m, kv_cache_bytes=pool), dep(glob, kv_cache_bytes=pool)
+    assert d.memory_plan().sequences_that_fit(4096 + 64) >= 8 > 3 == dg.memory_plan().sequences_that_fit(4096 + 64)
+    w = _burst(8, 4096, 64)
+    sliding = simulate(d, w, EngineSettings(max_model_len=8192)).summary
+    allglobal = simulate(dg, w, EngineSettings(max_model_len=8192)).summary
+    assert sliding.preemptions == 0 and sliding.mean_ttft_s < 0.7 * allglobal.mean_ttft_s
+    assert sliding.output_tok_s > allglobal.output_tok_s
+    # attention cost: each query row attends to min(its prefix, window) keys
+    for q, c0, win in [(1, 5000, 512), (300, 400, 512), (2048, 0, 512), (7, 3, 0), (16, 600, 512)]:
+        want = sum(min(c0 + j + 1, win) if win else c0 + j + 1 for j in range(q))
+        assert _keys_attended(q, c0, win) == want, (q, c0, win)
+    def attention_flops(deployment):
+        return {o.name: o for o in CostModel(deployment).decode_step(1, 8000).ops}["attention"].flops
+
+    assert attention_flops(d) == 4 * 256 * 4 * (4 * 8001 + 22 * 512)
+    assert attention_flops(dg) == 4 * 256 * 4 * 26 * 8001
+
+
 # ------------------------------------------------------------------ replicas behind a router
 def test_replicas_share_the_load_and_cache_aware_routing_keeps_prefixes_on_one_replica():
     cal = cpu_profile_from_roofline(load_roofline(ROOFLINE))

@@ -410,7 +410,7 @@ void act_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
 }
 
 // ------------------------------------------------------------------ greedy sampling: first maximum per row
-// torch.max(dim=-1).indices, which is single-threaded and ~1 ms for 32 rows of a 49k vocabulary here: the index
+// torch.max(dim=-1).indices, which is single-threaded (figures: docs/history.md#figures-from-code-comments): the index
 // of each row's first maximum, a NaN counting as the maximum (the first NaN's index). Two passes over a row (its
 // maximum and whether it holds a NaN; then the first lane equal to it), rows split over the threads.
 int64_t argmax_row(const float* x, int64_t n) {

@@ -23,6 +23,11 @@ py::buffer_info bytes_of(const py::buffer& raw, const char* op) {
     TORCH_CHECK(info.strides[d] == step, op, ": raw blocks must be a contiguous buffer of bytes");
   return info;
 }
+
+BlockType block_type(const py::tuple& t) {  // gguf_file.BlockType.kernel_type(): (decoder, values, bytes, bits)
+  TORCH_CHECK(t.size() == 4, "a block type is (decoder, values, bytes, code bits)");
+  return {t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>()};
+}
 }  // namespace
 
 // The kernels run without the GIL (as torch's own operators do): the server's event loop thread serves HTTP and
@@ -53,26 +58,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("N"), py::arg("g0"), py::arg("g1"), nogil);
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
   // raw blocks as any contiguous buffer (a read-only numpy view of the memory-mapped file), read without the GIL
-  m.def("gguf_codes", [](py::buffer raw, const std::string& kind, const at::Tensor& out) {
+  m.def("gguf_codes", [](py::buffer raw, const py::tuple& type, const at::Tensor& out) {
     const py::buffer_info info = bytes_of(raw, "gguf_codes");
+    const BlockType t = block_type(type);
     const py::gil_scoped_release nogil_scope;
-    gguf_codes(static_cast<const uint8_t*>(info.ptr), info.size, kind, out);
-  }, "a tensor's codes (raw blocks: a contiguous byte buffer) into out, one byte per weight (8-bit: value + 128)",
-        py::arg("raw"), py::arg("kind"), py::arg("out"));
-  m.def("gguf_k_scales", [](py::buffer raw, const std::string& kind) {
+    gguf_codes(static_cast<const uint8_t*>(info.ptr), info.size, t, out);
+  }, "a tensor's codes (raw blocks: a contiguous byte buffer; type: gguf_file.BlockType.kernel_type()) into out, "
+        "one byte per weight (8-bit: value + 128)", py::arg("raw"), py::arg("type"), py::arg("out"));
+  m.def("gguf_k_scales", [](py::buffer raw, int64_t block_bytes) {
     const py::buffer_info info = bytes_of(raw, "gguf_k_scales");
     const py::gil_scoped_release nogil_scope;
-    return gguf_k_scales(static_cast<const uint8_t*>(info.ptr), info.size, kind);
+    return gguf_k_scales(static_cast<const uint8_t*>(info.ptr), info.size, block_bytes);
   }, "Q4_K / Q5_K blocks' 6-bit sub-block scales and mins, (blocks, 16) bytes");
-  // parts: (buffer, kind, rows, widen) each; buffers held by the caller for the call
+  // parts: (buffer, type, rows, widen) each (type: BlockType.kernel_type(), decoder 0 for codes); buffers held by
+  // the caller for the call
   m.def("pack_parts", [](const py::list& parts, int64_t bits, int64_t K) {
     std::vector<CodeSource> src;
     for (const auto& item : parts) {
       const auto t = item.cast<py::tuple>();
-      TORCH_CHECK(t.size() == 4, "pack_parts: each part is (buffer, kind, rows, widen)");
+      TORCH_CHECK(t.size() == 4, "pack_parts: each part is (buffer, type, rows, widen)");
       const py::buffer_info info = bytes_of(t[0].cast<py::buffer>(), "pack_parts");
       src.push_back({static_cast<const uint8_t*>(info.ptr), static_cast<int64_t>(info.size),
-                     t[1].cast<std::string>(), t[2].cast<int64_t>(), t[3].cast<bool>()});
+                     block_type(t[1].cast<py::tuple>()), t[2].cast<int64_t>(), t[3].cast<bool>()});
     }
     const py::gil_scoped_release nogil_scope;
     return pack_parts(src, bits, K);

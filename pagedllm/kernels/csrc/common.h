@@ -99,8 +99,8 @@ void check_cpu(const at::Tensor& t, const char* name) {
 // Work split of the big kernels: each of torch's intra-op threads claims chunks of `chunk` items [b, e) from a shared
 // counter until none are left, instead of taking one fixed share. On a 2-core machine the HTTP thread and the load
 // generator run beside the step: a fixed split waits for a thread that was descheduled with half of the work still
-// to do, here the other thread takes that work over (measured on qlinear with a process busy 10% of a core in
-// bursts: 12-15% slower with the fixed split, unchanged with claims). Sequences of unequal length balance too.
+// to do, here the other thread takes that work over (docs/history.md#figures-from-code-comments). Sequences of
+// unequal length balance too.
 // Which thread computes an item never changes its arithmetic.
 template <typename F>
 void parallel_claims(int64_t n, int64_t chunk, const F& f) {
@@ -290,8 +290,8 @@ inline vf vexp(vf x) {
   return vpow2n(p, n);
 }
 
-// Into L2, not L1: a burst of L1 prefetches for a whole KV block (192 lines) waits on L1's few miss buffers and
-// measured 13-15% slower than L2 prefetches (or none) for decode attention over 30 layers' blocks.
+// Into L2, not L1: a burst of L1 prefetches for a whole KV block (192 lines) waits on L1's few miss buffers, slower
+// than L2 prefetches (or none) for decode attention (docs/history.md#figures-from-code-comments).
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) {
 #if defined(__x86_64__) || defined(_M_X64)

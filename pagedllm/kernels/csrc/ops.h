@@ -29,10 +29,13 @@ at::Tensor qweight_bf16(const at::Tensor& w, const at::Tensor& d, const at::Tens
                         int64_t g0, int64_t g1);
 at::Tensor qweight_k_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn, const at::Tensor& D,
                           const at::Tensor& Dm, int64_t bits, int64_t N, int64_t g0, int64_t g1);
-void gguf_codes(const uint8_t* raw, int64_t nbytes, const std::string& kind, const at::Tensor& out);
-at::Tensor gguf_k_scales(const uint8_t* raw, int64_t nbytes, const std::string& kind);
-// a part of pack_parts: rows of codes (kind empty: K bytes a row) or of a GGUF type's raw blocks, read in place
-struct CodeSource { const uint8_t* data; int64_t nbytes; std::string kind; int64_t rows; bool widen; };
+// a GGUF block type as Python's table gives it (gguf_file.py BlockType.kernel_type): its one-pass decoder (0: the
+// rows are codes already, K bytes a row), values and bytes per block, and the bits of the codes it gives
+struct BlockType { int64_t decoder, block, bytes, bits; };
+void gguf_codes(const uint8_t* raw, int64_t nbytes, const BlockType& type, const at::Tensor& out);
+at::Tensor gguf_k_scales(const uint8_t* raw, int64_t nbytes, int64_t block_bytes);
+// a part of pack_parts: rows of codes or of a GGUF type's raw blocks, read in place
+struct CodeSource { const uint8_t* data; int64_t nbytes; BlockType type; int64_t rows; bool widen; };
 at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_t K);
 std::string isa();
 bool amx_enabled();

@@ -24,6 +24,8 @@
 
 namespace {
 
+using pagedllm::BlockType;
+
 constexpr uint64_t LOW4 = 0x0F0F0F0F0F0F0F0FULL, HIGH1 = 0x8080808080808080ULL;
 
 inline uint64_t load8(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
@@ -128,31 +130,34 @@ void pack_groups(const uint8_t* const* row, int64_t ng, int64_t nb, uint8_t* out
   }
 }
 
-struct BlockType { const char* name; int block, bytes, bits; };  // bits: of the codes gguf_codes gives
-constexpr BlockType TYPES[] = {{"Q4_0", 32, 18, 4}, {"Q4_1", 32, 20, 4}, {"Q4_K", 256, 144, 4}, {"Q5_K", 256, 176, 8},
-                               {"Q6_K", 256, 210, 8}, {"Q5_0", 32, 22, 8}, {"Q8_0", 32, 34, 8}};
-
-const BlockType& block_type(const std::string& kind, const char* op) {
-  for (const auto& t : TYPES)
-    if (kind == t.name) return t;
-  TORCH_CHECK(false, op, ": no fast path for ", kind);
+// A GGUF block type as Python's table hands it over (pagedllm/gguf_file.py BLOCK_TYPES, ``kernel_type``): its
+// decoder here, and values, bytes and code bits per block. Each decoder knows its own layout: a row that disagrees
+// with it is refused before a byte is read.
+void check_type(const BlockType& t, const char* op) {
+  static constexpr int64_t LAYOUT[][3] = {{0, 0, 0},      {32, 18, 4},  {32, 20, 4},  {256, 144, 4},
+                                          {256, 176, 8}, {256, 210, 8}, {32, 22, 8},  {32, 34, 8}};
+  TORCH_CHECK(t.decoder > 0 && t.decoder < 8, op, ": no one-pass decoder ", t.decoder);
+  const int64_t* l = LAYOUT[t.decoder];
+  TORCH_CHECK(t.block == l[0] && t.bytes == l[1] && t.bits == l[2], op, ": decoder ", t.decoder, " reads blocks of ",
+              l[0], " values in ", l[1], " bytes giving ", l[2], "-bit codes, not ", t.block, " / ", t.bytes, " / ",
+              t.bits);
 }
 
 // one row of a GGUF tensor (nblocks blocks of type t) into out, in gguf_codes' form
 void decode_blocks(const BlockType& t, const uint8_t* b, int64_t nblocks, uint8_t* o) {
-  const std::string_view k = t.name;
-  if (k == "Q4_0") q4_01_codes(b, nblocks, 18, 2, o);
-  else if (k == "Q4_1") q4_01_codes(b, nblocks, 20, 4, o);
-  else if (k == "Q4_K") q4_k_codes(b, nblocks, o);
-  else if (k == "Q5_K") q5_k_codes(b, nblocks, o);
-  else if (k == "Q6_K") q6_k_codes(b, nblocks, o);
-  else if (k == "Q5_0") q5_0_codes(b, nblocks, o);
-  else q8_0_codes(b, nblocks, o);
+  switch (t.decoder) {
+    case 1: q4_01_codes(b, nblocks, 18, 2, o); break;  // Q4_0
+    case 2: q4_01_codes(b, nblocks, 20, 4, o); break;  // Q4_1
+    case 3: q4_k_codes(b, nblocks, o); break;          // Q4_K
+    case 4: q5_k_codes(b, nblocks, o); break;          // Q5_K
+    case 5: q6_k_codes(b, nblocks, o); break;          // Q6_K
+    case 6: q5_0_codes(b, nblocks, o); break;          // Q5_0
+    default: q8_0_codes(b, nblocks, o);                // Q8_0 (7)
+  }
 }
 
-// Map a new array's pages in one call before it is written (MADV_POPULATE_WRITE, Linux 5.14+): a page fault per 4 KiB
-// costs ~1.6 us under this VM's hypervisor, a quarter of a 1.5B model's packing time. Elsewhere (or refused): the
-// faults as before.
+// Map a new array's pages in one call before it is written (MADV_POPULATE_WRITE, Linux 5.14+): under a hypervisor a
+// page fault per 4 KiB is a large part of a model's packing time. Elsewhere (or refused): the faults as before.
 void populate(uint8_t* p, int64_t n) {
 #if defined(__linux__)
   constexpr uintptr_t PAGE = 4096;
@@ -168,9 +173,9 @@ void populate(uint8_t* p, int64_t n) {
 
 namespace pagedllm {
 
-void gguf_codes(const uint8_t* b, int64_t nbytes, const std::string& kind, const at::Tensor& out) {
-  const BlockType& t = block_type(kind, "gguf_codes");
-  TORCH_CHECK(nbytes % t.bytes == 0, "gguf_codes: ", nbytes, " bytes are not whole ", kind, " blocks");
+void gguf_codes(const uint8_t* b, int64_t nbytes, const BlockType& t, const at::Tensor& out) {
+  check_type(t, "gguf_codes");
+  TORCH_CHECK(nbytes % t.bytes == 0, "gguf_codes: ", nbytes, " bytes are not whole blocks of ", t.bytes);
   const int64_t nblocks = nbytes / t.bytes;
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous() &&
                   out.numel() == nblocks * t.block,
@@ -178,10 +183,9 @@ void gguf_codes(const uint8_t* b, int64_t nbytes, const std::string& kind, const
   decode_blocks(t, b, nblocks, out.data_ptr<uint8_t>());
 }
 
-at::Tensor gguf_k_scales(const uint8_t* b, int64_t nbytes, const std::string& kind) {
-  TORCH_CHECK(kind == "Q4_K" || kind == "Q5_K", "gguf_k_scales: Q4_K or Q5_K, not ", kind);
-  const int bytes = kind == "Q4_K" ? 144 : 176;
-  TORCH_CHECK(nbytes % bytes == 0, "gguf_k_scales: ", nbytes, " bytes are not whole ", kind, " blocks");
+at::Tensor gguf_k_scales(const uint8_t* b, int64_t nbytes, int64_t bytes) {
+  TORCH_CHECK(bytes == 144 || bytes == 176, "gguf_k_scales: Q4_K or Q5_K blocks (144 or 176 bytes), not ", bytes);
+  TORCH_CHECK(nbytes % bytes == 0, "gguf_k_scales: ", nbytes, " bytes are not whole blocks of ", bytes);
   const int64_t nblocks = nbytes / bytes;
   auto out = at::empty({nblocks, 16}, at::TensorOptions().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -204,14 +208,15 @@ at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_
   std::vector<Src> src;
   std::vector<std::pair<int, int64_t>> row;  // each output row: its part and row within the part
   for (const auto& p : parts) {
-    const BlockType* t = p.kind.empty() ? nullptr : &block_type(p.kind, "pack_parts");
+    const BlockType* t = p.type.decoder == 0 ? nullptr : &p.type;  // decoder 0: the rows are codes already
+    if (t != nullptr) check_type(*t, "pack_parts");
     const int64_t row_bytes = t == nullptr ? K : K / t->block * t->bytes;
-    TORCH_CHECK(t == nullptr || K % t->block == 0, "pack_parts: K ", K, " is not whole ", p.kind, " blocks");
+    TORCH_CHECK(t == nullptr || K % t->block == 0, "pack_parts: K ", K, " is not whole blocks of ", t->block);
     TORCH_CHECK(p.nbytes == p.rows * row_bytes, "pack_parts: a part of ", p.rows, " rows has ", p.nbytes,
                 " bytes, not ", p.rows * row_bytes);
     TORCH_CHECK(!p.widen || (t != nullptr && t->bits == 4 && bits == 8), "pack_parts: only raw blocks of 4-bit "
                 "codes are widened, into an 8-bit layout");
-    TORCH_CHECK(t == nullptr || t->bits == bits || p.widen, "pack_parts: ", p.kind, "'s ", t == nullptr ? 0 : t->bits,
+    TORCH_CHECK(t == nullptr || t->bits == bits || p.widen, "pack_parts: ", t == nullptr ? 0 : t->bits,
                 "-bit codes in a ", bits, "-bit layout (4-bit codes in an 8-bit one must be widened)");
     for (int64_t i = 0; i < p.rows; ++i) row.emplace_back(static_cast<int>(src.size()), i);
     src.push_back({p.data, t, row_bytes, p.widen});

@@ -303,7 +303,7 @@ inline void add_blocks(__m256 (&acc)[GT][MT], const SC& sc, int64_t g0, const Qu
 #if defined(PAGEDLLM_QWIDE)
 // An empty asm that takes x in a register and may change it: the compiler keeps each tile's running sums where the
 // loop adds to them. Without it, gcc reassociates the integer adds into every product of a block first, then their
-// sum, and spills most products to the stack (1.3x slower).
+// sum, and spills most products to the stack.
 inline void keep_in_register(__m256i& x) {
 #if defined(__GNUC__)
   asm("" : "+x"(x));
@@ -857,8 +857,8 @@ inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const Quanti
 
 // Tile shapes, sized to the vector registers (32 with AVX-512, 16 with AVX2 alone): with 512-bit VNNI, ZPT pairs
 // of groups by ZMT rows, otherwise GT groups by MT rows. One or two rows (decode) run one group at a time: that
-// streams the weights in three sequential streams (codes, scales, offsets; two without offsets), which measured
-// faster from memory than wider tiles' many streams.
+// streams the weights in three sequential streams (codes, scales, offsets; two without offsets), which read faster
+// from memory than wider tiles' many streams.
 #if defined(PAGEDLLM_QZMM)
 constexpr int ZPT = 2, ZMT = 3;
 #endif
@@ -915,12 +915,11 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
   };
   if (M < TILE_MT) {
     // fewer rows than a tile stream the weights from memory: each thread takes one contiguous half (claimed runs
-    // broke the streams and the prefetch-ahead: batch 1 was 1.5x slower)
+    // broke the streams and the prefetch-ahead)
     at::parallel_for(0, NG, 8, [&](int64_t begin, int64_t end) { groups(0, M, begin, end); });
   } else {
     // row tiles are compute-bound: threads claim (row chunk, run of 4 groups) items, row chunk by row chunk, so both
-    // threads share a chunk's activations while the weights pass and the last runs balance (a forward's linears at
-    // 32 rows: 29.0 -> 26.4 ms)
+    // threads share a chunk's activations while the weights pass and the last runs balance
     constexpr int64_t RUN = 4;
     const int64_t runs = (NG + RUN - 1) / RUN, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
     // a claim is an atomic add on a line both cores write: 1/16 of a thread's share per claim (one item per claim

@@ -1,6 +1,6 @@
 """A/B of the decode-attention kernel inside the engine, two builds in one process (the machine's noise hits both).
 
-``python3 scripts/ab_attention.py A.cpp B.cpp`` builds both sources for ``-march=native``, loads the default engine
+``python3 -m tools.scripts.ab_attention A.cpp B.cpp`` builds both sources for ``-march=native``, loads the default engine
 (``LLM()``), and times ``generate`` of BS equal prompts (PLEN repeats of one sentence: ~12 tokens each) x N greedy
 tokens with the model's fused kernels switched between the two builds, alternating ``ROUNDS`` times. A 1-token run
 before each is subtracted, so the step time is the decode's. Each ``decode_attention`` call is timed, so the
@@ -16,6 +16,7 @@ import sys
 import time
 
 import pagedllm.kernels as K
+from tools.scripts.kernel_build import build_source
 from pagedllm import LLM, SamplingParams
 
 
@@ -42,7 +43,7 @@ def main() -> None:
     llm = LLM(enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     spent = collections.Counter()
-    arms = {arm: TimedAttention(K.build("native", source=pathlib.Path(src)), spent)
+    arms = {arm: TimedAttention(build_source(pathlib.Path(src), "native"), spent)
             for arm, src in zip("AB", sys.argv[1:3])}
     print("CPU:", K.cpu_info()[0])
     bs, n = int(os.environ.get("BS", "32")), int(os.environ.get("N", "64"))

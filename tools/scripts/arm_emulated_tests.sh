@@ -3,9 +3,9 @@
 # user-mode emulation, and the kernels are built for ARM by Debian's cross compiler (torch's extension loader calls
 # $CXX, a native x86 program, from the emulated Python). Correctness only: emulation says nothing about speed.
 #
-#   bash scripts/arm_emulated_tests.sh                   # tests/test_kernels.py's kernel tests, NEON + dot products
-#   MARCH=armv8.2-a bash scripts/arm_emulated_tests.sh   # the NEON path without dot products (scalar qlinear)
-#   K=qlinear bash scripts/arm_emulated_tests.sh -x      # a -k expression (joined to the script's own), pytest args
+#   bash tools/scripts/arm_emulated_tests.sh                   # tests/test_kernels.py's kernel tests, NEON + dot products
+#   MARCH=armv8.2-a bash tools/scripts/arm_emulated_tests.sh   # the NEON path without dot products (scalar qlinear)
+#   K=qlinear bash tools/scripts/arm_emulated_tests.sh -x      # a -k expression (joined to the script's own), pytest args
 #
 # Needs root on Debian 12 (bookworm, whose Python is 3.11) and its package mirror, and a python3 with pip (the
 # project's environment); ~1.2 GB under $ARM_DIR
@@ -18,7 +18,7 @@ ARM_DIR=${ARM_DIR:-/tmp/pagedllm-arm}
 ROOT=$ARM_DIR/root
 SITE=$ARM_DIR/site
 MARCH=${MARCH:-armv8.2-a+dotprod}
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PLATFORMS=(--platform manylinux_2_36_aarch64 --platform manylinux_2_31_aarch64 --platform manylinux_2_28_aarch64
            --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64)
 

@@ -1,6 +1,6 @@
 """A/B of two versions of the kernels' ``qlinear`` in one process (the machine's noise hits both alike).
 
-``python3 scripts/ab_qlinear.py OLD NEW`` builds both versions of the kernels (each a ``csrc`` directory, e.g.
+``python3 -m tools.scripts.ab_qlinear OLD NEW`` builds both versions of the kernels (each a ``csrc`` directory, e.g.
 ``git archive REV pagedllm/kernels/csrc | tar -x -C /tmp/old`` gives /tmp/old/pagedllm/kernels/csrc, or a one-file
 ``cpu_ops.cpp`` of a revision before the split: ``git show REV:pagedllm/kernels/cpu_ops.cpp > /tmp/old.cpp``) for ``-march=$MARCH`` (default native), then per SmolLM2-135M linear shape and row count times
 the two builds and torch's float32 ``F.linear`` alternately (``ROUNDS`` rounds, medians), on the same random packed
@@ -20,10 +20,11 @@ import time
 import torch
 
 import pagedllm.kernels as K
+from tools.scripts.kernel_build import build_source
 
 
 def load(src: str):
-    return K.build(os.environ.get("MARCH", "native"), source=pathlib.Path(src))
+    return build_source(pathlib.Path(src), os.environ.get("MARCH", "native"))
 
 
 def timed(f, reps: int) -> float:

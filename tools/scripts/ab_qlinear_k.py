@@ -1,7 +1,7 @@
 """A/B of kernel builds' ``qlinear_k`` on Qwen2.5-Coder-1.5B's, Gemma 3 270M's and the 0.5B's shapes (random GGUF
 blocks of each file's types), in one process.
 
-``python3 scripts/ab_qlinear_k.py OLD_CSRC NEW_CSRC`` (a ``csrc`` directory each, e.g. ``git archive REV
+``python3 -m tools.scripts.ab_qlinear_k OLD_CSRC NEW_CSRC`` (a ``csrc`` directory each, e.g. ``git archive REV
 pagedllm/kernels/csrc | tar -x -C /tmp/old`` gives /tmp/old/pagedllm/kernels/csrc; one directory alone times that
 build) builds each version for ``-march=native`` and, per shape and row count, times the builds alternately on the
 same weights and input (``ROUNDS`` rounds, medians), printing ms and G multiply-adds per second, the ratio of the
@@ -18,13 +18,13 @@ import time
 
 import torch
 
-sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1] / d) for d in ("tests/kernels", "tests")]
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2] / d) for d in ("tests/kernels", "tests")]
 from test_gguf_blocks import random_blocks  # noqa: E402
 
-import pagedllm.kernels as K  # noqa: E402
 from pagedllm.quant.gguf_blocks import decode  # noqa: E402
 from pagedllm.quant.linear import BlockQuantLinear  # noqa: E402
 from pagedllm.worker.model_runner import keep_freed_memory  # noqa: E402
+from tools.scripts.kernel_build import build_source  # noqa: E402
 
 SHAPES = [("qkv", "Q4_K", 2048, 1536), ("o", "Q4_K", 1536, 1536), ("gate_up", "Q4_K", 17920, 1536),
           ("down4", "Q4_K", 1536, 8960), ("down6", "Q6_K", 1536, 8960),
@@ -36,7 +36,7 @@ SHAPES = [("qkv", "Q4_K", 2048, 1536), ("o", "Q4_K", 1536, 1536), ("gate_up", "Q
 def main() -> None:
     torch.set_num_threads(2)
     keep_freed_memory()  # as the engine: freed outputs are reused, not page-faulted in again per call
-    mods = [K.build("native", source=pathlib.Path(p)) for p in sys.argv[1:]]
+    mods = [build_source(pathlib.Path(p), "native") for p in sys.argv[1:]]
     levels = int(os.environ.get("L", "1"))
     only = os.environ.get("ONLY", "").split()
     for name, kind, n, k in SHAPES:

@@ -1,6 +1,6 @@
 """A/B of whole servers (two or more source trees) on the shipped W1 prompts, one server resident at a time.
 
-``python3 scripts/ab_serve.py MODEL CONCURRENCY ROUNDS TREE [TREE ...]`` (a TREE is a checkout, e.g. ``git worktree
+``python3 tools/scripts/ab_serve.py MODEL CONCURRENCY ROUNDS TREE [TREE ...]`` (a TREE is a checkout, e.g. ``git worktree
 add /tmp/old HEAD~1``): per round, each tree's server is started in turn (`bench compare`'s peer start-up, the
 command run inside the tree with ``PYTHONPATH=TREE``: ``python -m`` puts its working directory first on the path, so
 from the repository's root every tree would be the root's code), driven twice with the 32 prompts x 64 greedy
@@ -16,7 +16,7 @@ from pagedllm.bench.compare import load_args, started_peer
 from pagedllm.bench.offline import load_prompts
 from pagedllm.bench.serve import BenchRequest, run_load
 
-PROMPTS = os.path.join(os.path.dirname(__file__), "..", "pagedllm", "bench", "data", "prompts.jsonl")
+PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "pagedllm", "bench", "data", "prompts.jsonl")
 
 
 def main() -> None:

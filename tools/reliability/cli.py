@@ -1,4 +1,4 @@
-"""`pagedllm bench reliability`: bad input, disconnects, overload, faults and shutdown, at volume.
+"""`python -m tools.reliability`: bad input, disconnects, overload, faults and shutdown, at volume.
 
 The command launches the servers it needs (a phase that kills or restarts one gets its own, see ``phases.py``),
 prints each phase's line as it ends and writes the results as a markdown table (docs/reliability.md holds one) and
@@ -17,10 +17,10 @@ import time
 from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, write_json
 from pagedllm.bench.compare import running_server
 from pagedllm.bench.cpuinfo import cpu_line
-from pagedllm.bench.reliability.phases import (phase_auth, phase_corrupt_models, phase_disconnects,
-                                               phase_forward_fault, phase_fuzz, phase_overload, phase_server_log,
-                                               phase_shutdown, phase_soak, phase_tp_kill)
-from pagedllm.bench.reliability.probes import FAIL_TOKEN
+from tools.reliability.phases import (phase_auth, phase_corrupt_models, phase_disconnects,
+                                      phase_forward_fault, phase_fuzz, phase_overload, phase_server_log,
+                                      phase_shutdown, phase_soak, phase_tp_kill)
+from tools.reliability.probes import FAIL_TOKEN
 from pagedllm.config import default_model_path
 
 
@@ -144,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
     if "tp" in phases:
         report(phase_tp_kill(own, workdir))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": f"{cpu_line()}, {os.cpu_count()} logical CPUs",
-            "command": "pagedllm bench reliability " + " ".join(args.argv or [])}
+            "command": "python -m tools.reliability " + " ".join(args.argv or [])}
     md = write_report(results, meta)
     with open(os.path.join(workdir, "reliability.md"), "w") as f:
         f.write(md)

@@ -1,4 +1,4 @@
-"""`pagedllm bench ladder`: the optimization ladder, measured on this machine in one run.
+"""`python -m tools.ladder`: the optimization ladder, measured on this machine in one run.
 
 Each row is one cumulative step from a naive deployment to the optimized one:
 
@@ -49,7 +49,7 @@ import httpx
 from pagedllm.bench.common import add_result_json_arg, add_workload_args
 from pagedllm.bench.compare import _hwm, _load_row, _peak_rss, _run_phase, _scrape, load_args, running_server
 from pagedllm.bench.cpuinfo import cpu_info, cpu_line
-from pagedllm.bench.ladder.report import GATE_WORKLOADS, TITLES, WORKLOADS, compute_gates, write_outputs
+from tools.ladder.report import GATE_WORKLOADS, TITLES, WORKLOADS, compute_gates, write_outputs
 from pagedllm.bench.offline import load_prompts, run_hf_one_at_a_time
 from pagedllm.bench.serve import BenchRequest, run_load
 from pagedllm.config import SpeculativeConfig, default_model_path
@@ -79,6 +79,7 @@ SHARED_SYSTEM = (
     "an offer of further help.\n\n"
 )
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (tools/ beside)
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 
@@ -304,8 +305,8 @@ def run_draft_step(target: str, draft: str, output_len: int, results_dir: str, d
 
 
 def _run_ladder_phase(argv: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "pagedllm.bench.ladder", *argv], stdout=subprocess.PIPE, text=True,
-                         check=True)  # stderr (progress bars) passes through
+    out = subprocess.run([sys.executable, "-m", "tools.ladder", *argv], stdout=subprocess.PIPE, text=True,
+                         check=True, cwd=ROOT)  # stderr (progress bars) passes through
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -446,6 +447,15 @@ def main(args: argparse.Namespace) -> int:
     print(f"results in {args.results_dir}/ (results.json, results.md, chart.png); "
           f"{meta['total_seconds'] / 60:.1f} min in all")
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m tools.ladder``'s parser (``func``: ``main``)."""
+    p = argparse.ArgumentParser(prog="python -m tools.ladder", description="the optimization ladder, step by step: "
+                                "speed, memory and quality gates")
+    add_args(p)
+    p.set_defaults(func=main)
+    return p
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

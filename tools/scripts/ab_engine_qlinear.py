@@ -1,6 +1,6 @@
 """A/B of the engine's greedy decode with two ``qlinear`` builds in one process (the machine's noise hits both).
 
-``python3 scripts/ab_engine_qlinear.py OLD.cpp`` (``git show 6c629e0:pagedllm/kernels/cpu_ops.cpp >
+``python3 -m tools.scripts.ab_engine_qlinear OLD.cpp`` (``git show 6c629e0:pagedllm/kernels/cpu_ops.cpp >
 /tmp/old.cpp``, the last source with float32 block scales only) loads the default engine (``LLM()``: the GGUF
 blocks through ``qlinear``), builds OLD.cpp for ``-march=native``, and times ``generate`` of BS prompts x 64 tokens
 with the layers' kernel and scales switched between the current build (the layer's own float16 scales, no Q8_0
@@ -16,13 +16,14 @@ import time
 import torch
 
 import pagedllm.kernels as K
+from tools.scripts.kernel_build import build_source
 from pagedllm import LLM, SamplingParams
 
 
 def main() -> None:
     llm = LLM(enable_prefix_caching=False)
     new = K.cpu_ops()
-    old = K.build("native", source=pathlib.Path(sys.argv[1]))
+    old = build_source(pathlib.Path(sys.argv[1]), "native")
     print("CPU:", K.cpu_info()[0], "isa:", new.isa())
     lins = [lin for lin in llm.engine.core.runner.model.linears().values() if hasattr(lin, "offsets")]
     own = {id(lin): (lin.scales, lin.offsets) for lin in lins}

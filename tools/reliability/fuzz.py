@@ -4,7 +4,7 @@ out-of-vocabulary ids, oversize bodies, bad Anthropic Messages requests, ...).
 
 Every response is classified: 2xx, 4xx with the route's error object (OpenAI's; Anthropic's on `/v1/messages...`),
 4xx without it, 5xx, or no response (the connection failed: a crash). Schema checks (status codes, content types and bodies as documented; invalid input
-refused) are counted separately. Used by `pagedllm bench reliability` and by tests/test_reliability.py.
+refused) are counted separately. Used by `python -m tools.reliability` and by tests/test_reliability.py.
 """
 
 from __future__ import annotations

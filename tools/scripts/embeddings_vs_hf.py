@@ -1,7 +1,7 @@
 """Embeddings of a GGUF file against HF transformers' own hidden states of the same file: the cosine of each
 prompt's vector (last-token and mean pooling) for ``--dtype float32`` and the default path.
 
-    python scripts/embeddings_vs_hf.py ~/.cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4.gguf
+    python tools/scripts/embeddings_vs_hf.py ~/.cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4.gguf
 """
 
 import argparse

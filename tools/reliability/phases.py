@@ -1,6 +1,6 @@
 """The reliability scenarios: each phase drives a pagedllm server over HTTP and returns its figures (requests,
 statuses, 5xx, crashes, leaked KV blocks, RSS growth, ...) with ``passed`` and the reasons it failed. Phases on one
-running server come first; those that start, stop or kill their own server after them. `pagedllm bench reliability`
+running server come first; those that start, stop or kill their own server after them. `python -m tools.reliability`
 (``cli.py``) runs them at volume; tests/test_reliability.py runs them smaller.
 """
 
@@ -19,9 +19,9 @@ import time
 import httpx
 
 from pagedllm.bench.compare import _free_port, wait_healthy
-from pagedllm.bench.reliability import fuzz
-from pagedllm.bench.reliability.probes import (FAIL_TOKEN, GREEDY_PROMPTS, LOG_ERRORS, _gauges, _kv_clean, auth,
-                                               greedy_outputs, kv_settled, server_info)
+from tools.reliability import fuzz
+from tools.reliability.probes import (FAIL_TOKEN, GREEDY_PROMPTS, LOG_ERRORS, _gauges, _kv_clean, auth,
+                                      greedy_outputs, kv_settled, server_info)
 from pagedllm.server.errors import anthropic_route
 
 

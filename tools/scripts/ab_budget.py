@@ -2,7 +2,7 @@
 ``max_num_batched_tokens`` switched between runs, arms alternating (this VM's speed drifts by 10-25% within
 minutes, so separate processes measure the drift).
 
-    python3 scripts/ab_budget.py 2048,512 [ROUNDS=4] [CONCURRENCY=32]
+    python3 tools/scripts/ab_budget.py 2048,512 [ROUNDS=4] [CONCURRENCY=32]
 
 Per arm, medians over the rounds: output tokens/s, mean time to the first output (an empty text counts: the
 engine's view; a client that waits for text sees later ones), mean and p99 gap between outputs. Greedy tokens must

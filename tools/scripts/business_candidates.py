@@ -1,6 +1,6 @@
 """Candidate items for pagedllm/eval/data/business.jsonl.
 
-`python3 scripts/business_candidates.py > /tmp/cands.jsonl` writes every candidate; `pagedllm eval --select-from
+`python3 tools/scripts/business_candidates.py > /tmp/cands.jsonl` writes every candidate; `pagedllm eval --select-from
 /tmp/cands.jsonl --write pagedllm/eval/data/business.jsonl` keeps those the full-precision default model answers
 correctly (the issue asks for a set the model passes unquantized, so that drops measure quantization damage)."""
 

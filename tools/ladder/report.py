@@ -1,4 +1,4 @@
-"""`pagedllm bench ladder`'s verdicts and report, from the rows its run measured (``run.py``): each step's quality
+"""`python -m tools.ladder`'s verdicts and report, from the rows its run measured (``run.py``): each step's quality
 gate, the speedups, the markdown tables and notes, the chart, and the files they are written to. Pure but for the
 writing: unit-tested on hand-made rows."""
 
@@ -257,7 +257,7 @@ def write_chart(rows: list[dict], meta: dict, path: str) -> None:
     for ax in (a1, a2):
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(f"pagedllm bench ladder: {meta['num_prompts']} prompts x {meta['output_len']} tokens, "
+    fig.suptitle(f"python -m tools.ladder: {meta['num_prompts']} prompts x {meta['output_len']} tokens, "
                  f"concurrency {meta['concurrency']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
