@@ -194,8 +194,12 @@ class Attention:
 
     def __init__(self, qkv, o, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: RotaryEmbedding, window: int = 0, softcap: float = 0.0, q_norm: torch.Tensor | None = None,
-                 k_norm: torch.Tensor | None = None, eps: float = 1e-6, causal: bool = True) -> None:
+                 k_norm: torch.Tensor | None = None, eps: float = 1e-6, causal: bool = True,
+                 temperature: tuple[float, int] = (0.0, 0)) -> None:
+        """``temperature`` (scale, length): each query times 1 + scale * log(1 + floor(position / length)) after
+        the rotary (Llama 4's attention temperature, Ministral 3; (0, 0): none)."""
         self.qkv, self.o = qkv, o
+        self.temperature = temperature if temperature[0] else None
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale, self.rotary, self.window, self.softcap = scale, rotary, window, softcap
@@ -228,8 +232,12 @@ class Attention:
         if self.q_norm is not None:  # each q and k head normalised in place, before the rotary
             ops.qk_norm(qkv, self.q_norm, self.k_norm, nq, nkv, self.eps)
         k_cache, v_cache = kv
-        ops.rope_write_kv(qkv, positions, rot, meta.slot_mapping if self.causal else None, k_cache, v_cache, nq, nkv)
+        ops.rope_write_kv(qkv, positions, rot[0], rot[1], meta.slot_mapping if self.causal else None, k_cache, v_cache,
+                          nq, nkv)
         q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
+        if self.temperature is not None:
+            scale, length = self.temperature
+            q.mul_((1 + scale * torch.log(1 + torch.floor(positions / length))).to(q.dtype).view(t, 1, 1))
         if self.causal:
             attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale, ops.kernels,
                                    window=self.window, softcap=self.softcap)  # (T, Hq, D)

@@ -51,18 +51,19 @@ class TorchOps:
         qk[:, nq:] = rms_norm(qk[:, nq:], k_norm, eps)
         return qkv
 
-    def step_rotary(self, rotary: RotaryEmbedding, positions: torch.Tensor):
-        """What ``rope_write_kv`` rotates a step with: the step's (T, 1, D/2) cos and sin, looked up once per step
-        and shared by the layers of that rotary."""
+    def step_rotary(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) ``rope_write_kv`` rotates a step with: here the step's (T, 1, D/2) rows, looked up once
+        per step and shared by the layers of that rotary."""
         return rotary.cos_sin(positions)
 
-    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, rot, slots: torch.Tensor | None,
-                      k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, nq: int, nkv: int) -> None:
-        """q and k heads of qkv rotated in place; k and v written to the caches at ``slots`` (None: no cache, an
-        encoder)."""
-        t, d = qkv.shape[0], rot[0].shape[-1] * 2
+    def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      slots: torch.Tensor | None, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, nq: int,
+                      nkv: int) -> None:
+        """q and k heads of qkv rotated in place by the step's rotary (``step_rotary``'s cos and sin); k and v
+        written to the caches at ``slots`` (None: no cache, an encoder)."""
+        t, d = qkv.shape[0], cos.shape[-1] * 2
         qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
-        qk.copy_(RotaryEmbedding.apply(rot, qk))
+        qk.copy_(RotaryEmbedding.apply((cos, sin), qk))
         if k_cache is not None:
             kv = qkv[:, nq * d:].view(t, 2, nkv, d)
             write_kv(k_cache, v_cache, kv[:, 0], kv[:, 1], slots)
@@ -78,33 +79,25 @@ class TorchOps:
 
 
 class FusedOps(TorchOps):
-    """The fused CPU kernels (float32 / bfloat16 on CPU)."""
+    """The fused CPU kernels (float32 / bfloat16 on CPU). The operations whose signature is the kernel's are the
+    kernel functions themselves (no Python frame between a layer and the C++)."""
 
     fused = True
     mlp_rows = MLP_ROWS
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
-
-    def rms_norm(self, x, weight, eps):
-        return self.kernels.rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, h, delta, weight, eps):
-        return self.kernels.add_rms_norm(h, delta, weight, eps)
-
-    def qk_norm(self, qkv, q_norm, k_norm, nq, nkv, eps):
-        return self.kernels.qk_norm(qkv, q_norm, k_norm, nq, nkv, eps)
+        self.rms_norm = kernels.rms_norm
+        self.add_rms_norm = kernels.add_rms_norm
+        self.qk_norm = kernels.qk_norm
+        self.rope_write_kv = kernels.rope_write_kv  # slots and caches required: an encoder runs on TorchOps
+        self._act = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
 
     def step_rotary(self, rotary, positions):
-        return rotary.cos32, rotary.sin32  # the kernel looks the positions up itself, in float32
-
-    def rope_write_kv(self, qkv, positions, rot, slots, k_cache, v_cache, nq, nkv):
-        if k_cache is None:
-            raise ValueError("the fused rotary writes a KV cache: an encoder runs on TorchOps")
-        self.kernels.rope_write_kv(qkv, positions, rot[0], rot[1], slots, k_cache, v_cache, nq, nkv)
+        return rotary.cos32, rotary.sin32  # the whole float32 tables: the kernel looks the positions up itself
 
     def act_and_mul(self, act):
-        fused = {"silu": self.kernels.silu_and_mul, "gelu_tanh": self.kernels.gelu_tanh_and_mul}.get(act)
+        fused = self._act.get(act)
         return fused if fused is not None else super().act_and_mul(act)
 
 

@@ -40,7 +40,10 @@ class ModelArchConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; empty: all "full"
     rope_local_theta: float | None = None  # rotary base of the sliding layers, without scaling (gemma3)
     no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE layers)
-    # {"rope_type": "linear" | "llama3" | "factors", ...}: how the (full layers') rotary frequencies are scaled
+    # Llama 4's attention temperature (Ministral 3): each query times 1 + scale * log(1 + floor(position / length))
+    attn_temperature_scale: float = 0.0
+    attn_temperature_length: int = 0
+    # {"rope_type": "linear" | "llama3" | "factors" | "yarn", ...}: how the (full layers') rotary frequencies are scaled
     rope_scaling: dict | None = field(default=None, compare=False, hash=False)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     attn_softcap: float | None = None  # attention scores = cap * tanh(scores / cap), before the softmax (gemma 2)

@@ -20,7 +20,7 @@ from pagedllm.layers.decoder_layer import DecoderLayer
 from pagedllm.layers.linear import build_linear, tensor_bytes
 from pagedllm.layers.mlp import GatedMLP, MoE
 from pagedllm.layers.ops import choose_ops
-from pagedllm.layers.rotary import RotaryEmbedding, rope_inv_freq
+from pagedllm.layers.rotary import RotaryEmbedding, rope_attention_factor, rope_inv_freq
 from pagedllm.layers.weights import LinearBuild, WeightSource
 from pagedllm.model.arch import ModelArchConfig, tp_layout
 from pagedllm.quant.policy import quantize_weight
@@ -62,7 +62,8 @@ class CausalLM:
 
         # the full layers' rotary; sliding layers with a base of their own (gemma3) use a second, unscaled one
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype,
-                                      rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+                                      rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                                      rope_attention_factor(cfg.rope_scaling))
         rotary_local = self.rotary
         if cfg.rope_local_theta is not None and "sliding" in cfg.layer_types:
             rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_local_theta, device, dtype)
@@ -81,7 +82,8 @@ class CausalLM:
             attn = Attention(qkv, o, self.num_heads, self.num_kv_heads, cfg.head_dim, self.scale,
                              none if i in cfg.no_rope_layers else (rotary_local if window else self.rotary),
                              window, cfg.attn_softcap or 0.0, src.norm(p + "q_norm") if cfg.qk_norm else None,
-                             src.norm(p + "k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps, causal)
+                             src.norm(p + "k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps, causal,
+                             (cfg.attn_temperature_scale, cfg.attn_temperature_length))
             mlp = (MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
                    if cfg.num_experts else GatedMLP.load(src, p, cfg.hidden_act))
             sandwich = cfg.sandwich_norm

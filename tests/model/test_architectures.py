@@ -51,6 +51,12 @@ def _hf_model(kind: str, vocab: int, gguf_conventions: bool = False):
         model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**common | dict(num_hidden_layers=5, pad_token_id=0)))
     elif kind == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common | dict(sliding_window=WINDOW, head_dim=16)))
+    elif kind == "ministral3":  # YaRN (blending 4 of 16 frequencies; attention factor 1.065) and Llama 4's query
+        # temperature from position 16 on: both take effect inside the test's prompts
+        model = tf.Ministral3ForCausalLM(tf.Ministral3Config(**common | dict(head_dim=32, rope_parameters=dict(
+            rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=16,
+            max_position_embeddings=512, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5,
+            llama_4_scaling_beta=0.1))))
     elif kind == "qwen3moe":  # 4 experts, 2 per token
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common | dict(
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)))
@@ -119,13 +125,14 @@ def _check(path: str, model, arch: str):
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "llama3.2", "smollm3", "mistral", "phi3",
-                                  "qwen3moe", "mixtral"])
+                                  "qwen3moe", "mixtral", "ministral3"])
 def test_hf_directory_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size)
     d = tmp_path / kind
     model.save_pretrained(d, safe_serialization=True)
     llm.get_tokenizer().save_pretrained(d)
-    _check(str(d), model, {"mistral": "llama", "llama3": "llama", "llama3.2": "llama", "mixtral": "llama"}.get(kind, kind))
+    _check(str(d), model, {"mistral": "llama", "llama3": "llama", "llama3.2": "llama", "mixtral": "llama",
+                           "ministral3": "mistral3"}.get(kind, kind))
 
 
 def test_gemma_norms_multiply_in_float32_under_bfloat16(tmp_path, llm):

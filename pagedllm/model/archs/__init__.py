@@ -60,13 +60,16 @@ def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None
     if layer_type is not None and layer_type in params:
         params = params[layer_type] or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") if not params.get("rope_type") else params
+    scaling = params if (params.get("rope_type") or params.get("type")) else hf.get("rope_scaling")
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
         return theta, None
-    if kind not in ("linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3")
-    return theta, {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn")
+    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
+    if kind == "yarn" and out.get("factor") is None:  # transformers: the context's growth
+        out["factor"] = hf.get("max_position_embeddings", 2048) / out["original_max_position_embeddings"]
+    return theta, out
 
 
 def gguf_experts(meta: GGUFMeta) -> dict:
@@ -104,7 +107,8 @@ def hf_eos(hf: dict) -> tuple[int | None, tuple[int, ...]]:
     return (ids[0] if ids else None), tuple(ids[1:])
 
 
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3", "bert", "gemma_embedding")
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3", "ministral3", "bert",
+            "gemma_embedding")
 ARCHS: dict[str, Arch] = {}
 for _m in _MODULES:
     _a = importlib.import_module(f"{__name__}.{_m}").ARCH
