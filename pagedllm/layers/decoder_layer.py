@@ -34,18 +34,20 @@ class DecoderLayer:
             out.update(attn_out_norm=self.attn_out_norm, mlp_out_norm=self.mlp_out_norm)
         return out
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp is None else self.tp.all_reduce(x)
-
     def forward(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, rot, kv: tuple, meta,
                 next_norm: torch.Tensor, ops) -> torch.Tensor:
         """x: this layer's normalised input (T, H); h: the residual stream (updated in place) -> the next layer's
         normalised input."""
-        o = self._reduce(self.attn(x, positions, rot, kv, meta, ops))  # row-parallel: partial sums
+        tp = self.tp
+        o = self.attn(x, positions, rot, kv, meta, ops)
+        if tp is not None:  # row-parallel: partial sums
+            o = tp.all_reduce(o)
         if self.attn_out_norm is not None:
             o = ops.rms_norm(o, self.attn_out_norm, self.eps)
         x = ops.add_rms_norm(h, o, self.post_norm, self.eps)
-        m = self._reduce(self.mlp(x, ops))
+        m = self.mlp(x, ops)
+        if tp is not None:
+            m = tp.all_reduce(m)
         if self.mlp_out_norm is not None:
             m = ops.rms_norm(m, self.mlp_out_norm, self.eps)
         return ops.add_rms_norm(h, m, next_norm, self.eps)
