@@ -363,7 +363,7 @@ def test_quantized_file_runs_from_its_blocks(tmp_path, llm, kind):
 
 def test_unsupported_variants_are_refused_by_name(tmp_path, llm):
     """What the layers do not implement stops the load with its name: partial rotary in a GGUF file, Qwen's
-    optional sliding window, mixture-of-experts under tensor parallelism."""
+    optional sliding window, mixture-of-experts under tensor parallelism, a Ministral 3 GGUF file."""
     import json
 
     from pagedllm.model.arch import tp_layout
@@ -374,6 +374,10 @@ def test_unsupported_variants_are_refused_by_name(tmp_path, llm):
     path = str(tmp_path / "partial.gguf")
     _write_gguf(path, "qwen3", model, extra={"qwen3.rope.dimension_count": 16})
     with pytest.raises(ValueError, match="partial rotary"):
+        load_gguf(path)
+    path = str(tmp_path / "mistral3.gguf")
+    _write_gguf(path, "mistral3", model)
+    with pytest.raises(ValueError, match="mistral3 .* not supported yet"):
         load_gguf(path)
     d = tmp_path / "qwen3-swa"
     model.save_pretrained(d, safe_serialization=True)
