@@ -1,6 +1,7 @@
 """Megatron-style tensor-parallel sharding of a loaded weights dict (Shoeybi et al. 2019, "Megatron-LM").
 
-Each rank keeps:
+Each rank keeps (as the layer classes declare it of their weights: ``TP_SPLIT`` of ``layers.attention.Attention``
+and ``layers.mlp.GatedMLP``, passed in by the runner):
 - column-parallel ``q``/``k``/``v`` rows by attention head (and their biases), ``gate``/``up`` rows by intermediate
   channel: each rank computes its own heads / channels, no communication;
 - row-parallel ``o``/``down`` columns (the same heads / channels as inputs): each rank's output is a partial sum,
@@ -45,27 +46,27 @@ def check_shardable(cfg: ModelArchConfig, weights: dict, world_size: int) -> Non
         raise ValueError(f"tensor parallelism needs separate q/k/v and gate/up weights, got fused {fused[0]!r}")
 
 
-def shard_weights(cfg: ModelArchConfig, weights: dict, rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """Slice ``weights`` (engine names, as ``model.loader`` returns them) for ``rank``; empties ``weights``."""
+def shard_weights(cfg: ModelArchConfig, weights: dict, rank: int, world_size: int,
+                  splits: dict[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """Slice ``weights`` (engine names, as ``model.loader`` returns them) for ``rank``; empties ``weights``.
+    ``splits``: what the layers declare of their weights, by name in the layer (``layers.{i}.NAME``): ("rows" or
+    "cols", "heads" / "kv_heads" / "intermediate"), e.g. ``model.decoder.TP_SPLIT``; other layer weights (norms)
+    are replicated."""
     check_shardable(cfg, weights, world_size)
     lay = tp_layout(cfg, world_size, rank)
     d = cfg.head_dim
-    q0, q1 = rank * lay.num_heads * d, (rank + 1) * lay.num_heads * d
-    k0, k1 = lay.kv_head_start * d, (lay.kv_head_start + lay.num_kv_heads) * d
-    i0, i1 = rank * lay.intermediate_size, (rank + 1) * lay.intermediate_size
-    row_slices = {"q": (q0, q1), "q_bias": (q0, q1), "k": (k0, k1), "k_bias": (k0, k1), "v": (k0, k1),
-                  "v_bias": (k0, k1), "gate": (i0, i1), "up": (i0, i1)}
-    col_slices = {"o": (q0, q1), "down": (i0, i1)}
+    spans = {"heads": (rank * lay.num_heads * d, (rank + 1) * lay.num_heads * d),
+             "kv_heads": (lay.kv_head_start * d, (lay.kv_head_start + lay.num_kv_heads) * d),
+             "intermediate": (rank * lay.intermediate_size, (rank + 1) * lay.intermediate_size)}
     out: dict[str, torch.Tensor] = {}
     for name in list(weights):
         w = weights.pop(name)
         leaf = name.rsplit(".", 1)[-1]
         if name in ("embed", "lm_head"):
             out[name] = _vocab_slice(w, lay)
-        elif name.startswith("layers.") and leaf in row_slices:
-            out[name] = _rows(w, *row_slices[leaf])
-        elif name.startswith("layers.") and leaf in col_slices:
-            out[name] = _cols(w, *col_slices[leaf])
+        elif name.startswith("layers.") and leaf in splits:
+            how, span = splits[leaf]
+            out[name] = (_rows if how == "rows" else _cols)(w, *spans[span])
         else:  # norms: replicated
             out[name] = w
         del w

@@ -192,6 +192,12 @@ class Attention:
     ``num_kv_heads``: this rank's heads (all of them without tensor parallelism); the output projection's partial
     sums are reduced by the caller."""
 
+    # how its weights split over tensor-parallel ranks (``distributed.sharding``): q/k/v rows (and biases) by head
+    # (column-parallel), o's columns by query head (row-parallel: partial sums, reduced after it)
+    TP_SPLIT = {"q": ("rows", "heads"), "q_bias": ("rows", "heads"), "k": ("rows", "kv_heads"),
+                "k_bias": ("rows", "kv_heads"), "v": ("rows", "kv_heads"), "v_bias": ("rows", "kv_heads"),
+                "o": ("cols", "heads")}
+
     def __init__(self, qkv, o, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: RotaryEmbedding, window: int = 0, softcap: float = 0.0, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, eps: float = 1e-6, causal: bool = True,

@@ -26,6 +26,8 @@ from pagedllm.model.arch import ModelArchConfig, tp_layout
 from pagedllm.quant.policy import quantize_weight
 
 NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+# how a decoder layer's weights split over tensor-parallel ranks: what its layer classes declare
+TP_SPLIT = Attention.TP_SPLIT | GatedMLP.TP_SPLIT
 
 
 class CausalLM:

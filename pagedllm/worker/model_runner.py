@@ -27,7 +27,7 @@ from pagedllm.errors import TensorParallelError
 from pagedllm.kernels import cpu_ops, kernel_path
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
 from pagedllm.model.arch import ModelArchConfig
-from pagedllm.model.decoder import CausalLM
+from pagedllm.model.decoder import TP_SPLIT, CausalLM
 from pagedllm.model.encoder import SentenceHead, build_encoder
 from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
@@ -222,7 +222,7 @@ class ModelRunner:
         check_shardable(arch, weights, self.config.tensor_parallel_size)
         self.tp, self.tp_workers = join_tensor_parallel(self.config, self.rank, self.device, store)
         self._tp_finalizer = weakref.finalize(self, _close_tensor_parallel, self.tp, self.tp_workers)
-        return shard_weights(arch, weights, self.rank, self.tp.world_size)
+        return shard_weights(arch, weights, self.rank, self.tp.world_size, TP_SPLIT)
 
     def _tp_agree(self, num_blocks: int) -> int:
         """Start-up agreement of the ranks: the same model and settings everywhere (a hand-started rank may have

@@ -18,6 +18,7 @@ import torch
 from conftest import PROMPTS
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.sharding import shard_weights
+from pagedllm.model.decoder import TP_SPLIT
 from pagedllm.errors import TensorParallelError
 from pagedllm.model.arch import ModelArchConfig, tp_layout
 from helpers import model_of
@@ -72,7 +73,7 @@ def test_shards_reassemble_and_kv_heads_replicate():
     cfg = _cfg()  # 4 query heads, 2 KV heads, vocab 10
     full = _weights(cfg)
     for n in (2, 4):  # 4 ranks > 2 KV heads: each KV head is held by the 2 ranks whose query heads use it
-        shards = [shard_weights(cfg, dict(full), r, n) for r in range(n)]
+        shards = [shard_weights(cfg, dict(full), r, n, TP_SPLIT) for r in range(n)]
         cat = lambda name, dim: torch.cat([s[name] for s in shards], dim=dim)  # noqa: E731
         for name in ("layers.0.q", "layers.0.q_bias", "layers.0.gate", "layers.0.up"):
             assert torch.equal(cat(name, 0), full[name]), (n, name)
@@ -98,7 +99,7 @@ def test_prequantized_weights_are_refused():
     w = _weights(cfg)
     w["layers.0.down"] = quantize_rtn(w["layers.0.down"], 8, 8, symmetric=True)
     with pytest.raises(ValueError, match="cannot shard pre-quantized weights"):
-        shard_weights(cfg, w, 0, 2)
+        shard_weights(cfg, w, 0, 2, TP_SPLIT)
 
 
 def test_step_inputs_pack_round_trip():
