@@ -185,6 +185,22 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return out
 
 
+class QueryTemperature:
+    """Llama 4's attention temperature (Ministral 3): a query at position p times 1 + scale * log(1 + floor(p /
+    length)), as transformers computes it in float32. One instance serves every layer: the factors are computed
+    once per step (for the step's positions tensor)."""
+
+    def __init__(self, scale: float, length: int) -> None:
+        self.scale, self.length = scale, length
+        self._positions = self._factors = None
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        if positions is not self._positions:
+            self._positions = positions
+            self._factors = 1 + self.scale * torch.log(1 + torch.floor(positions / self.length))
+        return self._factors
+
+
 class Attention:
     """A layer's self-attention: the fused q/k/v projection, QK-norm (optional), the rotary, attention over the
     paged KV cache (causal, within the layer's window, scores soft-capped where the model does) or, in an encoder,
@@ -201,11 +217,10 @@ class Attention:
     def __init__(self, qkv, o, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: RotaryEmbedding, window: int = 0, softcap: float = 0.0, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, eps: float = 1e-6, causal: bool = True,
-                 temperature: tuple[float, int] = (0.0, 0)) -> None:
-        """``temperature`` (scale, length): each query times 1 + scale * log(1 + floor(position / length)) after
-        the rotary (Llama 4's attention temperature, Ministral 3; (0, 0): none)."""
+                 temperature: "QueryTemperature | None" = None) -> None:
+        """``temperature``: each query times its position's factor after the rotary (Ministral 3)."""
         self.qkv, self.o = qkv, o
-        self.temperature = temperature if temperature[0] else None
+        self.temperature = temperature
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale, self.rotary, self.window, self.softcap = scale, rotary, window, softcap
@@ -235,6 +250,8 @@ class Attention:
         is the step's spans (one per text)."""
         t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)  # (T, Q+2K)
+        if qkv.dtype != x.dtype:  # bfloat16 linears under float32 activations (an encoder): rotate in float32
+            qkv = qkv.to(x.dtype)
         if self.q_norm is not None:  # each q and k head normalised in place, before the rotary
             ops.qk_norm(qkv, self.q_norm, self.k_norm, nq, nkv, self.eps)
         k_cache, v_cache = kv
@@ -242,8 +259,7 @@ class Attention:
                           nq, nkv)
         q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
         if self.temperature is not None:
-            scale, length = self.temperature
-            q.mul_((1 + scale * torch.log(1 + torch.floor(positions / length))).to(q.dtype).view(t, 1, 1))
+            q.mul_(self.temperature(positions).to(q.dtype).view(t, 1, 1))
         if self.causal:
             attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale, ops.kernels,
                                    window=self.window, softcap=self.softcap)  # (T, Hq, D)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.attention import write_kv
 from pagedllm.layers.norm import rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -26,6 +27,16 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tan
 # and stays in cache between gate/up, the activation and down. The kernels' rows do not depend on their batch, so
 # the results are the same.
 MLP_ROWS = 256
+
+
+def _act_and_mul(fn):
+    def act_and_mul(gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.chunk(2, dim=-1)
+        return fn(gate) * up
+    return act_and_mul
+
+
+_ACT_AND_MUL = {name: _act_and_mul(fn) for name, fn in ACTIVATIONS.items()}
 
 
 class TorchOps:
@@ -70,12 +81,7 @@ class TorchOps:
 
     def act_and_mul(self, act: str):
         """gate_up (T, 2I) -> act(gate) * up (T, I)."""
-        fn = ACTIVATIONS[act]
-
-        def act_and_mul(gu: torch.Tensor) -> torch.Tensor:
-            gate, up = gu.chunk(2, dim=-1)
-            return fn(gate) * up
-        return act_and_mul
+        return _ACT_AND_MUL[act]
 
 
 class FusedOps(TorchOps):
@@ -101,8 +107,8 @@ class FusedOps(TorchOps):
         return fused if fused is not None else super().act_and_mul(act)
 
 
-def choose_ops(kernels, device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """The fused kernels where they run (CPU, float32 or bfloat16 activations, ``kernels`` built), else torch."""
-    if kernels is not None and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        return FusedOps(kernels)
-    return TorchOps()
+def choose_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """The fused kernels where they run (CPU, float32 or bfloat16 activations, the kernels built: ``cpu_ops``,
+    asked only there), else torch."""
+    kernels = cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+    return FusedOps(kernels) if kernels is not None else TorchOps()

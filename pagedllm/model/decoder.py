@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.kernels import cpu_ops
-from pagedllm.layers.attention import Attention, AttentionMetadata
+from pagedllm.layers.attention import Attention, AttentionMetadata, QueryTemperature
 from pagedllm.layers.decoder_layer import DecoderLayer
 from pagedllm.layers.linear import build_linear, tensor_bytes
 from pagedllm.layers.mlp import GatedMLP, MoE
@@ -25,7 +24,6 @@ from pagedllm.layers.weights import LinearBuild, WeightSource
 from pagedllm.model.arch import ModelArchConfig, tp_layout
 from pagedllm.quant.policy import quantize_weight
 
-NORMS = ("input_norm", "post_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 # how a decoder layer's weights split over tensor-parallel ranks: what its layer classes declare
 TP_SPLIT = Attention.TP_SPLIT | GatedMLP.TP_SPLIT
 
@@ -74,6 +72,8 @@ class CausalLM:
             none = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype,
                                    torch.zeros(cfg.head_dim // 2))
 
+        temperature = (QueryTemperature(cfg.attn_temperature_scale, cfg.attn_temperature_length)
+                       if cfg.attn_temperature_scale else None)
         self.norm = src.norm("norm")
         self.kv_group = cfg.kv_groups().group  # per layer: its KV group (the metadata it reads, when a list)
         self.layers: list[DecoderLayer] = []
@@ -85,7 +85,7 @@ class CausalLM:
                              none if i in cfg.no_rope_layers else (rotary_local if window else self.rotary),
                              window, cfg.attn_softcap or 0.0, src.norm(p + "q_norm") if cfg.qk_norm else None,
                              src.norm(p + "k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps, causal,
-                             (cfg.attn_temperature_scale, cfg.attn_temperature_length))
+                             temperature)
             mlp = (MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
                    if cfg.num_experts else GatedMLP.load(src, p, cfg.hidden_act))
             sandwich = cfg.sandwich_norm
@@ -113,20 +113,17 @@ class CausalLM:
             self.embed = src.linear("embed", ["embed"], "embed")
         # gemma: embeddings times sqrt(hidden), rounded to the model dtype as the reference does
         self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype)
-        self.q_size = self.num_heads * cfg.head_dim
-        self.kv_size = self.num_kv_heads * cfg.head_dim
         # bfloat16 dense weights on CPU: oneDNN's pre-packed layout (a tied head keeps its rows for lookups)
         for lin in self.linears().values():
             if lin.kind == "dense":
                 lin.prepack(keep_weight=lin is self.embed)
         # the operations between the matmuls: the fused CPU kernels where they run, else torch's (``layers.ops``)
-        self.ops = choose_ops(cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                              else None, device, dtype)
+        self.ops = choose_ops(device, dtype)
 
     def linear_slots(self):
         """(name, owner, attribute) of every linear, named as ``model.loader`` names their weights
         (``layers.{i}.qkv``, ``layers.{i}.experts.{e}.down``, ``lm_head``, ...): what the weight plan, quantization
-        and calibration walk (``set_linear`` swaps one)."""
+        and calibration walk (calibration swaps linears in place through them)."""
         yield "lm_head", self, "lm_head"
         yield "embed", self, "embed"
         for i, layer in enumerate(self.layers):
@@ -134,13 +131,6 @@ class CausalLM:
 
     def linears(self) -> dict[str, object]:
         return {name: getattr(owner, attr) for name, owner, attr in self.linear_slots()}
-
-    def set_linear(self, name: str, linear) -> None:
-        for n, owner, attr in self.linear_slots():
-            if n == name:
-                setattr(owner, attr, linear)
-                return
-        raise KeyError(f"no linear {name!r}")
 
     def weight_bytes(self) -> int:
         tensors = [self.norm] + [t for lin in self.linears().values() for t in lin.tensors()]

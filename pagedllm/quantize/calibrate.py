@@ -67,14 +67,15 @@ def collect_stats(model, sequences: list[list[int]], names: list[str], want_hess
     """Run ``sequences`` through ``model`` recording the inputs of the named fused linears
     (``layers.{i}.{qkv,o,gate_up,down}``)."""
     stats: dict[str, LinearStats] = {}
-    originals = {n: model.linears()[n] for n in names}
+    slots = {n: (owner, attr) for n, owner, attr in model.linear_slots()}  # where each linear sits in the model
+    originals = {n: getattr(*slots[n]) for n in names}
     for n, lin in originals.items():
         stats[n] = LinearStats(lin.in_features, want_hessian, max_rows, seed=len(stats))
-        model.set_linear(n, _Recorder(lin, stats[n]))
+        setattr(*slots[n], _Recorder(lin, stats[n]))
     try:
         for seq in tqdm(sequences, desc="calibration", unit="seq", leave=False):
             sequence_hidden(model, seq)
     finally:
         for n, lin in originals.items():
-            model.set_linear(n, lin)
+            setattr(*slots[n], lin)
     return stats

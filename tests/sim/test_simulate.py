@@ -327,7 +327,7 @@ LADDER = os.path.join(DATA, "ladder_epyc.json")
 
 
 def test_calibrated_cpu_predicts_the_measured_ladder_within_20_percent(tmp_path):
-    """Held out from the calibration: longer prompts, prefix caching on, n-gram speculation (bench ladder rows)."""
+    """Held out from the calibration: longer prompts, prefix caching on, n-gram speculation (the ladder's rows, tools/ladder)."""
     from pagedllm.cli.main import main
 
     fixture = json.load(open(LADDER))

@@ -18,6 +18,7 @@ import time
 import pagedllm.kernels as K
 from tools.scripts.kernel_build import build_source
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.ops import FusedOps
 
 
 class TimedAttention:
@@ -43,8 +44,8 @@ def main() -> None:
     llm = LLM(enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     spent = collections.Counter()
-    arms = {arm: TimedAttention(build_source(pathlib.Path(src), "native"), spent)
-            for arm, src in zip("AB", sys.argv[1:3])}
+    arms = {arm: FusedOps(TimedAttention(build_source(pathlib.Path(src), "native"), spent))
+            for arm, src in zip("AB", sys.argv[1:3])}  # the model's ops backend on each build's kernels
     print("CPU:", K.cpu_info()[0])
     bs, n = int(os.environ.get("BS", "32")), int(os.environ.get("N", "64"))
     prompts = ["Write a short story about a robot who learns to paint. " * int(os.environ.get("PLEN", "14"))] * bs
