@@ -182,8 +182,8 @@ class ModelRunner:
         d = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
              "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
              "weights": self.quantization, "kernels": self.kernel_path}
-        if p.linear_dtype is not None:
-            d["linear_dtype"] = str(p.linear_dtype).removeprefix("torch.")
+        if p.build.linear_dtype is not None:  # an encoder's linears in their own dtype
+            d["linear_dtype"] = str(p.build.linear_dtype).removeprefix("torch.")
         if p.activation_bits is not None:  # the block kernels run
             d["activation_bits"] = p.activation_bits
         if p.large_step_weights is not None:

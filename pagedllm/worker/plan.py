@@ -107,7 +107,6 @@ class RuntimePlan:
     build: LinearBuild  # how the linears are built: policy, block kernels, dense copies, activation bits, steps
     quantization: str  # the weights' label (logs, metrics)
     weight_plan: WeightPlan | None = None  # --dtype auto's plan for a file of blocks (None: the flags')
-    linear_dtype: torch.dtype | None = None  # an encoder's linears in their own dtype
     activation_bits: int | None = None  # None: no linear runs the block kernels
     large_step_weights: str | None = None  # "blocks" / "bf16"; None: no layer linear runs the block kernels
     reasons: dict[str, str] = field(default_factory=dict)  # why each auto choice was made
@@ -134,8 +133,7 @@ def load_and_plan(config: EngineConfig, path: str, device: torch.device, ops) ->
                        quantization, weight_plan, reasons=reasons)
     if arch.encoder:
         if c.model.dtype == "auto" and device.type == "cpu":
-            plan.linear_dtype, reasons["dtype"] = encoder_linear_dtype(cpu_info()[1])
-            build.linear_dtype = plan.linear_dtype
+            build.linear_dtype, reasons["dtype"] = encoder_linear_dtype(cpu_info()[1])
         return arch, weights, plan
     bits, reasons["activation_bits"] = activation_bits(c.activation_bits, path,
                                                        k_quant_layers(weights, build.block_ops, device))
