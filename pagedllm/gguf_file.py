@@ -68,6 +68,7 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q6_K", 256, 210, 8, 16, k_scaled=True, decoder=5),
     BlockType("IQ4_NL", 32, 18, 8, 32),
     BlockType("IQ4_XS", 256, 136, 8, 32, k_scaled=True),
+    BlockType("MXFP4", 32, 17, 8, 32),
 )}
 
 

@@ -51,10 +51,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def tiled_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float,
     q_tile: int = Q_TILE, k_tile: int = K_TILE, window: int = 0, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of ``n`` queries at positions q_offset.. over ``L`` keys at positions 0..L-1
     (``window`` > 0: a query at p sees only the keys p - window + 1 .. p, a sliding-window layer; ``softcap`` > 0:
-    scores soft-capped to softcap * tanh(score / softcap) before the softmax, gemma 2).
+    scores soft-capped to softcap * tanh(score / softcap) before the softmax, gemma 2; ``sinks``: a float32 logit
+    per query head in each softmax's denominator with no value behind it, gpt-oss's attention sinks).
 
     q: (n, Hq, D); k, v: (L, Hkv, D), Hq a multiple of Hkv (grouped-query attention). Returns (n, Hq, D).
     Scores exist only one (q_tile x k_tile) tile at a time; accumulation is in float32.
@@ -72,8 +74,12 @@ def tiled_causal_attention(
         # (Hkv, G*m, D): the G query heads of a KV head, stacked with their rows
         qt = q[qs:qe].view(m, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * m, d).to(acc_dtype) * scale
         q_pos = (torch.arange(qs, qe, device=q.device) + q_offset).repeat(g)  # (G*m,)
-        row_max = torch.full((hkv, g * m, 1), float("-inf"), dtype=acc_dtype, device=q.device)
-        row_sum = torch.zeros((hkv, g * m, 1), dtype=acc_dtype, device=q.device)
+        if sinks is None:
+            row_max = torch.full((hkv, g * m, 1), float("-inf"), dtype=acc_dtype, device=q.device)
+            row_sum = torch.zeros((hkv, g * m, 1), dtype=acc_dtype, device=q.device)
+        else:  # the online softmax starts from the sink: its logit is the first max, exp(0) = 1 the first sum
+            row_max = sinks.to(acc_dtype).view(hkv, g, 1, 1).expand(hkv, g, m, 1).reshape(hkv, g * m, 1)
+            row_sum = torch.ones((hkv, g * m, 1), dtype=acc_dtype, device=q.device)
         acc = torch.zeros((hkv, g * m, d), dtype=acc_dtype, device=q.device)
         last_key = min(seq_len, q_offset + qe)  # keys past the tile's last query position are never needed
         first_masked = q_offset + qs  # keys at or past this position need the causal mask
@@ -107,6 +113,7 @@ def tiled_causal_attention(
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context. q: (B, Hq, D) -> (B, Hq, D).
 
@@ -119,10 +126,15 @@ def decode_attention(
     flat = block_tables.view(-1)  # index_select copies whole blocks, faster than advanced indexing
     k = k_cache.index_select(0, flat).to(q.dtype).view(b, -1, hkv, d).transpose(1, 2)  # (B, Hkv, L, D), strided
     v = v_cache.index_select(0, flat).to(q.dtype).view(b, -1, hkv, d).transpose(1, 2)
-    if softcap:  # SDPA has no soft-capping: the scores by hand
+    if softcap or sinks is not None:  # SDPA has neither soft-capping nor sinks: the scores by hand
         g, ct = hq // hkv, torch.promote_types(q.dtype, torch.float32)  # at least float32 (float64 stays)
         s = torch.matmul(q.view(b, hkv, g, d).to(ct) * scale, k.to(ct).transpose(-1, -2))  # (B, Hkv, G, L)
-        s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+        if sinks is not None:  # a last column of the sink logits, dropped after the softmax
+            s = torch.cat([s, sinks.to(ct).view(1, hkv, g, 1).expand(b, hkv, g, 1)], dim=-1)
+            return torch.matmul(torch.softmax(s, dim=-1)[..., :-1], v.to(ct)).view(b, hq, d).to(q.dtype)
         return torch.matmul(torch.softmax(s, dim=-1), v.to(ct)).view(b, hq, d).to(q.dtype)
     out = F.scaled_dot_product_attention(q.view(b, hq, 1, d), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.view(b, hq, d)
@@ -131,24 +143,24 @@ def decode_attention(
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, ops=None,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (T, Hq, D); k, v: (T, Hkv, D) for the step's new tokens, written to the cache first (None: already
     written, e.g. by the fused rotary kernel). ``ops``: the fused CPU kernels, or None for torch operations.
     ``window`` > 0: each query sees only its last ``window`` keys (its own included); ``softcap`` > 0: scores
-    soft-capped (gemma 2)."""
+    soft-capped (gemma 2); ``sinks``: (Hq,) float32 sink logits (gpt-oss)."""
     if k is not None:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
     def decode(qd: torch.Tensor) -> torch.Tensor:
         if ops is not None:
             return ops.decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale,
-                                        window, softcap)
+                                        window, softcap, sinks)
         mask = meta.decode_mask
         if window:  # keys before len - window are outside
             pos = torch.arange(mask.shape[-1], device=mask.device)
             mask = mask & (pos >= meta.decode_lens.view(-1, 1, 1, 1) - window)
-        return decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, mask, scale, softcap)
+        return decode_attention(qd, k_cache, v_cache, meta.decode_block_tables, mask, scale, softcap, sinks)
 
     if meta.num_decodes and meta.decode_rows is None:  # all rows are decodes
         return decode(q)
@@ -162,7 +174,7 @@ def paged_attention(
         vc = v_cache.index_select(0, p.block_table).view(-1, hkv, d)[: p.context_len]
         out[p.start : p.end] = tiled_causal_attention(
             q[p.start : p.end], kc, vc, q_offset=p.context_len - (p.end - p.start), scale=scale, window=window,
-            softcap=softcap)
+            softcap=softcap, sinks=sinks)
     return out
 
 
@@ -212,37 +224,42 @@ class Attention:
     # (column-parallel), o's columns by query head (row-parallel: partial sums, reduced after it)
     TP_SPLIT = {"q": ("rows", "heads"), "q_bias": ("rows", "heads"), "k": ("rows", "kv_heads"),
                 "k_bias": ("rows", "kv_heads"), "v": ("rows", "kv_heads"), "v_bias": ("rows", "kv_heads"),
-                "o": ("cols", "heads")}
+                "o": ("cols", "heads"), "sinks": ("rows", "heads")}
 
     def __init__(self, qkv, o, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: RotaryEmbedding, window: int = 0, softcap: float = 0.0, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, eps: float = 1e-6, causal: bool = True,
-                 temperature: "QueryTemperature | None" = None) -> None:
-        """``temperature``: each query times its position's factor after the rotary (Ministral 3)."""
+                 temperature: "QueryTemperature | None" = None, sinks: torch.Tensor | None = None) -> None:
+        """``temperature``: each query times its position's factor after the rotary (Ministral 3); ``sinks``:
+        (num_heads,) float32 logits, one per query head, in each softmax's denominator (gpt-oss)."""
         self.qkv, self.o = qkv, o
         self.temperature = temperature
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale, self.rotary, self.window, self.softcap = scale, rotary, window, softcap
         self.q_norm, self.k_norm, self.eps, self.causal = q_norm, k_norm, eps, causal
+        self.sinks = sinks
 
     @staticmethod
     def load_projections(src, prefix: str, bias: bool):
         """(qkv, o) from ``{prefix}qkv`` (or ``q``, ``k``, ``v`` fused here; their biases with ``bias``) and
-        ``{prefix}o``."""
+        ``{prefix}o`` (its bias ``o_bias`` where the checkpoint has one: gpt-oss)."""
         b = None
         if bias:
             b = src.pop(prefix + "qkv_bias") if prefix + "qkv_bias" in src else torch.cat(
                 [src.pop(prefix + "q_bias"), src.pop(prefix + "k_bias"), src.pop(prefix + "v_bias")])
         qkv = src.linear(prefix + "qkv", [prefix + "q", prefix + "k", prefix + "v"], "attn", b)  # (Q+2K, H)
-        return qkv, src.linear(prefix + "o", [prefix + "o"], "attn")
+        o_bias = src.pop(prefix + "o_bias") if prefix + "o_bias" in src else None
+        return qkv, src.linear(prefix + "o", [prefix + "o"], "attn", o_bias)
 
     def linear_slots(self, prefix: str):
         yield prefix + "qkv", self, "qkv"
         yield prefix + "o", self, "o"
 
     def norms(self) -> dict[str, torch.Tensor]:
-        return {} if self.q_norm is None else {"q_norm": self.q_norm, "k_norm": self.k_norm}
+        """Its small float tensors besides the linears: the QK-norms, the sinks."""
+        out = {} if self.q_norm is None else {"q_norm": self.q_norm, "k_norm": self.k_norm}
+        return out if self.sinks is None else out | {"sinks": self.sinks}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rot, kv: tuple, meta, ops) -> torch.Tensor:
         """x: (T, H) normalised rows -> (T, H) (before any reduction over ranks). ``rot``: the step's rotary
@@ -262,7 +279,7 @@ class Attention:
             q.mul_(self.temperature(positions).to(q.dtype).view(t, 1, 1))
         if self.causal:
             attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale, ops.kernels,
-                                   window=self.window, softcap=self.softcap)  # (T, Hq, D)
+                                   window=self.window, softcap=self.softcap, sinks=self.sinks)  # (T, Hq, D)
         else:  # transformers' bidirectional sliding layers: |query - key| < window // 2 + 1
             k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, nkv, d)
             v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, d)

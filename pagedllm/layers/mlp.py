@@ -1,5 +1,5 @@
-"""The feed-forward layers: a gated MLP (SwiGLU / GeGLU: down(act(gate) * up), gate and up one fused projection)
-and a mixture of experts of them behind a softmax router."""
+"""The feed-forward layers: a gated MLP (SwiGLU / GeGLU: down(act(gate) * up), gate and up one fused projection;
+gpt-oss's clamped SwiGLU with biases) and a mixture of experts of them behind a softmax router."""
 
 from __future__ import annotations
 
@@ -19,9 +19,14 @@ class GatedMLP:
 
     @classmethod
     def load(cls, src: WeightSource, prefix: str, act: str, dense: bool = True) -> "GatedMLP":
-        """``{prefix}gate_up`` (or ``gate`` and ``up``, fused here) and ``{prefix}down``."""
-        return cls(src.linear(prefix + "gate_up", [prefix + "gate", prefix + "up"], "mlp", dense=dense),
-                   src.linear(prefix + "down", [prefix + "down"], "mlp", dense=dense), act)
+        """``{prefix}gate_up`` (or ``gate`` and ``up``, fused here) and ``{prefix}down``, with their biases where the
+        checkpoint has them (``gate_bias`` / ``up_bias``, ``down_bias``: gpt-oss's experts)."""
+        gate_up_bias = down_bias = None
+        if prefix + "gate_bias" in src:
+            gate_up_bias = torch.cat([src.pop(prefix + "gate_bias"), src.pop(prefix + "up_bias")])
+            down_bias = src.pop(prefix + "down_bias")
+        return cls(src.linear(prefix + "gate_up", [prefix + "gate", prefix + "up"], "mlp", gate_up_bias, dense=dense),
+                   src.linear(prefix + "down", [prefix + "down"], "mlp", down_bias, dense=dense), act)
 
     def linear_slots(self, prefix: str):
         yield prefix + "gate_up", self, "gate_up"
@@ -44,12 +49,15 @@ class GatedMLP:
 
 
 class MoE:
-    """Softmax over the router's logits (float32), the top k experts per token (renormalised where the model says),
-    and the step's tokens grouped per expert, so each chosen expert runs once on all of its tokens; experts are added
-    in ascending order, as the reference does."""
+    """Softmax over the router's logits (float32; the router's bias added where it has one: gpt-oss), the top k
+    experts per token (renormalised where the model says: the same as a softmax over the top k logits, gpt-oss's
+    order), and the step's tokens grouped per expert, so each chosen expert runs once on all of its tokens; experts
+    are added in ascending order, as the reference does."""
 
-    def __init__(self, router: torch.Tensor, experts: list[GatedMLP], top_k: int, norm_topk_prob: bool) -> None:
+    def __init__(self, router: torch.Tensor, experts: list[GatedMLP], top_k: int, norm_topk_prob: bool,
+                 router_bias: torch.Tensor | None = None) -> None:
         self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
+        self.router_bias = router_bias
 
     @classmethod
     def load(cls, src: WeightSource, prefix: str, act: str, num_experts: int, top_k: int,
@@ -57,15 +65,16 @@ class MoE:
         """``{prefix}router`` (float, small; dequantized if stored in blocks) and per expert ``{prefix}experts.{e}.``
         its gated MLP, without dense copies (an expert sees ~k/E of a step's rows, rarely enough to pay for one)."""
         router = src.float_tensor(prefix + "router")
+        bias = src.float_tensor(prefix + "router_bias") if prefix + "router_bias" in src else None
         experts = [GatedMLP.load(src, f"{prefix}experts.{e}.", act, dense=False) for e in range(num_experts)]
-        return cls(router, experts, top_k, norm_topk_prob)
+        return cls(router, experts, top_k, norm_topk_prob, bias)
 
     def linear_slots(self, prefix: str):
         for e, expert in enumerate(self.experts):
             yield from expert.linear_slots(f"{prefix}experts.{e}.")
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(F.linear(x, self.router, self.router_bias), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

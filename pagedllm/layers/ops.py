@@ -36,7 +36,18 @@ def _act_and_mul(fn):
     return act_and_mul
 
 
-_ACT_AND_MUL = {name: _act_and_mul(fn) for name, fn in ACTIVATIONS.items()}
+# gpt-oss's experts: the gate clamped above and the up projection both ways at 7, gate * sigmoid(1.702 gate) * (up + 1)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
+def _swiglu_oai(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+
+
+_ACT_AND_MUL = {name: _act_and_mul(fn) for name, fn in ACTIVATIONS.items()} | {"swiglu_oai": _swiglu_oai}
 
 
 class TorchOps:

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos, hf_rope  # the registry: a module each
 
 
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     arch: str
@@ -31,7 +34,8 @@ class ModelArchConfig:
     vocab_fingerprint: str | None = None  # sha256 of the token strings, where the file lists them
     # the variants an architecture picks (the defaults are llama's); ``model.archs`` sets them per architecture
     qk_norm: bool = False  # RMSNorm over each q and k head before the rotary (qwen3, gemma3)
-    hidden_act: str = "silu"  # the MLP's activation: "silu", "gelu_tanh" (gemma) or "gelu" (erf: bert)
+    # the MLP's activation: "silu", "gelu_tanh" (gemma), "gelu" (erf: bert) or "swiglu_oai" (gpt-oss's clamped SwiGLU)
+    hidden_act: str = "silu"
     embed_scale: float | None = None  # embedding rows times this, rounded to the model dtype (gemma: sqrt(hidden))
     sandwich_norm: bool = False  # RMSNorm on the attention and MLP outputs too, before the residual add (gemma)
     norm_float32: bool = False  # RMSNorm's weight multiplies the normalized x in float32, rounded once (gemma)
@@ -47,6 +51,7 @@ class ModelArchConfig:
     rope_scaling: dict | None = field(default=None, compare=False, hash=False)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     attn_softcap: float | None = None  # attention scores = cap * tanh(scores / cap), before the softmax (gemma 2)
+    attn_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
     stop_token_ids: tuple[int, ...] = ()  # end-of-generation tokens besides eos (gemma's <end_of_turn>)
     pooling: str | None = None  # an embedding model's pooling ("mean", "cls", "last"): the file's, or its modules'
     # an encoder (an embedding model): every token attends to the whole text, both ways; no KV cache is kept
@@ -73,8 +78,8 @@ class ModelArchConfig:
             raise ValueError("sliding layers need a sliding_window")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
-        if self.hidden_act not in ("silu", "gelu_tanh", "gelu"):
-            raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: silu, gelu_tanh, gelu")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 

@@ -85,7 +85,8 @@ class CausalLM:
                              none if i in cfg.no_rope_layers else (rotary_local if window else self.rotary),
                              window, cfg.attn_softcap or 0.0, src.norm(p + "q_norm") if cfg.qk_norm else None,
                              src.norm(p + "k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps, causal,
-                             temperature)
+                             temperature, src.pop(p + "sinks").to(device, torch.float32).contiguous()
+                             if cfg.attn_sinks else None)
             mlp = (MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
                    if cfg.num_experts else GatedMLP.load(src, p, cfg.hidden_act))
             sandwich = cfg.sandwich_norm

@@ -104,6 +104,7 @@ GGUF_LAYER_NAMES = {
     "attn_q_norm.weight": "q_norm",
     "attn_k_norm.weight": "k_norm",
     "attn_output.weight": "o",
+    "attn_output.bias": "o_bias",
     "post_attention_norm.weight": "attn_out_norm",  # on the attention output (sandwich norms)
     "ffn_gate.weight": "gate",
     "ffn_up.weight": "up",
@@ -111,7 +112,8 @@ GGUF_LAYER_NAMES = {
     "post_ffw_norm.weight": "mlp_out_norm",
     "ffn_gate_inp.weight": "router",  # mixture of experts: the router, and the experts stacked in one tensor each
 }
-GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
+                "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
 GGUF_EXPERT_OLD = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # early Mixtral files: a tensor per expert
 HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 HF_LAYER_NAMES = {
@@ -127,6 +129,7 @@ HF_LAYER_NAMES = {
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
     "self_attn.o_proj.weight": "o",
+    "self_attn.o_proj.bias": "o_bias",
     "mlp.gate_proj.weight": "gate",
     "mlp.up_proj.weight": "up",
     "mlp.gate_up_proj.weight": "gate_up",
@@ -280,6 +283,9 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
                 key = whole[name]
             elif name.startswith(prefix):
                 idx, rest = name[len(prefix):].split(".", 1)
+                if spec.split_hf is not None and (parts := spec.split_hf(rest, t)) is not None:
+                    weights.update({f"layers.{idx}.{k}": v.float().contiguous() for k, v in parts.items()})
+                    continue
                 if (m := HF_EXPERT.fullmatch(rest)) is not None:
                     key = f"layers.{idx}.experts.{m[1]}.{HF_EXPERT_PART[m[2]]}"
                 elif rest in HF_STACKED_EXPERTS:

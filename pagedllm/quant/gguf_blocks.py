@@ -11,7 +11,9 @@ The forms (``QuantizedWeight`` with ``offset_form``: w = c * scale + offset):
 - 4-bit codes c in [0, 16) with an offset: Q4_0 (offset -8d), Q4_1, Q4_K (blocks of 32), Q2_K and Q3_K (2- and 3-bit
   codes, blocks of 16: Q3_K's signed values as c = q + 4 with offset -4 * scale);
 - signed 8-bit codes: Q8_0, Q5_0 (q - 16), Q5_1 and Q5_K (q in [0, 32) with an offset), Q6_K (q - 32, blocks of 16),
-  IQ4_NL and IQ4_XS (their 16-entry non-linear table of int8 values).
+  IQ4_NL and IQ4_XS (their 16-entry non-linear table of int8 values), MXFP4 (OCP microscaling: E2M1 values doubled to
+  the integers 0, +-1, +-2, +-3, +-4, +-6, +-8, +-12, times half the block's power-of-two E8M0 scale, as ggml keeps
+  them: gpt-oss's experts).
 Blocks of 16 (``group_size`` 16) run with a scale per half block of 32 in the kernel.
 """
 
@@ -253,11 +255,27 @@ def iq4_xs(data: np.ndarray) -> QuantizedWeight:
                    (_raw16(b[:, 0:2]), sub, None, None))
 
 
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1 x 2
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """Half of an E8M0 scale's value, 2 ** (e - 128), as float32 bits (ggml's ``ggml_e8m0_to_fp32_half``): exact, the
+    two smallest as subnormals."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def mxfp4(data: np.ndarray) -> QuantizedWeight:
+    rows, b = _blocks(data, 17)
+    return _weight(rows, MXFP4_VALUES[_nibbles(b[:, 1:])], e8m0_half(b[:, 0]), None, 8, 32)
+
+
 # GGUF type name -> decoder of a tensor's raw block rows
 DECODERS: dict[str, Callable[[np.ndarray], QuantizedWeight]] = {
     "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q8_0": q8_0,
     "Q2_K": q2_k, "Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k,
-    "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs,
+    "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "MXFP4": mxfp4,
 }
 
 

@@ -21,8 +21,9 @@ from helpers import model_of
 F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ4_NL": (0,), "IQ4_XS": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": (),
 }
+E8M0_FIELDS = {"MXFP4": 0}  # byte offset of a block's E8M0 scale (set to 2^-10 .. 2^-1: finite products)
 
 
 def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
@@ -33,6 +34,8 @@ def random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, size=(rows * (k // block), nbytes), dtype=np.uint8)
     for off in F16_FIELDS[kind]:
         raw[:, off:off + 2] = (rng.standard_normal(len(raw)) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if kind in E8M0_FIELDS:
+        raw[:, E8M0_FIELDS[kind]] = rng.integers(118, 128, size=len(raw))
     return raw.reshape(rows, -1)
 
 
@@ -66,6 +69,11 @@ def test_decoded_values_equal_gguf_bit_for_bit(kind):
     ref = reference(raw, kind)
     assert qw.shape == tuple(ref.shape)
     assert torch.equal(dequantize(qw), ref)
+    if kind in E8M0_FIELDS:  # every E8M0 scale, the subnormal halves (0, 1) and the largest (2^126) included
+        raw = random_blocks(kind, 256, 32, seed=1)
+        raw[:, E8M0_FIELDS[kind]] = np.arange(256)
+        with np.errstate(over="ignore"):  # 12 x 2^127 is inf in both
+            assert torch.equal(dequantize(decode(raw, kind)), reference(raw, kind))
 
 
 @pytest.mark.parametrize("kind", sorted(FAST_CODES))

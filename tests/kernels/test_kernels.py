@@ -65,6 +65,22 @@ def test_decode_attention_matches_sdpa(ops, dtype, hq, hkv, d):
     _close(ops.decode_attention(big, kc, vc, tables, lens, d ** -0.5, 12, 5.0),
            decode_attention(big, kc, vc, tables, mask & (torch.arange(max_blocks * bs) >= (lens - 12)[:, None])[
                :, None, None, :], d ** -0.5, softcap=5.0), dtype)
+    # attention sinks (gpt-oss): a logit per query head in each softmax's denominator, alone and with a window;
+    # the torch path checked against the softmax over [scores, sink] written out
+    sinks = torch.randn(hq) * 2 + 1
+    sunk = ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5, 0, 0.0, sinks)
+    _close(sunk, decode_attention(q, kc, vc, tables, mask, d ** -0.5, sinks=sinks), dtype)
+    g = hq // hkv
+    for b in (1, 4):
+        keys = kc[tables[b]].reshape(-1, hkv, d)[:lens[b]].float().repeat_interleave(g, dim=1)
+        vals = vc[tables[b]].reshape(-1, hkv, d)[:lens[b]].float().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].float(), keys) * d ** -0.5
+        p = torch.cat([s, sinks[:, None]], dim=1).softmax(-1)[:, :-1]
+        _close(sunk[b], torch.einsum("hl,lhd->hd", p, vals), dtype)
+    assert not torch.allclose(sunk.float(), out.float(), atol=0.05)
+    keep = mask & (torch.arange(max_blocks * bs) >= (lens - 12)[:, None])[:, None, None, :]
+    _close(ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5, 12, 0.0, sinks),
+           decode_attention(q, kc, vc, tables, keep, d ** -0.5, sinks=sinks), dtype)
 
 
 def test_decode_attention_strided_query_and_bad_input(ops):
@@ -84,6 +100,9 @@ def test_decode_attention_strided_query_and_bad_input(ops):
         ops.decode_attention(q, kc, vc.bfloat16(), tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="outside the cache"):  # a bad block id is refused, not read
         ops.decode_attention(q, kc, vc, torch.tensor([[3, 8], [0, 5]]), lens, 0.125)
+    for sinks in (torch.zeros(8), torch.zeros(9, dtype=torch.float64)):  # one per query head, float32
+        with pytest.raises(RuntimeError, match="sinks must be"):
+            ops.decode_attention(q, kc, vc, tables, lens, 0.125, 0, 0.0, sinks)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 32)])  # the vector path and the portable one

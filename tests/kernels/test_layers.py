@@ -7,7 +7,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq, paged_attention, tiled_causal_attention
 
 
-def naive_attention(q, k, v, q_offset, window=0):
+def naive_attention(q, k, v, q_offset, window=0, sinks=None):
+    """Softmax attention in float64 (``sinks``: a column of per-head logits joins each softmax, then is dropped, as
+    transformers' gpt-oss computes it)."""
     n, hq, d = q.shape
     L, hkv, _ = k.shape
     g = hq // hkv
@@ -18,6 +20,9 @@ def naive_attention(q, k, v, q_offset, window=0):
     s = s.masked_fill(torch.arange(L)[None, :] > qpos, float("-inf"))
     if window:
         s = s.masked_fill(torch.arange(L)[None, :] <= qpos - window, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(hq, 1, 1).expand(hq, n, 1)], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("hnl,lhd->nhd", s, v.double()).float()
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v.double()).float()
 
 
@@ -33,6 +38,13 @@ def test_tiled_attention_matches_reference(n, offset, q_tile, k_tile):
     for window in (1, 5, 17, 40):  # sliding-window layers: key tiles before every query's window skipped
         out = tiled_causal_attention(q, k, v, offset, 64**-0.5, q_tile=q_tile, k_tile=k_tile, window=window)
         torch.testing.assert_close(out, naive_attention(q, k, v, offset, window), atol=2e-5, rtol=1e-4)
+    sinks = torch.randn(9) * 2 + 1  # gpt-oss: a logit per query head in each softmax, with and without a window
+    for window in (0, 5):
+        out = tiled_causal_attention(q, k, v, offset, 64**-0.5, q_tile=q_tile, k_tile=k_tile, window=window,
+                                     sinks=sinks)
+        want = naive_attention(q, k, v, offset, window, sinks)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+        assert not torch.allclose(want, naive_attention(q, k, v, offset, window), atol=1e-3)
 
 
 class MaxNumel(TorchDispatchMode):

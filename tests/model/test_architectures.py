@@ -12,6 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.norm import rms_norm
+from pagedllm.layers.ops import TorchOps
 from helpers import ARCH_MODULES, model_of
 
 MAX_TOKENS = 16
@@ -65,11 +66,21 @@ def _hf_model(kind: str, vocab: int, gguf_conventions: bool = False):
                                                                        sliding_window=None)))
     elif kind == "phi3":
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**common | dict(pad_token_id=0)))
+    elif kind == "gpt_oss":  # sinks, sliding (even) and full (odd) layers, YaRN untruncated from position 16 on,
+        # 4 experts of 2 per token with biases and the clamped SwiGLU
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(**common | dict(
+            num_hidden_layers=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+            sliding_window=WINDOW, rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0,
+                                                        beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                        original_max_position_embeddings=16))))
     else:
         raise ValueError(kind)
     with torch.no_grad():
         for p in model.parameters():  # larger weights: confident greedy choices; norms not all 1
             p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):  # sinks that take a visible share of each softmax
+                p.copy_(torch.randn_like(p) * 2.0 + 2.0)
     model.config._attn_implementation = "eager"
     return model.eval()
 
@@ -103,12 +114,16 @@ def _check(path: str, model, arch: str):
     assert type(built).__name__ == ARCH_MODULES[arch][1]
     mlp = "MoE" if built.cfg.num_experts else "GatedMLP"
     assert _layer_classes(built) == {"DecoderLayer", "Attention", mlp}
-    for p in PROMPTS:
-        got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
-        want, ref_lp = _reference(model, p)
-        assert got.token_ids == want, (arch, p)
-        for i, lp in enumerate(got.logprobs):
-            assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (arch, p, i)
+    fused = built.ops
+    assert fused.fused
+    refs = [_reference(model, p) for p in PROMPTS]
+    for ops in (fused, TorchOps()):  # both backends: the fused CPU kernels, torch's operations (CUDA's path)
+        built.ops = ops
+        for p, (want, ref_lp) in zip(PROMPTS, refs):
+            got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
+            assert got.token_ids == want, (arch, p, type(ops).__name__)
+            for i, lp in enumerate(got.logprobs):
+                assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (arch, p, i, type(ops).__name__)
     del alone
     # batched, prompts in chunks of 16 tokens, a shared prefix (cache hits) and a KV cache too small for all of
     # them at once (preemption): the same tokens
@@ -125,14 +140,14 @@ def _check(path: str, model, arch: str):
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "llama3.2", "smollm3", "mistral", "phi3",
-                                  "qwen3moe", "mixtral", "ministral3"])
+                                  "qwen3moe", "mixtral", "ministral3", "gpt_oss"])
 def test_hf_directory_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size)
     d = tmp_path / kind
     model.save_pretrained(d, safe_serialization=True)
     llm.get_tokenizer().save_pretrained(d)
     _check(str(d), model, {"mistral": "llama", "llama3": "llama", "llama3.2": "llama", "mixtral": "llama",
-                           "ministral3": "mistral3"}.get(kind, kind))
+                           "ministral3": "mistral3", "gpt_oss": "gpt-oss"}.get(kind, kind))
 
 
 def test_gemma_norms_multiply_in_float32_under_bfloat16(tmp_path, llm):
@@ -204,14 +219,59 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gpt_oss_tensors(w, c, state: dict, mxfp4: bool) -> None:
+    """gpt-oss's keys and layers as llama.cpp's converter writes them (its tensors popped from ``state``): YaRN's
+    keys, the experts' gate and up de-interleaved and stacked with their biases, in MXFP4 blocks with ``mxfp4``;
+    the sinks, the router's bias, the norm before the MLP named ``post_attention_norm``."""
+    w.add_sliding_window(c.sliding_window)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    rope = c.rope_parameters
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_sinks.weight", state.pop(p + "self_attn.sinks"))
+        w.add_tensor(f"blk.{i}.post_attention_norm.weight", state.pop(p + "post_attention_layernorm.weight"))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", state.pop(p + "mlp.router.weight"))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.bias", state.pop(p + "mlp.router.bias"))
+        gate_up = state.pop(p + "mlp.experts.gate_up_proj").transpose(0, 2, 1)  # (E, 2I, H), interleaved rows
+        bias = state.pop(p + "mlp.experts.gate_up_proj_bias")
+        down = state.pop(p + "mlp.experts.down_proj").transpose(0, 2, 1)  # (E, H, I)
+        for name, t, b in (("gate", gate_up[:, 0::2], bias[:, 0::2]), ("up", gate_up[:, 1::2], bias[:, 1::2]),
+                           ("down", down, state.pop(p + "mlp.experts.down_proj_bias"))):
+            t = np.ascontiguousarray(t, dtype=np.float32)
+            if mxfp4:
+                w.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", gguf.quants.quantize(t, gguf.GGMLQuantizationType.MXFP4),
+                             raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            else:
+                w.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", t)
+            w.add_tensor(f"blk.{i}.ffn_{name}_exps.bias", np.ascontiguousarray(b, dtype=np.float32))
+
+
+def _mxfp4_experts(model) -> None:
+    """gpt-oss's expert weights rounded to MXFP4's values in place (gguf's quantizer), so that a file with them in
+    MXFP4 blocks holds the reference's exact numbers."""
+    q = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for t in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                rows = t.transpose(1, 2).contiguous().numpy()  # blocks of 32 along each output row's inputs
+                t.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, q), q)).transpose(1, 2))
+
+
 def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts: bool = False,
-                extra: dict | None = None) -> None:
+                extra: dict | None = None, mxfp4_experts: bool = False) -> None:
     from pagedllm.config import default_model_path
     from pagedllm.gguf_file import GGUFFile
 
     src = GGUFFile(default_model_path())
     c = model.config
-    arch = {"llama3": "llama", "llama3.2": "llama"}.get(kind, kind)
+    arch = {"llama3": "llama", "llama3.2": "llama", "gpt_oss": "gpt-oss"}.get(kind, kind)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -242,6 +302,8 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     state = {k: v.float().numpy() for k, v in model.state_dict().items()}
     plus_one = kind in ("gemma2", "gemma3")  # llama.cpp stores gemma's norm weights as 1 + w
     names = GGUF_LAYER | (GEMMA_LAYER if plus_one else {"post_attention_layernorm": "ffn_norm"})
+    if kind == "gpt_oss":
+        _gpt_oss_tensors(w, c, state, mxfp4_experts)
     if kind == "qwen3moe":  # experts stacked per layer, as llama.cpp writes them
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
@@ -293,12 +355,15 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "llama3.2", "smollm3", "qwen3moe", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "llama3.2", "smollm3", "qwen3moe", "phi3",
+                                  "gpt_oss"])
 def test_gguf_file_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
     path = str(tmp_path / f"tiny-{kind}.gguf")
-    _write_gguf(path, kind, model)
-    _check(path, model, "llama" if kind.startswith("llama3") else kind)
+    if kind == "gpt_oss":  # its experts in MXFP4 blocks, as its GGUF files hold them (the reference on their values)
+        _mxfp4_experts(model)
+    _write_gguf(path, kind, model, mxfp4_experts=kind == "gpt_oss")
+    _check(path, model, {"gpt_oss": "gpt-oss"}.get(kind, "llama" if kind.startswith("llama3") else kind))
 
 
 def test_gemma3_config_from_gguf_metadata(tmp_path, llm):
@@ -339,20 +404,21 @@ def test_end_of_turn_token_stops_generation(tmp_path, llm):
     assert out[0].outputs[0].token_ids == want
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "phi3", "gpt_oss"])
 def test_quantized_file_runs_from_its_blocks(tmp_path, llm, kind):
     """Every linear in Q8_0 blocks (qwen3moe: experts stacked per layer; phi3: q/k/v and gate/up fused in the
-    file): the block path (``--quantization gguf``: the default's measured plan may keep float copies for a model
-    this small) runs them in the block kernel (each expert sliced out of its layer's tensor), and its greedy tokens
-    and logprobs follow the float32 path's on the same file."""
+    file; gpt-oss: its experts in MXFP4 blocks, the rest Q8_0): the block path (``--quantization gguf``: the
+    default's measured plan may keep float copies for a model this small) runs them in the block kernel (each expert
+    sliced out of its layer's tensor), and its greedy tokens and logprobs follow the float32 path's on the same
+    file."""
     model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
     path = str(tmp_path / f"{kind}-q8.gguf")
-    _write_gguf(path, kind, model, q8_experts=True)
+    _write_gguf(path, kind, model, q8_experts=True, mxfp4_experts=kind == "gpt_oss")
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     ref = LLM(model=path, max_model_len=128, dtype="float32").generate(PROMPTS, sp, use_tqdm=False)
     auto = LLM(model=path, max_model_len=128, quantization="gguf")
     lins = model_of(auto).linears()
-    mlp = [f"layers.1.experts.{e}.{n}" for e in range(4) for n in ("gate_up", "down")] if kind == "qwen3moe" else [
+    mlp = [f"layers.1.experts.{e}.{n}" for e in range(4) for n in ("gate_up", "down")] if kind != "phi3" else [
         "layers.1.gate_up", "layers.1.down"]
     assert {lins[n].kind for n in mlp + ["layers.1.qkv"]} == {"q8-block"}
     for g, r in zip(auto.generate(PROMPTS, sp, use_tqdm=False), ref):

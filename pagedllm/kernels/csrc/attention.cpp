@@ -7,9 +7,17 @@ namespace {
 
 // ------------------------------------------------------------------ decode attention
 
-// softmax of s[0..L) in place; returns nothing, leaves probabilities (exact: max, exp, sum, scale). cap > 0: the
-// scores are soft-capped first, cap * tanh(s / cap) (gemma 2's attention logits)
-inline void softmax_row(float* s, int64_t L, float cap = 0.f) {
+// What a row's softmax does besides max, exp, sum, scale: ``cap`` > 0 soft-caps the scores first, cap * tanh(s / cap)
+// (gemma 2's attention logits); ``sinks`` (per query head, or null) adds a learned logit to each head's denominator
+// that no value follows (gpt-oss's attention sinks: the probabilities may sum to less than 1)
+struct ScoreRule {
+  float cap = 0.f;
+  const float* sinks = nullptr;
+};
+
+// softmax of s[0..L) in place, query head ``head`` (exact: max, exp, sum, scale), as ``rule`` says
+inline void softmax_row(float* s, int64_t L, const ScoreRule& rule, int64_t head) {
+  const float cap = rule.cap;
   if (cap > 0.f)
     for (int64_t i = 0; i < L; ++i) s[i] = cap * std::tanh(s[i] / cap);
   int64_t t = 0;
@@ -20,6 +28,8 @@ inline void softmax_row(float* s, int64_t L, float cap = 0.f) {
   m = vhmax(mx);
 #endif
   for (; t < L; ++t) m = std::max(m, s[t]);
+  const float sink = rule.sinks != nullptr ? rule.sinks[head] : -INFINITY;
+  m = std::max(m, sink);
   t = 0;
 #if PAGEDLLM_VEC
   const vf mv = vset1(m);
@@ -32,6 +42,7 @@ inline void softmax_row(float* s, int64_t L, float cap = 0.f) {
   sum = vsum(acc);
 #endif
   for (; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
+  if (rule.sinks != nullptr) sum += std::exp(sink - m);
   const float inv = 1.f / sum;
   for (t = 0; t < L; ++t) s[t] *= inv;
 }
@@ -69,7 +80,7 @@ inline void reorder_rows(float* x, int64_t rows, bool split) {  // rows of NC ve
 // qf's rows of those heads are reordered in place for a bfloat16 cache.
 template <typename T, int G, int NC>
 void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
-                int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, float cap) {
+                int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, const ScoreRule& rule) {
   constexpr int64_t D = NC * W;
   constexpr bool split = std::is_same_v<T, at::BFloat16>;
   const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS;
@@ -109,7 +120,7 @@ void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64
   if (nblocks > 0) prefetch(vc + table[0] * blk, std::min(BS, L) * tok * int64_t(sizeof(T)));
   for (int64_t r = h0 * G; r < h1 * G; ++r) {
     std::fill(scores + r * L, scores + r * L + skip, 0.f);  // outside the window: weight 0
-    softmax_row(scores + r * L + skip, L - skip, cap);
+    softmax_row(scores + r * L + skip, L - skip, rule, r);
   }
   std::fill(out + h0 * G * D, out + h1 * G * D, 0.f);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
@@ -137,10 +148,10 @@ void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64
 
 template <typename T, int NC>
 bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS,
-                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, float cap) {
+                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, const ScoreRule& rule) {
   switch (G) {
 #define PAGEDLLM_G(n) \
-  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap); return true;
+  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, rule); return true;
     PAGEDLLM_G(1) PAGEDLLM_G(2) PAGEDLLM_G(3) PAGEDLLM_G(4) PAGEDLLM_G(5) PAGEDLLM_G(6) PAGEDLLM_G(7) PAGEDLLM_G(8)
 #undef PAGEDLLM_G
     default: return false;
@@ -152,15 +163,15 @@ bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t*
 template <typename T>
 bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
                  int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip,
-                 float cap) {
+                 const ScoreRule& rule) {
 #if PAGEDLLM_VEC
-  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
-  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
+  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, rule);
+  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, rule);
   if (D == 256)  // gemma
-    return attend_seq_g<T, 256 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, cap);
+    return attend_seq_g<T, 256 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, rule);
 #endif
   (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)h0, (void)h1,
-      (void)scores, (void)out, (void)skip, (void)cap;
+      (void)scores, (void)out, (void)skip, (void)rule;
   return false;
 }
 
@@ -168,9 +179,9 @@ bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, cons
 template <typename T, typename C>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                           int64_t window, double softcap) {
+                           int64_t window, double softcap, const float* sinks) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const float cap = static_cast<float>(softcap);
+  const ScoreRule rule{static_cast<float>(softcap), sinks};
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv;
   const int64_t q_sb = q.stride(0), q_sh = q.stride(1);
@@ -208,7 +219,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
       }
       scores.resize(Hq * L);
       if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data(), skip,
-                           cap)) {
+                           rule)) {
         for (int64_t h = h0; h < h1; ++h) {  // portable path: one KV head at a time
           float* sc = scores.data() + h * G * L;
           for (int64_t t = 0; t < L; ++t) {
@@ -217,7 +228,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
           }
           for (int64_t g = 0; g < G; ++g) {
             std::fill(sc + g * L, sc + g * L + skip, 0.f);
-            softmax_row(sc + g * L + skip, L - skip, cap);
+            softmax_row(sc + g * L + skip, L - skip, rule, h * G + g);
           }
           float* a = acc.data() + h * G * D;
           std::fill(a, a + G * D, 0.f);
@@ -454,9 +465,11 @@ namespace pagedllm {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t window, double softcap) {
+                            int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   check_cpu(q, "q");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->device().is_cpu() &&
+                         sinks->numel() == q.size(1)), "sinks must be contiguous float32 (Hq,) on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, Hq, D) with unit stride in D");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, block_size, Hkv, D)");
@@ -470,7 +483,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   dispatch_float_bf16(q.scalar_type(), "decode_attention", [&](auto tag) {
     dispatch_float_bf16(k_cache.scalar_type(), "decode_attention (cache)", [&](auto ctag) {
       decode_attention_impl<decltype(tag), decltype(ctag)>(out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                           window, softcap);
+                                                           window, softcap,
+                                                           sinks ? sinks->data_ptr<float>() : nullptr);
     });
   });
   return out;

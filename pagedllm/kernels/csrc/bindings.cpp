@@ -36,8 +36,9 @@ BlockType block_type(const py::tuple& t) {  // gguf_file.BlockType.kernel_type()
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence; window > 0: its last "
-        "window keys; softcap > 0: scores soft-capped)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, nogil);
+        "window keys; softcap > 0: scores soft-capped; sinks: a float32 logit per query head in each softmax's denominator)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
   m.def("qk_norm", &qk_norm, "RMSNorm of each q head and each k head of qkv's rows, in place", nogil);

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -11,7 +12,7 @@ namespace pagedllm {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t window, double softcap);
+                            int64_t window, double softcap, const std::optional<at::Tensor>& sinks);
 at::Tensor rms_norm(at::Tensor h, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, double eps);
 void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, int64_t nq, int64_t nkv,

@@ -51,6 +51,9 @@ class Arch:
     gguf_global_names: dict[str, str] = field(default_factory=dict)
     hf_layer_prefix: str = "model.layers."
     tokenizer_type: str | None = None  # transformers' tokenizer type for the GGUF vocabulary (default: hf_types')
+    # a layer tensor of an HF checkpoint the architecture splits itself ((name after the layer prefix, tensor) ->
+    # {layer-relative engine name: tensor}, or None: the common names apply), e.g. gpt-oss's stacked experts
+    split_hf: Callable[[str, Any], dict | None] | None = None
 
 
 def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
@@ -107,8 +110,8 @@ def hf_eos(hf: dict) -> tuple[int | None, tuple[int, ...]]:
     return (ids[0] if ids else None), tuple(ids[1:])
 
 
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3", "ministral3", "bert",
-            "gemma_embedding")
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3", "ministral3", "gpt_oss",
+            "bert", "gemma_embedding")
 ARCHS: dict[str, Arch] = {}
 for _m in _MODULES:
     _a = importlib.import_module(f"{__name__}.{_m}").ARCH
