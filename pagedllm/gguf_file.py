@@ -68,7 +68,7 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q6_K", 256, 210, 8, 16, k_scaled=True, decoder=5),
     BlockType("IQ4_NL", 32, 18, 8, 32),
     BlockType("IQ4_XS", 256, 136, 8, 32, k_scaled=True),
-    BlockType("MXFP4", 32, 17, 8, 32),
+    BlockType("MXFP4", 32, 17, 4, 32),  # 4-bit codes through a table of its 16 values (``quant.gguf_blocks.mxfp4``)
 )}
 
 

@@ -98,6 +98,8 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
             lin = Fp8Linear(w, bias, device, dtype)
         elif runs_on_blocks(w, block_ops, device):
             lin = BlockQuantLinear(w, bias, device, dtype, block_ops)
+        elif getattr(w, "table", None) is not None:  # codes through a table (MXFP4): only the block kernel reads them
+            return build_linear(dequantize_any(w), bias, device, dtype)
         elif (w := w.materialized()).bits == 8 and w.symmetric and w.group_size == w.shape[1]:
             lin = Int8Linear(w, bias, device, dtype)
         elif w.bits == 4:

@@ -36,11 +36,17 @@ class QuantizedWeight:
     # block kernel packs the parts as they are (a fused layer without a concatenated copy, a GGUF tensor without an
     # array of a byte per weight); ``materialized()`` gives any other consumer the codes in one tensor
     code_parts: tuple | None = None
+    # 4-bit codes in offset form that stand for other values (MXFP4's E2M1 values): uint8 (16,), each below 128;
+    # w = table[c] * scale + zeros. None: the codes are their values
+    table: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.table is not None and (self.bits != 4 or not self.offset_form or self.table.shape != (16,)
+                                       or self.table.dtype != torch.uint8 or int(self.table.max()) >= 128):
+            raise ValueError("a code table is 16 uint8 values below 128, for 4-bit codes in offset form")
         if k % self.group_size:
             raise ValueError(f"group size {self.group_size} does not divide in_features {k}")
         if tuple(self.scales.shape) != (n, k // self.group_size):
@@ -146,7 +152,8 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     qw = qw.materialized()
     n, k = qw.codes.shape
     ng = k // qw.group_size
-    q = qw.codes.reshape(n, ng, qw.group_size).float() - qw.code_mid
+    codes = qw.codes if qw.table is None else qw.table[qw.codes.long()]
+    q = codes.reshape(n, ng, qw.group_size).float() - qw.code_mid
     w = q * qw.scales.float().unsqueeze(-1)
     if qw.zeros is not None:
         w = w + qw.zeros.float().unsqueeze(-1)
@@ -197,7 +204,7 @@ def concat(parts: list, defer_codes: bool = False) -> QuantizedWeight | Fp8Weigh
     return QuantizedWeight(
         codes, torch.cat([p.scales for p in parts]),
         None if p0.zeros is None else torch.cat([p.zeros for p in parts]), p0.bits, p0.group_size,
-        p0.input_scale, p0.offset_form, ks, code_parts,
+        p0.input_scale, p0.offset_form, ks, code_parts, p0.table,
     )
 
 
@@ -205,6 +212,9 @@ def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     """``parts`` in one form that holds each exactly: the most bits, the smallest group, offsets where any has them.
     4-bit codes become the signed 8-bit codes of the same values; a group's scale is repeated over its halves."""
     bits = max(p.bits for p in parts)
+    tables = {None if p.table is None else tuple(p.table.tolist()) for p in parts}
+    if len(tables) > 1:  # codes of other values (or none) side by side: 8-bit codes hold each table's values
+        bits = 8
     group = min(p.group_size for p in parts)
     with_zeros = any(p.zeros is not None for p in parts)
     if all((p.bits, p.group_size, p.zeros is not None) == (bits, group, with_zeros) for p in parts):
@@ -218,7 +228,10 @@ def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
         rep = p.group_size // group
         codes, zeros, offset_form, code_parts = p.codes, p.zeros, p.offset_form, p.code_parts
         if p.bits != bits:  # 4 -> 8: the signed code c = q - code_mid, stored as c + 128; zeros/offsets unchanged
-            widen = lambda c: (c.to(torch.int16) - p.code_mid + 128).to(torch.uint8)  # noqa: E731
+            if p.table is not None:  # the code's value, table[q] (offset form: code_mid 0)
+                widen = lambda c: (p.table[c.long()].to(torch.int16) + 128).to(torch.uint8)  # noqa: E731
+            else:
+                widen = lambda c: (c.to(torch.int16) - p.code_mid + 128).to(torch.uint8)  # noqa: E731
             if code_parts is not None and p.code_mid == 0:  # deferred codes c: c + 128 when read
                 code_parts = tuple(widen(c) if isinstance(c, torch.Tensor) else c.widened() for c in code_parts)
             else:
@@ -239,7 +252,8 @@ def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
                              None if ks.sub_m is None else ks.sub_m.repeat_interleave(rep, dim=1))
             if with_zeros and ks.sub_m is None:  # zero offsets: 0 * 0
                 ks = KScales(ks.super_d, ks.sub_d, torch.zeros_like(ks.super_d), torch.zeros_like(ks.sub_d))
-        out.append(QuantizedWeight(codes, scales, zeros, bits, group, None, offset_form and bits == 4, ks, code_parts))
+        out.append(QuantizedWeight(codes, scales, zeros, bits, group, None, offset_form and bits == 4, ks, code_parts,
+                                   p.table if bits == 4 else None))
     if bits == 4 and len({p.offset_form for p in out}) > 1:
         out = [to_offset_form(p) for p in out]
     return out
@@ -260,7 +274,7 @@ def reorder_rows(qw: QuantizedWeight, perm_fn) -> QuantizedWeight:
     qw = qw.materialized()
     return QuantizedWeight(perm_fn(qw.codes), perm_fn(qw.scales), None if qw.zeros is None else perm_fn(qw.zeros),
                            qw.bits, qw.group_size, qw.input_scale, qw.offset_form,
-                           None if qw.kscales is None else qw.kscales.map(perm_fn))
+                           None if qw.kscales is None else qw.kscales.map(perm_fn), table=qw.table)
 
 
 def row_slice(qw: QuantizedWeight, n: int) -> QuantizedWeight:

@@ -256,6 +256,11 @@ def iq4_xs(data: np.ndarray) -> QuantizedWeight:
 
 
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # E2M1 x 2
+# MXFP4's codes as 4-bit codes through a table (``QuantizedWeight.table``): value + 16 (4 .. 28: non-negative and small,
+# as the block kernels' unsigned 4-bit paths take them) with the offset -16 * scale; both products are exact
+MXFP4_SHIFT = 16
+MXFP4_MAX_E8M0 = 250  # 28 * 2^(250 - 128) < 2^127: every (value + 16) * scale is a finite float32
+MXFP4_TABLE = torch.from_numpy((MXFP4_VALUES.astype(np.int16) + MXFP4_SHIFT).astype(np.uint8))
 
 
 def e8m0_half(e: np.ndarray) -> np.ndarray:
@@ -267,8 +272,15 @@ def e8m0_half(e: np.ndarray) -> np.ndarray:
 
 
 def mxfp4(data: np.ndarray) -> QuantizedWeight:
+    """4-bit codes (the file's nibbles) through ``MXFP4_TABLE``, half the E8M0 scale, offset -16 times it: half a
+    byte per weight in the kernels, as in the file."""
     rows, b = _blocks(data, 17)
-    return _weight(rows, MXFP4_VALUES[_nibbles(b[:, 1:])], e8m0_half(b[:, 0]), None, 8, 32)
+    if len(b) and int(b[:, 0].max()) > MXFP4_MAX_E8M0:
+        raise ValueError(f"MXFP4 block scale 2^{int(b[:, 0].max()) - 127} is out of range: (value + 16) * scale "
+                         f"would overflow float32 (scales up to 2^{MXFP4_MAX_E8M0 - 127} are read)")
+    d = e8m0_half(b[:, 0])
+    qw = _weight(rows, _nibbles(b[:, 1:]), d, -MXFP4_SHIFT * d, 4, 32)
+    return dataclasses.replace(qw, table=MXFP4_TABLE)
 
 
 # GGUF type name -> decoder of a tensor's raw block rows
@@ -308,7 +320,7 @@ def decode(data: np.ndarray, kind: str, defer: bool = False, release=None) -> Qu
     empty = lambda t: None if t is None else t.new_empty(rows, t.shape[1])  # noqa: E731
     out = QuantizedWeight(codes if codes is not None else empty(first.codes), empty(first.scales),
                           empty(first.zeros), first.bits, first.group_size, offset_form=first.offset_form,
-                          kscales=None if first.kscales is None else first.kscales.map(empty))
+                          kscales=None if first.kscales is None else first.kscales.map(empty), table=first.table)
     for r in range(0, rows, CHUNK_ROWS):
         part = first if r == 0 else chunk(r)
         if codes is None:

@@ -129,8 +129,8 @@ class Int4Linear(_Packed):
 
 
 class BlockQuantLinear(_Packed):
-    """Blocks of 32 input channels: ``w = d * u + m`` per block (``u`` 4-bit codes in [0, 16) or signed 8-bit
-    codes), computed by the fused CPU kernel ``qlinear`` from the packed codes (0.5 or 1 byte per weight), output
+    """Blocks of 32 input channels: ``w = d * u + m`` per block (``u`` 4-bit codes in [0, 16), their table's values
+    where the weight has one (MXFP4), or signed 8-bit codes), computed by the fused CPU kernel ``qlinear`` from the packed codes (0.5 or 1 byte per weight), output
     rows interleaved in groups of 8 (layout: ``kernels/csrc/qlinear.h``). Weights in groups of 16 (GGUF Q2_K, Q3_K,
     Q6_K) keep a scale and offset per half block (``sub`` 2). Scale and offset are float16 when every one of the
     layer's values is exactly a float16 (a GGUF file's own), else float32; 8-bit weights' offsets that are all zero
@@ -145,6 +145,7 @@ class BlockQuantLinear(_Packed):
             raise ValueError(f"BlockQuantLinear needs 4/8-bit weights in groups of a multiple of {SUBBLOCK}")
         self.kind = f"q{qw.bits}-block"
         self.bits = qw.bits
+        self.table = qw.table  # 4-bit codes through a table (MXFP4), or None
         self.ops = ops
         self.out_features, self.in_features = n, k = qw.shape
         if k % QBLOCK:
@@ -215,7 +216,8 @@ class BlockQuantLinear(_Packed):
         if self.super_scales is not None:
             return self.ops.qweight_k_bf16(self.codes, self.scales, self.offsets, self.super_scales,
                                            self.super_offsets, self.bits, self.out_features, g0, g1)
-        return self.ops.qweight_bf16(self.codes, self.scales, self.offsets, self.bits, self.out_features, g0, g1)
+        return self.ops.qweight_bf16(self.codes, self.scales, self.offsets, self.bits, self.out_features, g0, g1,
+                                     self.table)
 
     def _stripes(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T with W decoded to bfloat16 a stripe of ``STRIPE_ROWS`` outputs at a time (held only while its GEMM
@@ -262,7 +264,7 @@ class BlockQuantLinear(_Packed):
             return self.ops.qlinear_k(x.contiguous(), self.codes, self.scales, self.offsets, self.super_scales,
                                       self.super_offsets, self.bits, self.out_features, self.act_levels)
         return self.ops.qlinear(x.contiguous(), self.codes, self.scales, self.offsets, self.bits, self.out_features,
-                                self.act_levels)
+                                self.act_levels, self.table)
 
     def _rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Float32 weight rows ``ids`` (all rows when None), decoded from the interleaved layout."""
@@ -274,7 +276,8 @@ class BlockQuantLinear(_Packed):
         at = torch.arange(t)
         if self.bits == 4:
             c = self.codes[grp].reshape(t, nb, 4, 8, 4)[at, :, :, row]  # (T, nb, i, t)
-            q = torch.stack([c & 0xF, c >> 4], dim=2).float()  # (T, nb, h, i, t): element 16h + 4i + t
+            q = torch.stack([c & 0xF, c >> 4], dim=2)  # (T, nb, h, i, t): element 16h + 4i + t
+            q = (q if self.table is None else self.table[q.long()]).float()
         else:
             q = self.codes[grp].view(torch.int8).reshape(t, nb, 8, 8, 4)[at, :, :, row].float()
         sub = self.sub

@@ -69,11 +69,16 @@ def test_decoded_values_equal_gguf_bit_for_bit(kind):
     ref = reference(raw, kind)
     assert qw.shape == tuple(ref.shape)
     assert torch.equal(dequantize(qw), ref)
-    if kind in E8M0_FIELDS:  # every E8M0 scale, the subnormal halves (0, 1) and the largest (2^126) included
-        raw = random_blocks(kind, 256, 32, seed=1)
-        raw[:, E8M0_FIELDS[kind]] = np.arange(256)
-        with np.errstate(over="ignore"):  # 12 x 2^127 is inf in both
-            assert torch.equal(dequantize(decode(raw, kind)), reference(raw, kind))
+    if kind in E8M0_FIELDS:  # every E8M0 scale up to 2^123 (the subnormal halves 0 and 1 included); past it (a
+        # weight of 2^126 and more) the file is refused with the reason, not read as inf or nan
+        from pagedllm.quant.gguf_blocks import MXFP4_MAX_E8M0
+
+        raw = random_blocks(kind, MXFP4_MAX_E8M0 + 1, 32, seed=1)
+        raw[:, E8M0_FIELDS[kind]] = np.arange(MXFP4_MAX_E8M0 + 1)
+        assert torch.equal(dequantize(decode(raw, kind)), reference(raw, kind))
+        raw[-1, E8M0_FIELDS[kind]] = MXFP4_MAX_E8M0 + 1
+        with pytest.raises(ValueError, match="out of range"):
+            decode(raw, kind)
 
 
 @pytest.mark.parametrize("kind", sorted(FAST_CODES))
@@ -308,7 +313,7 @@ TINY_TYPES = {
     "blk.0.ffn_down.weight": "Q5_0",
     "blk.1.attn_q.weight": "Q4_0", "blk.1.attn_k.weight": "Q4_1", "blk.1.attn_v.weight": "Q5_1",
     "blk.1.attn_output.weight": "Q8_0", "blk.1.ffn_gate.weight": "IQ4_NL", "blk.1.ffn_up.weight": "Q6_K",
-    "blk.1.ffn_down.weight": "Q4_K",
+    "blk.1.ffn_down.weight": "MXFP4",
     "token_embd.weight": "Q6_K",
 }
 
@@ -354,6 +359,9 @@ def tiny_gguf(tmp_path_factory):
             block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
             b = raw.reshape(-1, block)
             b[:, off:off + 2] = (b[:, off:off + 2].copy().view(np.float16) * f).astype(np.float16).view(np.uint8)
+        if kind in E8M0_FIELDS:  # a power-of-two scale: its exponent moved by log2(f)
+            b = raw.reshape(-1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1])
+            b[:, E8M0_FIELDS[kind]] = (b[:, E8M0_FIELDS[kind]].astype(int) + round(np.log2(f))).astype(np.uint8)
         w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])  # shape from the bytes
     for i in range(2):
         for norm in ("attn_norm", "ffn_norm"):

@@ -420,7 +420,10 @@ def test_quantized_file_runs_from_its_blocks(tmp_path, llm, kind):
     lins = model_of(auto).linears()
     mlp = [f"layers.1.experts.{e}.{n}" for e in range(4) for n in ("gate_up", "down")] if kind != "phi3" else [
         "layers.1.gate_up", "layers.1.down"]
-    assert {lins[n].kind for n in mlp + ["layers.1.qkv"]} == {"q8-block"}
+    assert lins["layers.1.qkv"].kind == "q8-block"
+    # MXFP4: 4-bit codes through its table of values (half a byte per weight, as in the file)
+    assert {(lins[n].kind, lins[n].table is not None) for n in mlp} == (
+        {("q4-block", True)} if kind == "gpt_oss" else {("q8-block", False)})
     for g, r in zip(auto.generate(PROMPTS, sp, use_tqdm=False), ref):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
         for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):

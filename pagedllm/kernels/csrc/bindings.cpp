@@ -46,14 +46,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", nogil);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GELU(gate, tanh approximation) * up", nogil);
   m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block); levels "
-        "of the activations: 2 (~15 bits) or 1 (8 bits)", py::arg("x"), py::arg("w"), py::arg("d"), py::arg("m"),
-        py::arg("bits"), py::arg("N"), py::arg("levels") = 2, nogil);
+        "of the activations: 2 (~15 bits) or 1 (8 bits); table: the 16 values 4-bit codes stand for (MXFP4)",
+        py::arg("x"), py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bits"), py::arg("N"), py::arg("levels") = 2,
+        py::arg("table") = py::none(), nogil);
   m.def("qlinear_k", &qlinear_k, "qlinear with GGUF K-quant scales: int8 sub-block scales x float16 super-block "
         "scales", py::arg("x"), py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"),
         py::arg("bits"), py::arg("N"), py::arg("levels") = 2, nogil);
   m.def("qweight_bf16", &qweight_bf16, "qlinear's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
         "(rows, K)", py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bits"), py::arg("N"), py::arg("g0"),
-        py::arg("g1"), nogil);
+        py::arg("g1"), py::arg("table") = py::none(), nogil);
   m.def("qweight_k_bf16", &qweight_k_bf16, "qlinear_k's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
         "(rows, K)", py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"), py::arg("bits"),
         py::arg("N"), py::arg("g0"), py::arg("g1"), nogil);

@@ -9,7 +9,9 @@ namespace {
 // ------------------------------------------------------------------ block-quantized linear (GGUF-style weights)
 // y = x W^T with W in blocks of 32 input channels, each block with a float scale d and offset m per row:
 //   4-bit codes u in [0, 16): w = d*u + m (GGUF Q4_1 as it is; Q4_0 with m = -8d);
-//   8-bit signed codes s:     w = d*s + m (GGUF Q8_0 with m = 0).
+//   8-bit signed codes s:     w = d*s + m (GGUF Q8_0 with m = 0);
+//   4-bit codes through a table (the scales' ``table``: 16 bytes, each < 128): w = d*table[u] + m (MXFP4's E2M1
+//   values, doubled and moved to 4..28, with m = -16d); the nibbles unpacked to bytes meet one byte shuffle.
 // Activations are quantized per row and block to two int8 levels (see QuantizedRows: x ~ s (254 q + q2)); then
 // per block  sum_i w_i x_i = d*s*sum_i(u_i (254 q_i + q2_i)) + m*s*sum_i(254 q_i + q2_i).
 //
@@ -184,6 +186,7 @@ struct QScales {
   const S* d;
   const S* m;  // unused without OFF
   int64_t nb;  // blocks per row
+  const uint8_t* table = nullptr;  // 4-bit codes: the 16 values they stand for (null: the codes themselves)
   // index of group g's 8 values of block b (its half h)
   int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
   // where those 8 scales (offsets) start
@@ -221,6 +224,7 @@ struct KScales {
   const at::Half* Dm;  // unused without OFF
   const int8_t* mn;
   int64_t nb;
+  const uint8_t* table = nullptr;  // never set: K-quants' 4-bit codes are their values
   int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
   int64_t super(int64_t g, int64_t b) const { return (g * (nb / 8) + b / 8) * 8; }
   KPtr dp(int64_t g, int64_t b, int h = 0) const { return {D + super(g, b), s + at(g, b, h)}; }
@@ -234,6 +238,17 @@ inline int32_t load_i32(const int8_t* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+// A 4-bit code's value: itself, or its entry of the scales' table.
+inline int code_value(const uint8_t* table, int c) { return table != nullptr ? table[c] : c; }
+
+#if defined(__AVX2__)
+// The table in each 128-bit lane (vpshufb looks up within lanes); zero without one (never used then).
+inline __m256i table256(const uint8_t* table) {
+  return table != nullptr ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)))
+                          : _mm256_setzero_si256();
+}
+#endif
 
 template <typename T>
 inline void store_group(T* y, int64_t N, int64_t n0, const float* v) {  // up to 8 outputs, cut at N
@@ -323,6 +338,8 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
   for (int g = 0; g < GT; ++g)
     for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi16(0x0F);
+  const bool tab = sc.table != nullptr;
+  const __m256i tbl = table256(sc.table), low4b = _mm256_set1_epi8(0x0F), low8 = _mm256_set1_epi16(0xFF);
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xv[MT];  // 32-bit words: the int16 pairs
     for (int r = 0; r < MT; ++r) xv[r] = reinterpret_cast<const int8_t*>(xa.v.data() + (r0 + r) * K + b * QB);
@@ -342,6 +359,12 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
               __m256i v = _mm256_loadu_si256(
                   reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
               if (h) v = _mm256_srli_epi16(v, 4);
+              if (tab) {  // each byte's nibble through the table, then the int16 pairs of its bytes
+                v = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, low4b));
+                e0[g] = _mm256_and_si256(v, low8);  // (a, a+2)
+                e1[g] = _mm256_srli_epi16(v, 8);    // (a+1, a+3)
+                continue;
+              }
               e0[g] = _mm256_and_si256(v, low4);                        // (a, a+2)
               e1[g] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);  // (a+1, a+3)
             }
@@ -398,6 +421,8 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
     for (int r = 0; r < MT; ++r) acc[g][r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const bool two = xa.levels == 2;  // 1: q2 is zero, its products are skipped
+  const bool tab = sc.table != nullptr;
+  const __m256i tbl = table256(sc.table);
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xq[MT];
     const int8_t* xq2[MT];
@@ -420,6 +445,10 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                 reinterpret_cast<const __m256i*>(w + (g0 + g) * gstride + b * gbytes + 32 * i));
             ul[g] = _mm256_and_si256(v, low4);
             uh[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (tab) {
+              ul[g] = _mm256_shuffle_epi8(tbl, ul[g]);
+              uh[g] = _mm256_shuffle_epi8(tbl, uh[g]);
+            }
           }
           for (int r = 0; r < MT; ++r) {
             if (SUB == 1 || half == 0) {
@@ -481,6 +510,13 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
 }
 #endif
 
+#if defined(__AVX512BW__)
+inline __m512i table512(const uint8_t* table) {  // the table in each 128-bit lane (zero without one)
+  return table != nullptr ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)))
+                          : _mm512_setzero_si512();
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDLLM_QZMM 1
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {  // 32 bytes of group g low, of group g+1 high
@@ -525,6 +561,8 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
     for (int r = 0; r < MT; ++r) acc[p][r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const bool two = xa.levels == 2;  // 1: q2 is zero, its products are skipped
+  const bool tab = sc.table != nullptr;
+  const __m512i tbl = table512(sc.table);
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xq[MT];
     const int8_t* xq2[MT];
@@ -544,6 +582,10 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
             const __m512i v = load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i);
             ul[p] = _mm512_and_si512(v, low4);
             uh[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if (tab) {
+              ul[p] = _mm512_shuffle_epi8(tbl, ul[p]);
+              uh[p] = _mm512_shuffle_epi8(tbl, uh[p]);
+            }
           }
           for (int r = 0; r < MT; ++r) {
             if (SUB == 1 || half == 0) {
@@ -658,18 +700,18 @@ inline void qtile_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstri
 }
 #endif
 
-// Calls f(row j, input k, code) for each of a group's 8 x 32 codes of one block (wb): 4-bit codes u in [0, 16),
-// 8-bit signed codes.
+// Calls f(row j, input k, code) for each of a group's 8 x 32 codes of one block (wb): 4-bit codes u in [0, 16)
+// (their table's values where there is one), 8-bit signed codes.
 template <int BITS, typename F>
-inline void for_each_code(const uint8_t* wb, F&& f) {
+inline void for_each_code(const uint8_t* wb, const uint8_t* table, F&& f) {
   for (int i = 0; i < (BITS == 4 ? 4 : 8); ++i)
     for (int j = 0; j < 8; ++j)
       for (int t = 0; t < 4; ++t) {
         const uint8_t byte = wb[32 * i + 4 * j + t];
         const int k = 4 * i + t;
         if constexpr (BITS == 4) {
-          f(j, k, byte & 0x0F);
-          f(j, 16 + k, byte >> 4);
+          f(j, k, code_value(table, byte & 0x0F));
+          f(j, 16 + k, code_value(table, byte >> 4));
         } else {
           f(j, k, static_cast<int8_t>(byte));
         }
@@ -688,7 +730,7 @@ inline void qgroup_scalar(const uint8_t* wg, const SC& sc, int64_t g, const Quan
     const int8_t* xq2 = xa.q2.data() + row * K + b * QB;
     const uint8_t* wb = wg + b * gbytes;
     int32_t s[SUB][8] = {};  // per half block (inputs 0-15, 16-31) with SUB 2
-    for_each_code<BITS>(wb, [&](int j, int k, int c) {
+    for_each_code<BITS>(wb, sc.table, [&](int j, int k, int c) {
       s[SUB == 2 && k >= 16][j] += c * (xa.level() * xq[k] + xq2[k]);
     });
     const float sx = xa.s[row * nb + b];
@@ -740,8 +782,14 @@ inline void dequant_group_bf16(const uint8_t* wb, const SC& sc, int64_t g, int64
       at::BFloat16* y = yb + 4 * q * K + 4 * i;
       if constexpr (BITS == 4) {
         const __m512i u = _mm512_cvtepu8_epi32(raw);
-        store_unit_bf16(_mm512_and_si512(u, _mm512_set1_epi32(0x0F)), d[0][q], m[0][q], y, K);
-        store_unit_bf16(_mm512_srli_epi32(u, 4), d[SUB - 1][q], m[SUB - 1][q], y + 16, K);
+        __m512i lo = _mm512_and_si512(u, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(u, 4);
+        if (sc.table != nullptr) {  // the 16 values as 16 int32 lanes: one permute looks each code up
+          const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc.table)));
+          lo = _mm512_permutexvar_epi32(lo, t);
+          hi = _mm512_permutexvar_epi32(hi, t);
+        }
+        store_unit_bf16(lo, d[0][q], m[0][q], y, K);
+        store_unit_bf16(hi, d[SUB - 1][q], m[SUB - 1][q], y + 16, K);
       } else {
         const int h = SUB == 2 && i >= 4;
         store_unit_bf16(_mm512_cvtepi8_epi32(raw), d[h][q], m[h][q], y, K);
@@ -777,7 +825,7 @@ void dequant_bf16(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_
             m[h][j] = SC::offsets ? static_cast<float>(mv[j]) : 0.f;
           }
         }
-        for_each_code<BITS>(wb, [&](int j, int k, int c) {
+        for_each_code<BITS>(wb, sc.table, [&](int j, int k, int c) {
           const int h = SUB == 2 && k >= 16;
           v[j][k] = static_cast<float>(c) * d[h][j] + m[h][j];
         });
@@ -811,6 +859,9 @@ inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const Quanti
   constexpr int64_t gbytes = BITS * 32;
   float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = vdupq_n_f32(0.f);
   const uint8x16_t low4 = vdupq_n_u8(0x0F);
+  const bool tab = sc.table != nullptr;
+  const uint8x16_t tbl = tab ? vld1q_u8(sc.table) : vdupq_n_u8(0);
+  auto look = [&](uint8x16_t c) { return vreinterpretq_s8_u8(tab ? vqtbl1q_u8(tbl, c) : c); };
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xq = xa.q.data() + row * K + b * QB;
     const int8_t* xq2 = xa.q2.data() + row * K + b * QB;
@@ -820,8 +871,8 @@ inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const Quanti
     if constexpr (BITS == 4) {
       for (int i = 0; i < 4; ++i) {  // vector i: unit i in the low nibbles, unit 4+i in the high ones
         const uint8x16_t v0 = vld1q_u8(wb + 32 * i), v1 = vld1q_u8(wb + 32 * i + 16);
-        const int8x16_t ul0 = vreinterpretq_s8_u8(vandq_u8(v0, low4)), ul1 = vreinterpretq_s8_u8(vandq_u8(v1, low4));
-        const int8x16_t uh0 = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), uh1 = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
+        const int8x16_t ul0 = look(vandq_u8(v0, low4)), ul1 = look(vandq_u8(v1, low4));
+        const int8x16_t uh0 = look(vshrq_n_u8(v0, 4)), uh1 = look(vshrq_n_u8(v1, 4));
         const int8x16_t x1 = bcast(xq + 4 * i), x2 = bcast(xq2 + 4 * i);
         const int8x16_t y1 = bcast(xq + 16 + 4 * i), y2 = bcast(xq2 + 16 + 4 * i);
         h0 = vdotq_s32(vdotq_s32(h0, ul0, x1), uh0, y1);

@@ -87,6 +87,8 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
   int64_t gs[4];
   for (int j = 0; j < 4; ++j) gs[j] = std::min(g0 + j, g1 - 1);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const bool tab = sc.table != nullptr;
+  const __m512i tbl = table512(sc.table);
   const bool two = xa.levels == 2;  // 1: q2 is zero, its tiles are skipped
   for (int64_t b = 0; b < nb; ++b) {
     for (int t = 0; t < 2; ++t) {
@@ -95,8 +97,13 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
       if constexpr (BITS == 4) {
         for (int i = 0; i < 4; ++i) {  // vector i: unit i low nibbles, unit 4 + i high
           const __m512i v = load_pair(wa + 32 * i, wb + 32 * i);
-          _mm512_store_si512(bt[t][i], _mm512_and_si512(v, low4));
-          _mm512_store_si512(bt[t][4 + i], _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+          __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          if (tab) {
+            lo = _mm512_shuffle_epi8(tbl, lo);
+            hi = _mm512_shuffle_epi8(tbl, hi);
+          }
+          _mm512_store_si512(bt[t][i], lo);
+          _mm512_store_si512(bt[t][4 + i], hi);
         }
       } else {
         for (int i = 0; i < 8; ++i) _mm512_store_si512(bt[t][i], load_pair(wa + 32 * i, wb + 32 * i));
