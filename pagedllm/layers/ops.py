@@ -108,7 +108,8 @@ class FusedOps(TorchOps):
         self.add_rms_norm = kernels.add_rms_norm
         self.qk_norm = kernels.qk_norm
         self.rope_write_kv = kernels.rope_write_kv  # slots and caches required: an encoder runs on TorchOps
-        self._act = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
+        self._act = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul,
+                     "swiglu_oai": kernels.swiglu_oai_and_mul}
 
     def step_rotary(self, rotary, positions):
         return rotary.cos32, rotary.sin32  # the whole float32 tables: the kernel looks the positions up itself

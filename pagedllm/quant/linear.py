@@ -128,6 +128,16 @@ class Int4Linear(_Packed):
         return [self.weight, self.scales_and_zeros, self.input_scale, self.bias]
 
 
+def _implied_zero(d: torch.Tensor, m: torch.Tensor) -> int:
+    """The integer z > 0 with m == -z * d for every block (a table's values stored shifted by z: MXFP4's 16), or 0."""
+    nz = d != 0
+    if not bool(nz.any()) or bool(m[~nz].any()):
+        return 0
+    z = -(m[nz].double() / d[nz].double())
+    z0 = float(z.flatten()[0])
+    return int(z0) if z0 > 0 and z0 == int(z0) and bool((z == z0).all()) and torch.equal(m, -z0 * d) else 0
+
+
 class BlockQuantLinear(_Packed):
     """Blocks of 32 input channels: ``w = d * u + m`` per block (``u`` 4-bit codes in [0, 16), their table's values
     where the weight has one (MXFP4), or signed 8-bit codes), computed by the fused CPU kernel ``qlinear`` from the packed codes (0.5 or 1 byte per weight), output
@@ -146,6 +156,7 @@ class BlockQuantLinear(_Packed):
         self.kind = f"q{qw.bits}-block"
         self.bits = qw.bits
         self.table = qw.table  # 4-bit codes through a table (MXFP4), or None
+        self.table_zero = 0  # > 0: no offsets stored, each is -table_zero * scale (the table's values + table_zero)
         self.ops = ops
         self.out_features, self.in_features = n, k = qw.shape
         if k % QBLOCK:
@@ -198,6 +209,8 @@ class BlockQuantLinear(_Packed):
         else:
             d = groups(d)
             m = None if m is None or (self.bits == 8 and not m.any()) else groups(m)  # None: all 0, not stored
+            if self.table is not None and m is not None and (zero := _implied_zero(d, m)):
+                m, self.table_zero = None, zero  # MXFP4: the offsets follow from the scales, none streamed
             if torch.equal(d.half().float(), d) and (m is None or torch.equal(m.half().float(), m)):  # exact
                 d, m = d.half(), None if m is None else m.half()
             self.scales = d
@@ -217,7 +230,7 @@ class BlockQuantLinear(_Packed):
             return self.ops.qweight_k_bf16(self.codes, self.scales, self.offsets, self.super_scales,
                                            self.super_offsets, self.bits, self.out_features, g0, g1)
         return self.ops.qweight_bf16(self.codes, self.scales, self.offsets, self.bits, self.out_features, g0, g1,
-                                     self.table)
+                                     self.table, self.table_zero)
 
     def _stripes(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T with W decoded to bfloat16 a stripe of ``STRIPE_ROWS`` outputs at a time (held only while its GEMM
@@ -264,7 +277,7 @@ class BlockQuantLinear(_Packed):
             return self.ops.qlinear_k(x.contiguous(), self.codes, self.scales, self.offsets, self.super_scales,
                                       self.super_offsets, self.bits, self.out_features, self.act_levels)
         return self.ops.qlinear(x.contiguous(), self.codes, self.scales, self.offsets, self.bits, self.out_features,
-                                self.act_levels, self.table)
+                                self.act_levels, self.table, self.table_zero)
 
     def _rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Float32 weight rows ``ids`` (all rows when None), decoded from the interleaved layout."""
@@ -289,7 +302,7 @@ class BlockQuantLinear(_Packed):
             return out
 
         sc = per_row(self.scales, self.super_scales)
-        off = per_row(self.offsets, self.super_offsets) if self.offsets.numel() else torch.zeros(())
+        off = per_row(self.offsets, self.super_offsets) if self.offsets.numel() else -self.table_zero * sc
         w = q.reshape(t, nb * sub, QBLOCK // sub) * sc.unsqueeze(-1) + off.unsqueeze(-1)
         return w.reshape(t, k)
 

@@ -240,6 +240,18 @@ def test_act_and_mul(ops, dtype):
         assert torch.allclose(got, ref, rtol=2e-6, atol=1e-6), (got - ref).abs().max()
     else:
         _close(got, ref.to(dtype), dtype)
+    # gpt-oss's clamped SwiGLU (its gates and ups reach past the clamp of 7 here), against the torch operations
+    from pagedllm.layers.ops import TorchOps
+
+    gu[1, :2] = torch.tensor([float("nan"), 12.0], dtype=dtype)  # a NaN passes through the clamp, as in torch
+    ref = TorchOps().act_and_mul("swiglu_oai")(gu.double())
+    got = ops.swiglu_oai_and_mul(gu).double()
+    assert torch.isnan(got[1, 0]) and torch.isnan(ref[1, 0])
+    got[1, 0] = ref[1, 0] = 0.0
+    if dtype == torch.float32:
+        assert torch.allclose(got, ref, rtol=2e-6, atol=1e-6), (got - ref).abs().max()
+    else:
+        _close(got, ref.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -388,13 +388,19 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
 // ------------------------------------------------------------------ act(gate) * up
 // SiLU: x * sigmoid(x). GELU with the tanh approximation (gemma's GeGLU): 0.5 x (1 + tanh(u)) with
 // u = sqrt(2/pi) (x + 0.044715 x^3), computed as x * sigmoid(2u) = x / (1 + e^(-2u)) (the same value, without the
-// cancellation of 1 + tanh(u) for negative u), so both are x / (1 + e^a) with a = -x or -2u.
-template <bool GELU>
+// cancellation of 1 + tanh(u) for negative u), so both are x / (1 + e^a) with a = -x or -2u. gpt-oss's clamped
+// SwiGLU: the gate x clamped above at 7, x / (1 + e^(-1.702 x)) times the up projection clamped to +-7, plus 1.
+enum class Act { SiLU, GeluTanh, SwigluOai };
+constexpr float OAI_ALPHA = 1.702f, OAI_LIMIT = 7.f;  // layers/ops.py SWIGLU_OAI_ALPHA / _LIMIT
+
+template <Act A>
 inline float gate_exponent(float x) {
-  return GELU ? -1.5957691216057308f * (x + 0.044715f * x * x * x) : -x;
+  if constexpr (A == Act::GeluTanh) return -1.5957691216057308f * (x + 0.044715f * x * x * x);
+  if constexpr (A == Act::SwigluOai) return -OAI_ALPHA * x;
+  return -x;
 }
 
-template <typename T, bool GELU>
+template <typename T, Act A>
 void act_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
   constexpr bool F32 = std::is_same_v<T, float>;  // float32 rows: read and written where they are
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
@@ -408,13 +414,25 @@ void act_and_mul_impl(T* out, const T* gu, int64_t rows, int64_t n) {
       int64_t i = 0;
 #if PAGEDLLM_VEC
       for (; i + W <= n; i += W) {
-        const vf x = vload(gr + i);
-        const vf a = GELU ? vmul(vset1(-1.5957691216057308f), vfma(vmul(vset1(0.044715f), vmul(x, x)), x, x))
-                          : vsub(vzero(), x);
-        vstore(o + i, vmul(vdiv(x, vadd(vset1(1.f), vexp(a))), vload(ur + i)));
+        vf x = vload(gr + i), u = vload(ur + i);
+        if constexpr (A == Act::SwigluOai) {  // min/max(limit, v): a NaN v passes through, as torch's clamp
+          x = vmin(vset1(OAI_LIMIT), x);
+          u = vadd(vmax(vset1(-OAI_LIMIT), vmin(vset1(OAI_LIMIT), u)), vset1(1.f));
+        }
+        const vf a = A == Act::GeluTanh ? vmul(vset1(-1.5957691216057308f), vfma(vmul(vset1(0.044715f), vmul(x, x)), x, x))
+                   : A == Act::SwigluOai ? vmul(vset1(-OAI_ALPHA), x)
+                                         : vsub(vzero(), x);
+        vstore(o + i, vmul(vdiv(x, vadd(vset1(1.f), vexp(a))), u));
       }
 #endif
-      for (; i < n; ++i) o[i] = gr[i] / (1.f + std::exp(gate_exponent<GELU>(gr[i]))) * ur[i];
+      for (; i < n; ++i) {
+        float x = gr[i], u = ur[i];
+        if constexpr (A == Act::SwigluOai) {
+          x = std::isnan(x) ? x : std::min(OAI_LIMIT, x);
+          u = (std::isnan(u) ? u : std::max(-OAI_LIMIT, std::min(OAI_LIMIT, u))) + 1.f;
+        }
+        o[i] = x / (1.f + std::exp(gate_exponent<A>(x))) * u;
+      }
       if constexpr (!F32) store_row(g.data(), out + r * n, n);
     }
   });
@@ -548,7 +566,8 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   });
 }
 
-at::Tensor act_and_mul(const at::Tensor& gate_up, bool gelu) {
+template <Act A>
+at::Tensor act_and_mul(const at::Tensor& gate_up) {
   check_cpu(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous (T, 2I)");
@@ -556,17 +575,16 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, bool gelu) {
   auto out = at::empty({rows, n}, gate_up.options());
   dispatch_float_bf16(gate_up.scalar_type(), "act_and_mul", [&](auto tag) {
     using T = decltype(tag);
-    if (gelu)
-      act_and_mul_impl<T, true>(out.data_ptr<T>(), gate_up.data_ptr<T>(), rows, n);
-    else
-      act_and_mul_impl<T, false>(out.data_ptr<T>(), gate_up.data_ptr<T>(), rows, n);
+    act_and_mul_impl<T, A>(out.data_ptr<T>(), gate_up.data_ptr<T>(), rows, n);
   });
   return out;
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) { return act_and_mul(gate_up, false); }
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return act_and_mul<Act::SiLU>(gate_up); }
 
-at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return act_and_mul(gate_up, true); }
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return act_and_mul<Act::GeluTanh>(gate_up); }
+
+at::Tensor swiglu_oai_and_mul(const at::Tensor& gate_up) { return act_and_mul<Act::SwigluOai>(gate_up); }
 
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_cpu(x, "x");

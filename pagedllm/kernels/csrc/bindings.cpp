@@ -4,7 +4,8 @@
 //   (no gathered copy of the context), grouped-query aware, float32 accumulation;
 // - rms_norm / add_rms_norm: RMSNorm, optionally after adding the residual branch in place; qk_norm: per head;
 // - rope_write_kv: rotary embedding of q (in place) and k, with k and v written straight into their cache slots;
-// - silu_and_mul / gelu_tanh_and_mul: SiLU(gate) * up, GELU-tanh(gate) * up of the fused gate/up projection;
+// - silu_and_mul / gelu_tanh_and_mul / swiglu_oai_and_mul: SiLU(gate) * up, GELU-tanh(gate) * up, gpt-oss's clamped
+//   SwiGLU, of the fused gate/up projection;
 // - qlinear / qlinear_k: x W^T with W in GGUF-style blocks (qlinear.cpp); argmax_rows: greedy sampling's first maximum.
 // Float32 and bfloat16 tensors; arithmetic in float32, one rounding at the end. Rows are split over torch's
 // intra-op threads (at::parallel_for), so the kernels share the OpenMP team of the matmuls around them.
@@ -45,16 +46,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", nogil);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GELU(gate, tanh approximation) * up", nogil);
+  m.def("swiglu_oai_and_mul", &swiglu_oai_and_mul, "gpt-oss's clamped SwiGLU: min(gate, 7) * sigmoid(1.702 min(gate, "
+        "7)) * (clamp(up, -7, 7) + 1)", nogil);
   m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block); levels "
-        "of the activations: 2 (~15 bits) or 1 (8 bits); table: the 16 values 4-bit codes stand for (MXFP4)",
-        py::arg("x"), py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bits"), py::arg("N"), py::arg("levels") = 2,
-        py::arg("table") = py::none(), nogil);
+        "of the activations: 2 (~15 bits) or 1 (8 bits); table: the 16 values 4-bit codes stand for (MXFP4), with m "
+        "empty and table_zero > 0 each offset is -table_zero * d", py::arg("x"), py::arg("w"), py::arg("d"),
+        py::arg("m"), py::arg("bits"), py::arg("N"), py::arg("levels") = 2, py::arg("table") = py::none(),
+        py::arg("table_zero") = 0, nogil);
   m.def("qlinear_k", &qlinear_k, "qlinear with GGUF K-quant scales: int8 sub-block scales x float16 super-block "
         "scales", py::arg("x"), py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"),
         py::arg("bits"), py::arg("N"), py::arg("levels") = 2, nogil);
   m.def("qweight_bf16", &qweight_bf16, "qlinear's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
         "(rows, K)", py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bits"), py::arg("N"), py::arg("g0"),
-        py::arg("g1"), py::arg("table") = py::none(), nogil);
+        py::arg("g1"), py::arg("table") = py::none(), py::arg("table_zero") = 0, nogil);
   m.def("qweight_k_bf16", &qweight_k_bf16, "qlinear_k's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
         "(rows, K)", py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"), py::arg("bits"),
         py::arg("N"), py::arg("g0"), py::arg("g1"), nogil);

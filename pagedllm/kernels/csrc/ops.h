@@ -21,13 +21,16 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
                    const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache, int64_t nq, int64_t nkv);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
+at::Tensor swiglu_oai_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
-                   int64_t N, int64_t levels = 2, const std::optional<at::Tensor>& table = std::nullopt);
+                   int64_t N, int64_t levels = 2, const std::optional<at::Tensor>& table = std::nullopt,
+                   int64_t table_zero = 0);
 at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn,
                      const at::Tensor& D, const at::Tensor& Dm, int64_t bits, int64_t N, int64_t levels = 2);
 at::Tensor qweight_bf16(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t N,
-                        int64_t g0, int64_t g1, const std::optional<at::Tensor>& table = std::nullopt);
+                        int64_t g0, int64_t g1, const std::optional<at::Tensor>& table = std::nullopt,
+                        int64_t table_zero = 0);
 at::Tensor qweight_k_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn, const at::Tensor& D,
                           const at::Tensor& Dm, int64_t bits, int64_t N, int64_t g0, int64_t g1);
 // a GGUF block type as Python's table gives it (gguf_file.py BlockType.kernel_type): its one-pass decoder (0: the

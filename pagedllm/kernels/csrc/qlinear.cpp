@@ -28,9 +28,10 @@ bool set_qlinear_amx(bool on) {
 namespace {
 // Calls f with the QScales view of d and m (float32 or float16, 1 or 2 scales per block of 32) and the table of
 // 4-bit codes (16 uint8 values < 128), if any.
+// With a table and no offsets, table_zero > 0: each offset is -table_zero * d (TScales).
 template <typename F>
 void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t N, int64_t K,
-                  const std::optional<at::Tensor>& table, F&& f) {
+                  const std::optional<at::Tensor>& table, int64_t table_zero, F&& f) {
   const int64_t NG = (N + 7) / 8, nb = K / QB;
   const bool half = d.scalar_type() == at::kHalf, offsets = m.numel() > 0;
   const int64_t per_sub = NG * nb * 8, sub = d.numel() == 2 * per_sub ? 2 : 1;
@@ -38,7 +39,8 @@ void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_
                   m.is_contiguous() && d.numel() == sub * per_sub && (!offsets || m.numel() == d.numel()),
               "qlinear: scales and offsets must be contiguous (ceil(N/8), K/32 * 8) or (ceil(N/8), K/16 * 8), both "
               "float32 or both float16 (offsets may be empty)");
-  TORCH_CHECK(bits == 8 || offsets, "qlinear: 4-bit codes need their offsets");
+  const bool implied = table.has_value() && !offsets && table_zero > 0;  // offsets -table_zero * d
+  TORCH_CHECK(bits == 8 || offsets || implied, "qlinear: 4-bit codes need their offsets (or a table's zero)");
   const uint8_t* tab = nullptr;
   if (table) {
     TORCH_CHECK(bits == 4 && table->scalar_type() == at::kByte && table->is_contiguous() && table->numel() == 16 &&
@@ -46,6 +48,12 @@ void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_
     tab = table->data_ptr<uint8_t>();
     for (int i = 0; i < 16; ++i)  // the AVX2 path's vpmaddubsw takes the values as signed bytes' magnitudes
       TORCH_CHECK(tab[i] < 128, "qlinear: a table's values must be below 128, got ", int(tab[i]));
+  }
+  if (implied) {  // a scale per block of 32 (MXFP4's)
+    TORCH_CHECK(sub == 1, "qlinear: offsets implied by a table's zero need one scale per block of 32");
+    const float zero = static_cast<float>(table_zero);
+    if (half) return f(TScales<at::Half>{d.data_ptr<at::Half>(), nb, tab, zero});
+    return f(TScales<float>{d.data_ptr<float>(), nb, tab, zero});
   }
   with_sub(sub, [&](auto sub_tag) {
     constexpr int S = decltype(sub_tag)::value;
@@ -65,19 +73,21 @@ void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_
 // d, m: (ceil(N/8), K/32 * sub * 8), both float32 or both float16, sub 1 or 2 scales per block (2: blocks of 16);
 // m empty: every offset 0 (8-bit codes only). Returns (M, N) in x's dtype.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
-                   int64_t N, int64_t levels, const std::optional<at::Tensor>& table) {
+                   int64_t N, int64_t levels, const std::optional<at::Tensor>& table, int64_t table_zero) {
   check_qlinear(x, w, bits, N);
   auto y = at::empty({x.size(0), N}, x.options());
-  with_qscales(d, m, bits, N, x.size(1), table, [&](const auto& sc) { qlinear_run(x, w, bits, N, sc, y, levels); });
+  with_qscales(d, m, bits, N, x.size(1), table, table_zero,
+               [&](const auto& sc) { qlinear_run(x, w, bits, N, sc, y, levels); });
   return y;
 }
 
 // Weight rows 8 g0 .. min(8 g1, N) - 1 of qlinear's w, d, m, decoded to bfloat16: (rows, K).
 at::Tensor qweight_bf16(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t N,
-                        int64_t g0, int64_t g1, const std::optional<at::Tensor>& table) {
+                        int64_t g0, int64_t g1, const std::optional<at::Tensor>& table, int64_t table_zero) {
   const int64_t K = decoded_weight_inputs(w, bits, N);
   at::Tensor y;
-  with_qscales(d, m, bits, N, K, table, [&](const auto& sc) { y = dequant_run(w, bits, N, K, sc, g0, g1); });
+  with_qscales(d, m, bits, N, K, table, table_zero,
+               [&](const auto& sc) { y = dequant_run(w, bits, N, K, sc, g0, g1); });
   return y;
 }
 

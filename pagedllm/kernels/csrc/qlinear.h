@@ -230,8 +230,32 @@ struct KScales {
   KPtr dp(int64_t g, int64_t b, int h = 0) const { return {D + super(g, b), s + at(g, b, h)}; }
   KPtr mp(int64_t g, int64_t b, int h = 0) const { return {Dm + super(g, b), mn + at(g, b, h)}; }
 };
+// Scales whose blocks' offsets follow from them: -zero * d (a table's values stored as value + zero, MXFP4's codes),
+// so no offsets are stored or streamed. An OffPtr stands where QScales gives the offsets' pointer (p[j], p + 4,
+// load8, load_pair): each offset is computed from its scale, exactly (d a power of two, zero a small integer).
+template <typename S>
+struct OffPtr {
+  const S* d;
+  float zero;
+  OffPtr operator+(int64_t k) const { return {d + k, zero}; }
+  float operator[](int64_t j) const { return -zero * static_cast<float>(d[j]); }
+};
+template <typename S, int SUB = 1>
+struct TScales {
+  static constexpr bool offsets = true;
+  static constexpr int sub = SUB;
+  const S* d;
+  int64_t nb;
+  const uint8_t* table;
+  float zero;
+  int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
+  const S* dp(int64_t g, int64_t b, int h = 0) const { return d + at(g, b, h); }
+  OffPtr<S> mp(int64_t g, int64_t b, int h = 0) const { return {d + at(g, b, h), zero}; }
+};
+
 template <typename S> inline const void* addr(const S* p) { return p; }
 inline const void* addr(const KPtr& p) { return p.s; }
+template <typename S> inline const void* addr(const OffPtr<S>& p) { return p.d; }
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -281,6 +305,9 @@ inline __m256 load8(const at::Half* p) {
   return _mm256_loadu_ps(v);
 #endif
 }
+
+template <typename S>
+inline __m256 load8(const OffPtr<S>& p) { return _mm256_mul_ps(_mm256_set1_ps(-p.zero), load8(p.d)); }
 
 inline __m256 load8(const KPtr& p) {  // D * s for 8 rows: one super-block scale vector, 8 small integers
   return _mm256_mul_ps(load8(p.D), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -532,6 +559,11 @@ inline __m512 load_pair(const at::Half* a, const at::Half* b) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+template <typename S>
+inline __m512 load_pair(const OffPtr<S>& a, const OffPtr<S>& b) {
+  return _mm512_mul_ps(_mm512_set1_ps(-a.zero), load_pair(a.d, b.d));
 }
 
 inline __m512 load_pair(const KPtr& a, const KPtr& b) {
@@ -841,6 +873,8 @@ inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
 inline float32x4_t load4(const at::Half* p) {
   return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
 }
+template <typename S>
+inline float32x4_t load4(const OffPtr<S>& p) { return vmulq_n_f32(load4(p.d), -p.zero); }
 inline float32x4_t load4(const KPtr& p) {
   const float32x4_t d = load4(p.D);
   int32_t four;  // the 4 values' bytes (an 8-byte load could read past the array's end)
@@ -1002,9 +1036,17 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
 #endif
 }
 
+template <typename SC> constexpr bool table_scales = false;  // TScales: only 4-bit codes through a table
+template <typename S, int SUB> constexpr bool table_scales<TScales<S, SUB>> = true;
+
 // Calls f with std::integral_constant<int, 4> for 4-bit codes (only with offsets: SC::offsets), else <int, 8>.
+
 template <typename SC, typename F>
 void with_bits(int64_t bits, F&& f) {
+  if constexpr (table_scales<SC>) {
+    TORCH_CHECK(bits == 4, "qlinear: offsets implied by a table's zero are for 4-bit codes");
+    return f(std::integral_constant<int, 4>{});
+  }
   if constexpr (SC::offsets) {
     if (bits == 4) return f(std::integral_constant<int, 4>{});
   }
