@@ -160,10 +160,16 @@ class OutputProcessor:
                 else:
                     stats.inter_token_latencies.append(now - child.last_token_time)
                 child.last_token_time = now
+            # the token that stopped the request (eos, a stop token id) is not in the text unless asked for (vLLM's
+            # rule; a special token is skipped anyway, but not where skip_special_tokens is off)
+            stopped_by = (len(o.new_token_ids) - 1 if o.finish_reason == FinishReason.STOP
+                          and not isinstance(o.stop_reason, str) and not child.params.include_stop_str_in_output
+                          else -1)
             for i, tok in enumerate(o.new_token_ids):
                 child.token_ids.append(tok)
                 prev_len = len(child.detok.text)
-                child.detok.add_token(tok)
+                if i != stopped_by:
+                    child.detok.add_token(tok)
                 if o.new_logprobs is not None and child.logprobs is not None:
                     child.logprobs.append(self._convert_logprobs(o.new_logprobs[i]))
                 if child.params.stop_strings and self._check_stop_strings(child, prev_len):

@@ -62,7 +62,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="split <think>...</think> reasoning out of chat answers: message.reasoning_content (and "
                         "delta.reasoning_content) on /v1/chat/completions, a thinking block on /v1/messages; "
                         "deepseek_r1: the template opened <think> (no </think>: all reasoning); qwen3: optional "
-                        "<think> (no </think>: all content)")
+                        "<think> (no </think>: all content); openai_gptoss: gpt-oss's harmony channels (analysis: "
+                        "reasoning, final: content)")
     g.add_argument("--structured-outputs-in-reasoning", action="store_true",
                    help="with --reasoning-parser: a structured-output constraint (response_format, guided_*, a "
                         "required or named tool choice) covers the whole output, reasoning included; by default it "

@@ -9,12 +9,18 @@ reasoning (``<think>...</think>``) and its answer, whole (``split``) or as it st
   until ``</think>``; one that does not streams as content (a stray ``</think>`` in it is dropped), since what it
   is cannot be known until the output ends.
 
+- ``openai_gptoss``: gpt-oss's harmony format (its tags are special tokens, kept in the output's text for it): the
+  output is messages ``<|channel|>NAME[ to=...]<|message|>TEXT``, each ended by ``<|end|>`` (then ``<|start|>assistant``
+  and the next), ``<|return|>`` or ``<|call|>``; the ``analysis`` channel is reasoning, ``final`` (and a
+  ``commentary`` preamble) content. A message addressed to a tool (``to=functions.NAME``) is in neither part:
+  harmony tool calls are not parsed yet. Text before any header is content.
+
 The tags themselves are in neither part; a tag split across two deltas is held back until it is whole (or proves
-not to be a tag)."""
+not to be a tag). ``make_reasoning_parser`` gives the parser of a name."""
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -29,10 +35,15 @@ def _held(text: str, tag: str) -> int:
 
 class ReasoningParser:
     """One output's parser: ``split`` a whole text, or ``feed`` its deltas and ``finish``; ``advance`` takes the
-    output's text so far (as the engine reports it) instead of deltas."""
+    output's text so far (as the engine reports it) instead of deltas. ``answer_marker``: the text after which the
+    answer starts (where a structured-output constraint begins); ``keeps_special_tokens``: the output's text must
+    keep its special tokens (the tags are such tokens)."""
+
+    answer_marker = THINK_END
+    keeps_special_tokens = False
 
     def __init__(self, name: str, closed: bool = False) -> None:
-        if name not in REASONING_PARSERS:
+        if name not in REASONING_PARSERS or (name == "openai_gptoss" and type(self) is ReasoningParser):
             raise ValueError(f"unknown reasoning parser {name!r}; choose from {REASONING_PARSERS}")
         self.name = name
         self.starts_inside = name == "deepseek_r1"  # the template opened <think>
@@ -111,3 +122,80 @@ class ReasoningParser:
             reasoning, content = reasoning + r, content + c
         self._content += content
         return reasoning, self._content
+
+
+HARMONY_MESSAGE = "<|message|>"
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")  # what ends a message's text
+
+
+class HarmonyParser(ReasoningParser):
+    """gpt-oss's harmony messages (``openai_gptoss``, see the module's note), behind ``ReasoningParser``'s
+    interface."""
+
+    answer_marker = HARMONY_CHANNEL + "final" + HARMONY_MESSAGE
+    keeps_special_tokens = True
+
+    def __init__(self, name: str = "openai_gptoss", closed: bool = False) -> None:
+        super().__init__("qwen3")  # the state advance() keeps; the routing below is harmony's own
+        self.name = name
+        self._route: str | None = None  # inside a message: "reasoning", "content" or "drop" (a tool call)
+
+    def fresh(self, closed: bool = False) -> "HarmonyParser":
+        return HarmonyParser(self.name, closed)
+
+    @staticmethod
+    def _route_of(header: str) -> str:
+        """Where a message's text goes, from its header (``<|start|>assistant<|channel|>final``, ...)."""
+        if " to=" in header or header.startswith("to="):
+            return "drop"
+        channel = header.rpartition(HARMONY_CHANNEL)[2] if HARMONY_CHANNEL in header else ""
+        return "reasoning" if channel.split(" ", 1)[0].split("<|", 1)[0] == "analysis" else "content"
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        parser = self.fresh()
+        reasoning, content = parser.feed(text)
+        r, c = parser.finish()
+        return (reasoning + r) or None, (content + c) or None
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self._buf += delta
+        out = {"reasoning": "", "content": "", "drop": ""}
+        while self._buf:
+            if self._route is None:  # between messages: a header up to <|message|>, or plain text (content)
+                if not (self._buf.startswith("<|") or "<|".startswith(self._buf)):
+                    self._route = "content"  # not a tag: text outside any message
+                    continue
+                head, tag, tail = self._buf.partition(HARMONY_MESSAGE)
+                if not tag:
+                    break  # the header is not whole yet
+                self._route, self._buf = self._route_of(head), tail
+                continue
+            ends = [(i, t) for t in HARMONY_ENDS if (i := self._buf.find(t)) >= 0]
+            if ends:
+                i, t = min(ends)
+                out[self._route] += self._buf[:i]
+                # <|start|> opens the next message's header: kept for it
+                self._buf, self._route = self._buf[i if t == "<|start|>" else i + len(t):], None
+                continue
+            keep = max(_held(self._buf, t) for t in HARMONY_ENDS)
+            out[self._route] += self._buf[:len(self._buf) - keep]
+            self._buf = self._buf[len(self._buf) - keep:]
+            break
+        return out["reasoning"], out["content"]
+
+    def finish(self) -> tuple[str, str]:
+        if self._finished:
+            return "", ""
+        self._finished = True
+        rest, self._buf = self._buf, ""
+        if self._route == "reasoning":
+            return rest, ""
+        if self._route == "drop" or (self._route is None and rest.startswith("<|")):
+            return "", ""  # an unfinished tool call or header
+        return "", rest
+
+
+def make_reasoning_parser(name: str) -> ReasoningParser:
+    """The parser called ``name`` (one of ``REASONING_PARSERS``)."""
+    return HarmonyParser(name) if name == "openai_gptoss" else ReasoningParser(name)

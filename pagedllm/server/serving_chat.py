@@ -13,7 +13,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.server.degradation import FallbackRouter
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import ChatCompletionRequest
-from pagedllm.server.reasoning import THINK_END, ReasoningParser
+from pagedllm.server.reasoning import ReasoningParser, make_reasoning_parser
 from pagedllm.server.serving_base import OpenAIServing, prompt_logprobs_json
 from pagedllm.server.streaming import ChoiceDeltas, Reply, final_outputs
 from pagedllm.server.tools import ToolPlan, extract_tool_calls, plan_tools, stream_view, template_messages
@@ -71,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
                  structured_in_reasoning: bool = False) -> None:
         super().__init__(engine, model_names, router)
         self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
-        self._reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
+        self._reasoning = None if reasoning_parser is None else make_reasoning_parser(reasoning_parser)
         # --structured-outputs-in-reasoning: a constraint covers the whole output, reasoning included (by default it
         # applies to the answer after the reasoning)
         self.structured_in_reasoning = structured_in_reasoning
@@ -105,12 +105,13 @@ class OpenAIServingChat(OpenAIServing):
         messages = _messages(req)
         encoded = self.engine.encode_chat(messages, tools, req.chat_template_kwargs)
         # with a reasoning parser, a constraint applies to the answer: from the token after the output's </think>
-        # (or from the start where the prompt has closed the reasoning itself)
+        # (harmony: its final channel's header), or from the start where the prompt has closed the reasoning itself
         reasoning = self._reasoning is not None and not (
             self.structured_in_reasoning and plan.mode in ("named", "required"))
-        thinking = reasoning and not encoded[0].rstrip().endswith(THINK_END)
+        marker = self._reasoning.answer_marker if self._reasoning is not None else ""
+        thinking = reasoning and not encoded[0].rstrip().endswith(marker)
         if thinking and structured is not None and not self.structured_in_reasoning:
-            structured = replace(structured, after=THINK_END)
+            structured = replace(structured, after=marker)
         return ChatPrompt(plan, structured, messages, tools, encoded, reasoning, thinking)
 
     async def begin(self, req: ChatCompletionRequest, raw: Request,
@@ -122,6 +123,8 @@ class OpenAIServingChat(OpenAIServing):
         p = self.prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.to_sampling_params(max_tokens, logprobs, p.structured)
+        if p.reasoning and self._reasoning.keeps_special_tokens:  # harmony's tags are special tokens: kept to parse
+            params = replace(params, skip_special_tokens=False)
         gens, model = await self.start(lambda eng: [eng.encode_chat(p.messages, p.tools, req.chat_template_kwargs)],
                                        [p.encoded], params, req, model, raw)
         return p, gens, model

@@ -477,3 +477,27 @@ def test_generation_config_eos_ids_stop_too(tmp_path, llm):
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 106]}))
     cfg, _ = load_hf_dir(str(d))
     assert cfg.eos_token_id == 2 and cfg.stop_token_ids == (106,)
+
+
+def test_gpt_oss_serves_through_the_openai_api(tmp_path_factory, llm):
+    """gpt-oss as llama.cpp writes it (MXFP4 experts) behind the server with its defaults: /v1/completions' greedy
+    text, whole and streamed, is the text of transformers' tokens on the file's numbers."""
+    import openai
+
+    from helpers import start_server
+
+    model = _hf_model("gpt_oss", llm.engine.core.vocab_size, gguf_conventions=True)
+    _mxfp4_experts(model)
+    path = str(tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss.gguf")
+    _write_gguf(path, "gpt_oss", model, mxfp4_experts=True)
+    want = llm.get_tokenizer().decode(_reference(model, PROMPTS[1])[0])
+    proc, base, _ = start_server(tmp_path_factory, "--model", path, "--served-model-name", "gpt-oss")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        kw = dict(model="gpt-oss", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})
+        assert client.completions.create(**kw).choices[0].text == want
+        assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == want
+    finally:
+        proc.terminate()
+        proc.wait(30)

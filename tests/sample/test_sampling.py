@@ -50,10 +50,19 @@ def test_stop_token_ids_and_ignore_eos(llm):
     out = gen(llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     assert out.token_ids == base.token_ids[: base.token_ids.index(stop_tok) + 1]
+    # the stop token's text is not in the output (vLLM's rule), unless include_stop_str_in_output asks for it, and
+    # neither is eos's where special tokens are kept
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(out.token_ids[:-1])
+    incl = gen(llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert incl.text == tok.decode(incl.token_ids)
     # a chat prompt ends with EOS quickly; ignore_eos keeps going to max_tokens
     eos = llm.engine.eos_token_id
     chat = gen(llm, SHORT_CHAT, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
     assert chat.finish_reason == "stop" and chat.token_ids[-1] == eos
+    kept = gen(llm, SHORT_CHAT, SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False))[0].outputs[0]
+    assert kept.token_ids == chat.token_ids and kept.text == chat.text  # eos's text is not appended
     forced = gen(llm, SHORT_CHAT, SamplingParams(temperature=0, max_tokens=len(chat.token_ids) + 5,
                                                  ignore_eos=True))[0].outputs[0]
     assert forced.finish_reason == "length" and len(forced.token_ids) == len(chat.token_ids) + 5

@@ -1,4 +1,4 @@
-"""`--reasoning-parser` (deepseek_r1, qwen3): the parsers on whole texts and on deltas split at every position (tags
+"""`--reasoning-parser` (deepseek_r1, qwen3; openai_gptoss: gpt-oss's harmony channels): the parsers on whole texts and on deltas split at every position (tags
 cut in two included), then a live server where a regex constraint forces the model's output to hold `</think>`
 (`--structured-outputs-in-reasoning`: the constraint covers the reasoning too): `reasoning_content` / `content` on
 the chat endpoint (official `openai` SDK, plain and streamed) and a `thinking` block on Anthropic's /v1/messages
@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pagedllm.server.reasoning import REASONING_PARSERS, ReasoningParser
+from pagedllm.server.reasoning import REASONING_PARSERS, ReasoningParser, make_reasoning_parser
 from helpers import MODEL, start_server
 
 # (text, deepseek_r1's (reasoning, content), qwen3's) of a finished output
@@ -29,14 +29,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", REASONING_PARSERS)
+THINK_PARSERS = [n for n in REASONING_PARSERS if n != "openai_gptoss"]
+
+
+@pytest.mark.parametrize("name", THINK_PARSERS)
 @pytest.mark.parametrize("text,ds,qw", CASES)
 def test_split_whole_text(name, text, ds, qw):
     assert ReasoningParser(name).split(text) == (ds if name == "deepseek_r1" else qw)
 
 
 def run_feed(name: str, pieces: list[str]) -> tuple[str, str]:
-    p = ReasoningParser(name)
+    p = make_reasoning_parser(name)
     reasoning = content = ""
     for piece in pieces:
         r, c = p.feed(piece)
@@ -57,7 +60,36 @@ def streamed(name: str, text: str) -> tuple[str, str]:
     return r or "", c or ""
 
 
-@pytest.mark.parametrize("name", REASONING_PARSERS)
+# gpt-oss's harmony output (the prompt ends with <|start|>assistant): (text, (reasoning, content))
+HARMONY = [
+    ("<|channel|>analysis<|message|>User asks 2+2.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
+     ("User asks 2+2.", "It is 4.")),
+    ("<|channel|>analysis<|message|>a < b, <|x|> stays<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>",
+     ("a < b, <|x|> stays", "4")),
+    ("<|channel|>analysis<|message|>need the weather<|end|><|start|>assistant<|channel|>commentary "
+     "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>", ("need the weather", None)),
+    ("<|channel|>commentary<|message|>Looking it up.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+     (None, "Looking it up.Done.")),
+    ("<|channel|>analysis<|message|>unfinished thou", ("unfinished thou", None)),
+    ("<|channel|>final<|message|>just the answer", (None, "just the answer")),
+    ("plain text, no header <b>", (None, "plain text, no header <b>")),
+    ("<b>not a tag</b>", (None, "<b>not a tag</b>")),
+    ("<|channel|>analy", (None, None)),
+    ("", (None, None)),
+]
+
+
+@pytest.mark.parametrize("text,want", HARMONY)
+def test_harmony_channels(text, want):
+    assert make_reasoning_parser("openai_gptoss").split(text) == want
+    got = (want[0] or "", want[1] or "")
+    assert run_feed("openai_gptoss", [text]) == got
+    for i in range(len(text) + 1):  # two deltas: every cut, tags cut in two included
+        assert run_feed("openai_gptoss", [text[:i], text[i:]]) == got, i
+    assert run_feed("openai_gptoss", list(text)) == got  # one character at a time
+
+
+@pytest.mark.parametrize("name", THINK_PARSERS)
 @pytest.mark.parametrize("text", [c[0] for c in CASES])
 def test_feed_split_at_every_position(name, text):
     want = streamed(name, text)
@@ -257,3 +289,27 @@ def test_constraint_applies_from_the_start_when_the_prompt_closed_the_reasoning(
     assert r.choices[0].message.tool_calls, r.choices[0].message
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "add" and isinstance(json.loads(call.function.arguments)["a"], int)
+
+
+def test_harmony_channels_through_the_chat_endpoint(tmp_path_factory):
+    """`--reasoning-parser openai_gptoss`: a harmony output (forced by a regex; the embedded model's vocabulary
+    spells the tags as plain text, gpt-oss's as special tokens, which the parser asks the detokenizer to keep)
+    comes back as reasoning_content (analysis) and content (final), whole and streamed."""
+    forced = (r"<\|channel\|>analysis<\|message\|>I think\.<\|end\|><\|start\|>assistant<\|channel\|>final"
+              r"<\|message\|>The answer is 4")
+    proc, url, _ = start_server(tmp_path_factory, "--reasoning-parser", "openai_gptoss",
+                                "--structured-outputs-in-reasoning")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model=MODEL, messages=ASK, max_tokens=60, temperature=0, extra_body={"guided_regex": forced})
+        m = c.chat.completions.create(**kw).choices[0].message
+        assert m.model_extra["reasoning_content"] == "I think." and m.content == "The answer is 4"
+        reasoning = content = ""
+        for chunk in c.chat.completions.create(**kw, stream=True):
+            for ch in chunk.choices:
+                reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+                content += ch.delta.content or ""
+        assert (reasoning, content) == ("I think.", "The answer is 4")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
