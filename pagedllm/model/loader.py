@@ -284,7 +284,8 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
             elif name.startswith(prefix):
                 idx, rest = name[len(prefix):].split(".", 1)
                 if spec.split_hf is not None and (parts := spec.split_hf(rest, t)) is not None:
-                    weights.update({f"layers.{idx}.{k}": v.float().contiguous() for k, v in parts.items()})
+                    weights.update({f"layers.{idx}.{k}": (v.float() if v.is_floating_point() else v).contiguous()
+                                    for k, v in parts.items()})
                     continue
                 if (m := HF_EXPERT.fullmatch(rest)) is not None:
                     key = f"layers.{idx}.experts.{m[1]}.{HF_EXPERT_PART[m[2]]}"
@@ -302,6 +303,9 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
             if spec.hf_norm_plus_one and key.endswith("norm"):
                 t = 1.0 + t  # (1 + w) as the reference computes it, in float32: GGUF files store this
             weights[key] = t
+    for key in [k for k in weights if k.endswith("_blocks")]:  # MXFP4 (gpt-oss as released): codes and scales
+        name = key.removesuffix("_blocks")
+        weights[name] = gguf_blocks.mxfp4_ocp(weights.pop(key), weights.pop(name + "_scales"))
     return cfg, weights
 
 

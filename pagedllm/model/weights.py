@@ -7,7 +7,9 @@
   type of ``quant.gguf_blocks`` (Q4_0 .. Q8_0, the K-quants, IQ4_NL/XS; the embedding too) runs through the
   ``qlinear`` block kernel, elsewhere Q4_0/Q4_1 run through torch's int4 kernel with the embedding dequantized and
   an int8 LM head;
-- ``awq`` / ``gptq`` / ``rtn`` without such a checkpoint: an error pointing to ``pagedllm quantize``."""
+- ``awq`` / ``gptq`` / ``rtn`` without such a checkpoint: an error pointing to ``pagedllm quantize``;
+- none, for an HF directory that stores blocks itself (gpt-oss's MXFP4 experts): those weights as stored
+  (``CHECKPOINT_BLOCKS``), which the block kernel runs under ``--dtype auto`` (a float dtype given decodes them)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.loader import load_model_files
 from pagedllm.quant.checkpoint import is_quantized_checkpoint, load_checkpoint
+from pagedllm.quant.formats import QuantizedWeight
 from pagedllm.quant.policy import ON_THE_FLY, QuantPolicy
+
+CHECKPOINT_BLOCKS = "mxfp4 (the checkpoint's blocks)"  # the label of an HF directory's own quantized weights
 
 
 def load_weights(path: str, quantization: str | None, block_kernel: bool = False):
@@ -41,5 +46,6 @@ def load_weights(path: str, quantization: str | None, block_kernel: bool = False
         return arch, weights, QuantPolicy(lm_head="int8", embed="int8"), label
     arch, weights = load_model_files(path)
     if q is None:
-        return arch, weights, None, "none"
+        blocks = any(isinstance(w, QuantizedWeight) for w in weights.values())
+        return arch, weights, None, CHECKPOINT_BLOCKS if blocks else "none"
     return arch, weights, ON_THE_FLY[q], f"{q} (at load time)"

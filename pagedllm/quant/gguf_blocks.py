@@ -271,14 +271,29 @@ def e8m0_half(e: np.ndarray) -> np.ndarray:
     return bits.view(np.float32)
 
 
+def _mxfp4_scales(e: np.ndarray) -> np.ndarray:
+    if e.size and int(e.max()) > MXFP4_MAX_E8M0:
+        raise ValueError(f"MXFP4 block scale 2^{int(e.max()) - 127} is out of range: (value + 16) * scale "
+                         f"would overflow float32 (scales up to 2^{MXFP4_MAX_E8M0 - 127} are read)")
+    return e8m0_half(e)
+
+
+def mxfp4_ocp(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """An HF checkpoint's MXFP4 weight (transformers' layout: ``blocks`` (rows, K/32, 16) uint8, a byte's low nibble
+    the even element and its high nibble the odd one; ``scales`` (rows, K/32) uint8 E8M0) as ``mxfp4`` gives a GGUF
+    file's: the same codes (E2M1 indices), scales and table."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, 16).numpy()
+    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(rows, -1)  # elements 2j, 2j + 1
+    d = _mxfp4_scales(scales.reshape(rows, -1).numpy())
+    return dataclasses.replace(_weight(rows, codes, d, -MXFP4_SHIFT * d, 4, 32), table=MXFP4_TABLE)
+
+
 def mxfp4(data: np.ndarray) -> QuantizedWeight:
     """4-bit codes (the file's nibbles) through ``MXFP4_TABLE``, half the E8M0 scale, offset -16 times it: half a
     byte per weight in the kernels, as in the file."""
     rows, b = _blocks(data, 17)
-    if len(b) and int(b[:, 0].max()) > MXFP4_MAX_E8M0:
-        raise ValueError(f"MXFP4 block scale 2^{int(b[:, 0].max()) - 127} is out of range: (value + 16) * scale "
-                         f"would overflow float32 (scales up to 2^{MXFP4_MAX_E8M0 - 127} are read)")
-    d = e8m0_half(b[:, 0])
+    d = _mxfp4_scales(b[:, 0])
     qw = _weight(rows, _nibbles(b[:, 1:]), d, -MXFP4_SHIFT * d, 4, 32)
     return dataclasses.replace(qw, table=MXFP4_TABLE)
 

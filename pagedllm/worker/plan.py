@@ -18,7 +18,7 @@ from pagedllm.layers.linear import runs_on_blocks
 from pagedllm.layers.weights import LinearBuild
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.loader import load_model_files
-from pagedllm.model.weights import load_weights
+from pagedllm.model.weights import CHECKPOINT_BLOCKS, load_weights
 from pagedllm.quant.gguf_blocks import k_scaled
 from pagedllm.quant.verdicts import BF16_DEFAULT, decide, default_for_blocks, start_sha256
 from pagedllm.worker.autotune import WeightPlan, blocks_for_autotune, choose_plan, dense_copy_bytes, fit_to_steps
@@ -128,7 +128,10 @@ def load_and_plan(config: EngineConfig, path: str, device: torch.device, ops) ->
         build = LinearBuild(None, ops, weight_plan.layer_dense_min_tokens, weight_plan.head_dense_min_tokens,
                             DTYPES[weight_plan.dense_dtype])
     else:
-        build = LinearBuild(policy, ops if c.quantization == "gguf" else None, c.quant_dense_min_tokens)
+        # the file's blocks run the block kernel: --quantization gguf, or an HF directory's own (gpt-oss's MXFP4)
+        # under --dtype auto
+        blocks = c.quantization == "gguf" or (quantization == CHECKPOINT_BLOCKS and c.model.dtype == "auto")
+        build = LinearBuild(policy, ops if blocks else None, c.quant_dense_min_tokens)
     plan = RuntimePlan(dtype, choose_kv_dtype(c.cache.kv_cache_dtype, dtype, weight_plan is not None), build,
                        quantization, weight_plan, reasons=reasons)
     if arch.encoder:

@@ -501,3 +501,48 @@ def test_gpt_oss_serves_through_the_openai_api(tmp_path_factory, llm):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _ocp_mxfp4(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks, scales) of (..., K) float rows in transformers' MXFP4 layout (a byte's low nibble the even element),
+    from gguf's quantizer (which packs elements 0-15 low, 16-31 high)."""
+    q = gguf.quants.quantize(np.ascontiguousarray(rows, dtype=np.float32), gguf.GGMLQuantizationType.MXFP4)
+    q = q.reshape(*rows.shape[:-1], -1, 17)
+    nib = np.concatenate([q[..., 1:] & 0x0F, q[..., 1:] >> 4], axis=-1)  # (..., K/32, 32) codes in element order
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8), q[..., 0].copy()
+
+
+def test_gpt_oss_hf_directory_in_mxfp4(tmp_path, llm):
+    """gpt-oss's HF directory as released: experts as MXFP4 blocks and scales (``quantization_config`` mxfp4).
+    ``--dtype float32`` decodes them (transformers' tokens on the same numbers); the default runs them in the block
+    kernel, 4-bit codes through their table, its greedy tokens following the float path's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model = _hf_model("gpt_oss", llm.engine.core.vocab_size)
+    _mxfp4_experts(model)
+    d = tmp_path / "gpt-oss-mxfp4"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    state = load_file(str(d / "model.safetensors"))
+    for i in range(model.config.num_hidden_layers):
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            blocks, scales = _ocp_mxfp4(state.pop(key).transpose(1, 2).numpy())  # output rows first
+            state[key + "_blocks"], state[key + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+    (d / "model.safetensors").unlink()
+    save_file(state, str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "mxfp4"}}))
+    _check(str(d), model, "gpt-oss")
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    auto = LLM(model=str(d), max_model_len=128)
+    lins = model_of(auto).linears()
+    assert {(lins[f"layers.1.experts.{e}.{n}"].kind, lins[f"layers.1.experts.{e}.{n}"].table_zero)
+            for e in range(4) for n in ("gate_up", "down")} == {("q4-block", 16)}
+    for p, g in zip(PROMPTS, auto.generate(PROMPTS, sp, use_tqdm=False)):
+        want, ref_lp = _reference(model, p)
+        assert g.outputs[0].token_ids == want
+        for i, lp in enumerate(g.outputs[0].logprobs):
+            assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 0.02

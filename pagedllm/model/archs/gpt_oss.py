@@ -5,7 +5,9 @@ k logits, experts with biases and a clamped SwiGLU (``swiglu_oai``: gate clamped
 gate * sigmoid(1.702 gate) * (up + 1)).
 
 HF directories keep the experts stacked, transposed and with gate and up interleaved (``gate_up_proj`` (E, H, 2I):
-gate the even columns); ``split_hf`` gives each expert's rows. GGUF files (llama.cpp's converter) keep them stacked
+gate the even columns), or, as released, in MXFP4 (``gate_up_proj_blocks`` / ``_scales``: (E, 2I, ...) rows, gate
+the even ones); ``split_hf`` gives each expert's rows (MXFP4 ones as ``..._blocks`` / ``..._scales`` pairs, which
+the loader decodes to the block kernel's form). GGUF files (llama.cpp's converter) keep them stacked
 per layer (``ffn_{gate,up,down}_exps`` with their biases), usually in MXFP4 blocks."""
 
 from pagedllm.model.archs import Arch, GGUFMeta, gguf_experts, hf_rope
@@ -51,13 +53,16 @@ def split_hf(rest: str, t) -> dict | None:
     """A layer's stacked expert tensor (``rest``: its name after ``model.layers.{i}.``) as each expert's rows, named
     as ``model.loader`` names them; None: not one of them."""
     part = {"mlp.experts.gate_up_proj": "", "mlp.experts.gate_up_proj_bias": "_bias",
-            "mlp.experts.down_proj": "", "mlp.experts.down_proj_bias": "_bias"}.get(rest)
+            "mlp.experts.down_proj": "", "mlp.experts.down_proj_bias": "_bias",
+            "mlp.experts.gate_up_proj_blocks": "_blocks", "mlp.experts.gate_up_proj_scales": "_scales",
+            "mlp.experts.down_proj_blocks": "_blocks", "mlp.experts.down_proj_scales": "_scales"}.get(rest)
     if part is None:
         return None
     out = {}
     for e, w in enumerate(t.unbind(0)):
         if part == "":
             w = w.T  # (H, 2I) or (I, H) as x @ w computes it: rows are output features after the transpose
+        # (MXFP4 blocks and scales are stored with output rows first already)
         if "gate_up" in rest:  # interleaved: gate the even rows, up the odd ones
             out[f"experts.{e}.gate{part}"], out[f"experts.{e}.up{part}"] = w[0::2], w[1::2]
         else:
