@@ -39,11 +39,11 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               breaker: CircuitBreaker | None = None, request_timeout_s: float | None = None,
               faults: FaultInjection | None = None, auto_tools: bool = False,
               metrics_require_auth: bool = False, reasoning_parser: str | None = None,
-              structured_in_reasoning: bool = False) -> FastAPI:
+              structured_in_reasoning: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     router = FallbackRouter(engine, model_names[0], fallback, fallback_name, breaker, request_timeout_s, faults)
     serving_completion = OpenAIServingCompletion(engine, model_names, router)
     serving_chat = OpenAIServingChat(engine, model_names, router, auto_tools, reasoning_parser,
-                                     structured_in_reasoning)
+                                     structured_in_reasoning, tool_call_parser)
     serving_messages = AnthropicServingMessages(serving_chat)
     serving_embedding = OpenAIServingEmbedding(engine, model_names, router)
     serving_responses = OpenAIServingResponses(serving_chat)

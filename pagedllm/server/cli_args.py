@@ -57,7 +57,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help='allow tool_choice "auto": the model decides, its calls are parsed (--tool-call-parser)')
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks (Qwen2.5, "
-                        "Hermes-style templates)")
+                        "Hermes-style templates); openai: gpt-oss's harmony tool messages (with --reasoning-parser "
+                        "openai_gptoss)")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split <think>...</think> reasoning out of chat answers: message.reasoning_content (and "
                         "delta.reasoning_content) on /v1/chat/completions, a thinking block on /v1/messages; "
@@ -185,7 +186,8 @@ def build_server(args: argparse.Namespace, replica_index: int | None = None) -> 
                     request_timeout_s=args.request_timeout_s, faults=faults,
                     auto_tools=args.enable_auto_tool_choice, metrics_require_auth=args.metrics_require_auth,
                     reasoning_parser=args.reasoning_parser,
-                    structured_in_reasoning=args.structured_outputs_in_reasoning)
+                    structured_in_reasoning=args.structured_outputs_in_reasoning,
+                    tool_call_parser=args.tool_call_parser)
     return ServerParts(app, name, engine, fallback, publisher)
 
 

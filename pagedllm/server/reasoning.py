@@ -12,13 +12,16 @@ reasoning (``<think>...</think>``) and its answer, whole (``split``) or as it st
 - ``openai_gptoss``: gpt-oss's harmony format (its tags are special tokens, kept in the output's text for it): the
   output is messages ``<|channel|>NAME[ to=...]<|message|>TEXT``, each ended by ``<|end|>`` (then ``<|start|>assistant``
   and the next), ``<|return|>`` or ``<|call|>``; the ``analysis`` channel is reasoning, ``final`` (and a
-  ``commentary`` preamble) content. A message addressed to a tool (``to=functions.NAME``) is in neither part:
-  harmony tool calls are not parsed yet. Text before any header is content.
+  ``commentary`` preamble) content. A message addressed to a tool (``to=functions.NAME``) goes to the content as
+  ``<|channel|>commentary to=functions.NAME<|message|>ARGS``, which ``--tool-call-parser openai`` reads (without it,
+  that text is the content). Text before any header is content.
 
 The tags themselves are in neither part; a tag split across two deltas is held back until it is whole (or proves
 not to be a tag). ``make_reasoning_parser`` gives the parser of a name."""
 
 from __future__ import annotations
+
+import re
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 THINK_START = "<think>"
@@ -139,18 +142,19 @@ class HarmonyParser(ReasoningParser):
     def __init__(self, name: str = "openai_gptoss", closed: bool = False) -> None:
         super().__init__("qwen3")  # the state advance() keeps; the routing below is harmony's own
         self.name = name
-        self._route: str | None = None  # inside a message: "reasoning", "content" or "drop" (a tool call)
+        self._route: str | None = None  # inside a message: "reasoning" or "content" (a tool call's too)
 
     def fresh(self, closed: bool = False) -> "HarmonyParser":
         return HarmonyParser(self.name, closed)
 
     @staticmethod
-    def _route_of(header: str) -> str:
-        """Where a message's text goes, from its header (``<|start|>assistant<|channel|>final``, ...)."""
-        if " to=" in header or header.startswith("to="):
-            return "drop"
+    def _route_of(header: str) -> tuple[str, str]:
+        """(where a message's text goes, text that opens it there) from its header
+        (``<|start|>assistant<|channel|>final``, ...): a tool call's opens with its canonical header."""
+        if (to := re.search(r"(?:^|\s)to=([^\s<]+)", header)) is not None:
+            return "content", f"{HARMONY_CHANNEL}commentary to={to.group(1)}{HARMONY_MESSAGE}"
         channel = header.rpartition(HARMONY_CHANNEL)[2] if HARMONY_CHANNEL in header else ""
-        return "reasoning" if channel.split(" ", 1)[0].split("<|", 1)[0] == "analysis" else "content"
+        return ("reasoning" if channel.split(" ", 1)[0].split("<|", 1)[0] == "analysis" else "content"), ""
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         parser = self.fresh()
@@ -160,7 +164,7 @@ class HarmonyParser(ReasoningParser):
 
     def feed(self, delta: str) -> tuple[str, str]:
         self._buf += delta
-        out = {"reasoning": "", "content": "", "drop": ""}
+        out = {"reasoning": "", "content": ""}
         while self._buf:
             if self._route is None:  # between messages: a header up to <|message|>, or plain text (content)
                 if not (self._buf.startswith("<|") or "<|".startswith(self._buf)):
@@ -169,7 +173,9 @@ class HarmonyParser(ReasoningParser):
                 head, tag, tail = self._buf.partition(HARMONY_MESSAGE)
                 if not tag:
                     break  # the header is not whole yet
-                self._route, self._buf = self._route_of(head), tail
+                self._route, opening = self._route_of(head)
+                out[self._route] += opening
+                self._buf = tail
                 continue
             ends = [(i, t) for t in HARMONY_ENDS if (i := self._buf.find(t)) >= 0]
             if ends:
@@ -191,8 +197,8 @@ class HarmonyParser(ReasoningParser):
         rest, self._buf = self._buf, ""
         if self._route == "reasoning":
             return rest, ""
-        if self._route == "drop" or (self._route is None and rest.startswith("<|")):
-            return "", ""  # an unfinished tool call or header
+        if self._route is None and rest.startswith("<|"):
+            return "", ""  # an unfinished header
         return "", rest
 
 

@@ -68,9 +68,10 @@ class ChatPrompt:
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, model_names: list[str], router: FallbackRouter,
                  auto_tools: bool = False, reasoning_parser: str | None = None,
-                 structured_in_reasoning: bool = False) -> None:
+                 structured_in_reasoning: bool = False, tool_call_parser: str | None = None) -> None:
         super().__init__(engine, model_names, router)
         self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
+        self.tool_call_parser = tool_call_parser or "hermes"
         self._reasoning = None if reasoning_parser is None else make_reasoning_parser(reasoning_parser)
         # --structured-outputs-in-reasoning: a constraint covers the whole output, reasoning included (by default it
         # applies to the answer after the reasoning)
@@ -94,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
     def prompt(self, req: ChatCompletionRequest) -> ChatPrompt:
         """The request's tool plan and constraint, and its messages rendered by the chat template and encoded (a
         template error is a 400 before anything is queued)."""
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tools)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tools, self.tool_call_parser)
         structured = req.structured()
         if plan.structured is not None:
             if structured is not None:

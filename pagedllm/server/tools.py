@@ -5,8 +5,10 @@ out of the generated text.
   the call's arguments;
 - ``required``: the output is constrained to a JSON array of ``{"name": ..., "arguments": ...}`` objects, each
   following its function's schema (one item at most when ``parallel_tool_calls`` is false);
-- ``auto``: the model writes freely; a parser (``--tool-call-parser hermes``: ``<tool_call>{json}</tool_call>``
-  blocks, the format of Qwen2.5 and of Hermes-style templates) turns its calls into ``tool_calls``;
+- ``auto``: the model writes freely; a parser turns its calls into ``tool_calls``: ``--tool-call-parser hermes``
+  (``<tool_call>{json}</tool_call>`` blocks, the format of Qwen2.5 and of Hermes-style templates) or ``openai``
+  (gpt-oss's harmony tool messages, as ``--reasoning-parser openai_gptoss`` leaves them in the content:
+  ``<|channel|>commentary to=functions.NAME<|message|>ARGS``);
 - ``none`` (the default without tools): plain text.
 """
 
@@ -19,9 +21,10 @@ from dataclasses import dataclass
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "openai")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-HERMES_START = "<tool_call>"
+_HARMONY = re.compile(r"<\|channel\|>commentary to=functions\.([^\s<]+)<\|message\|>(.*?)(?=<\|channel\|>|$)", re.DOTALL)
+CALL_START = {"hermes": "<tool_call>", "openai": "<|channel|>"}  # where a parser's tool calls begin
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class ToolPlan:
     structured: StructuredOutputsParams | None  # the constraint for "required" / "named"
     funcs: dict[str, dict]  # name -> parameters schema of each tool
     named: str | None = None
+    parser: str = "hermes"  # --tool-call-parser (what ``auto`` reads)
 
 
 def check_tools(tools: list[dict] | None) -> dict[str, dict]:
@@ -51,7 +55,8 @@ def check_tools(tools: list[dict] | None) -> dict[str, dict]:
     return funcs
 
 
-def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool, auto_enabled: bool) -> ToolPlan:
+def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool, auto_enabled: bool,
+               parser: str = "hermes") -> ToolPlan:
     funcs = check_tools(tools)
     if tool_choice is None:
         tool_choice = "auto" if funcs else "none"
@@ -78,7 +83,7 @@ def plan_tools(tools: list[dict] | None, tool_choice, parallel_tool_calls: bool,
     if tool_choice == "auto" and not auto_enabled:
         raise ValueError('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                          "--tool-call-parser")
-    return ToolPlan(tool_choice, None, funcs)
+    return ToolPlan(tool_choice, None, funcs, parser=parser)
 
 
 def _call(name: str, arguments) -> dict:
@@ -87,8 +92,8 @@ def _call(name: str, arguments) -> dict:
 
 
 def extract_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a finished output. Constrained modes parse their JSON; ``auto`` reads
-    ``<tool_call>`` blocks naming a known function (anything else stays content)."""
+    """(content, tool calls) of a finished output. Constrained modes parse their JSON; ``auto`` reads its parser's
+    calls naming a known function (anything else stays content)."""
     if plan.mode == "named":
         return None, [_call(plan.named, text.strip())]
     if plan.mode == "required":
@@ -100,31 +105,38 @@ def extract_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict
     if plan.mode != "auto":
         return text, []
     calls = []
-    for m in _HERMES.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and obj.get("name") in plan.funcs:
-            calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+    if plan.parser == "openai":
+        for m in _HARMONY.finditer(text):
+            if m.group(1) in plan.funcs:
+                calls.append(_call(m.group(1), m.group(2).strip()))
+    else:
+        for m in _HERMES.finditer(text):
+            try:
+                obj = json.loads(m.group(1))
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and obj.get("name") in plan.funcs:
+                calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
     if not calls:
         return text, []
-    content = text[: text.find(HERMES_START)].strip()
+    content = text[: text.find(CALL_START[plan.parser])].strip()
     return content or None, calls
 
 
 def visible_content(plan: ToolPlan, text: str) -> str:
-    """The part of ``text`` that streams as content: nothing in constrained modes; in ``auto``, the text before a
-    ``<tool_call>`` tag (or before a trailing partial one that may become a tag)."""
+    """The part of ``text`` that streams as content: nothing in constrained modes; in ``auto``, the text before its
+    parser's first tool call (``<tool_call>``, ``<|channel|>``), or before a trailing partial tag that may become
+    one."""
     if plan.mode in ("named", "required"):
         return ""
     if plan.mode != "auto":
         return text
-    at = text.find(HERMES_START)
+    start = CALL_START[plan.parser]
+    at = text.find(start)
     if at >= 0:
         return text[:at]
-    for k in range(len(HERMES_START) - 1, 0, -1):  # hold back a prefix of the tag at the end
-        if text.endswith(HERMES_START[:k]):
+    for k in range(len(start) - 1, 0, -1):  # hold back a prefix of the tag at the end
+        if text.endswith(start[:k]):
             return text[:-k]
     return text
 

@@ -120,6 +120,22 @@ def test_tool_plans_and_parsing():
     assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
     assert visible_content(auto, text) == "Let me check.\n" and visible_content(auto, "Hi <tool") == "Hi "
     assert extract_tool_calls(auto, "no calls here") == ("no calls here", [])
+    # gpt-oss's harmony tool messages (--tool-call-parser openai), as --reasoning-parser openai_gptoss leaves them in
+    # the content: each call's arguments as the model wrote them, an unknown function left as content
+    from pagedllm.server.reasoning import make_reasoning_parser
+
+    harmony = ('<|channel|>analysis<|message|>Need Rome and a sum.<|end|><|start|>assistant<|channel|>commentary '
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}<|call|>'
+               '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1, "b": 2}<|call|>')
+    reasoning, content = make_reasoning_parser("openai_gptoss").split(harmony)
+    assert reasoning == "Need Rome and a sum."
+    oai = plan_tools(tools, "auto", True, True, "openai")
+    text, calls = extract_tool_calls(oai, content)
+    assert text is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Rome"}), ("add", {"a": 1, "b": 2})]
+    assert visible_content(oai, "Sure.<|chan") == "Sure." and visible_content(oai, content) == ""
+    unknown = "<|channel|>commentary to=functions.nope<|message|>{}"
+    assert extract_tool_calls(oai, unknown) == (unknown, [])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -67,7 +67,8 @@ HARMONY = [
     ("<|channel|>analysis<|message|>a < b, <|x|> stays<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>",
      ("a < b, <|x|> stays", "4")),
     ("<|channel|>analysis<|message|>need the weather<|end|><|start|>assistant<|channel|>commentary "
-     "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>", ("need the weather", None)),
+     "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>",
+     ("need the weather", "<|channel|>commentary to=functions.get_weather<|message|>{\"city\": \"Paris\"}")),
     ("<|channel|>commentary<|message|>Looking it up.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
      (None, "Looking it up.Done.")),
     ("<|channel|>analysis<|message|>unfinished thou", ("unfinished thou", None)),
@@ -294,11 +295,13 @@ def test_constraint_applies_from_the_start_when_the_prompt_closed_the_reasoning(
 def test_harmony_channels_through_the_chat_endpoint(tmp_path_factory):
     """`--reasoning-parser openai_gptoss`: a harmony output (forced by a regex; the embedded model's vocabulary
     spells the tags as plain text, gpt-oss's as special tokens, which the parser asks the detokenizer to keep)
-    comes back as reasoning_content (analysis) and content (final), whole and streamed."""
+    comes back as reasoning_content (analysis) and content (final), whole and streamed; with `--tool-call-parser
+    openai`, a tool message comes back as a tool call."""
     forced = (r"<\|channel\|>analysis<\|message\|>I think\.<\|end\|><\|start\|>assistant<\|channel\|>final"
               r"<\|message\|>The answer is 4")
     proc, url, _ = start_server(tmp_path_factory, "--reasoning-parser", "openai_gptoss",
-                                "--structured-outputs-in-reasoning")
+                                "--structured-outputs-in-reasoning", "--enable-auto-tool-choice",
+                                "--tool-call-parser", "openai")
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         kw = dict(model=MODEL, messages=ASK, max_tokens=60, temperature=0, extra_body={"guided_regex": forced})
@@ -310,6 +313,15 @@ def test_harmony_channels_through_the_chat_endpoint(tmp_path_factory):
                 reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
                 content += ch.delta.content or ""
         assert (reasoning, content) == ("I think.", "The answer is 4")
+        call = (r"<\|channel\|>analysis<\|message\|>Weather\.<\|end\|><\|start\|>assistant<\|channel\|>commentary "
+                r'to=functions\.get_weather <\|constrain\|>json<\|message\|>\{"city": "Paris"\}')
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}
+        r = c.chat.completions.create(**kw | {"extra_body": {"guided_regex": call}}, tools=[tool])
+        m = r.choices[0].message
+        assert m.model_extra["reasoning_content"] == "Weather." and m.content is None
+        assert [(t.function.name, t.function.arguments) for t in m.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+        assert r.choices[0].finish_reason == "tool_calls"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
