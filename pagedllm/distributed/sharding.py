@@ -5,7 +5,9 @@ and ``layers.mlp.GatedMLP``, passed in by the runner):
 - column-parallel ``q``/``k``/``v`` rows by attention head (and their biases), ``gate``/``up`` rows by intermediate
   channel: each rank computes its own heads / channels, no communication;
 - row-parallel ``o``/``down`` columns (the same heads / channels as inputs): each rank's output is a partial sum,
-  all-reduced once per layer for attention and once for the MLP;
+  all-reduced once per layer for attention and once for the MLP; their biases ("first") on rank 0 only (zeros
+  elsewhere), so the sum adds them once;
+- per-head values (attention sinks) by query head;
 - a vocabulary slice of ``embed`` (lookups outside it give zeros; the ranks' rows are all-reduced) and of
   ``lm_head`` (each rank computes its slice of the logits; they are all-gathered). The vocabulary is padded with
   zero rows up to a multiple of the world size;
@@ -50,14 +52,16 @@ def shard_weights(cfg: ModelArchConfig, weights: dict, rank: int, world_size: in
                   splits: dict[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
     """Slice ``weights`` (engine names, as ``model.loader`` returns them) for ``rank``; empties ``weights``.
     ``splits``: what the layers declare of their weights, by name in the layer (``layers.{i}.NAME``): ("rows" or
-    "cols", "heads" / "kv_heads" / "intermediate"), e.g. ``model.decoder.TP_SPLIT``; other layer weights (norms)
-    are replicated."""
+    "cols", "heads" / "kv_heads" / "intermediate" / "head_values": one value per query head), or ("first", "")
+    (rank 0 keeps it, the others zeros: a row-parallel output's bias), e.g. ``model.decoder.TP_SPLIT``; other layer
+    weights (norms) are replicated."""
     check_shardable(cfg, weights, world_size)
     lay = tp_layout(cfg, world_size, rank)
     d = cfg.head_dim
     spans = {"heads": (rank * lay.num_heads * d, (rank + 1) * lay.num_heads * d),
              "kv_heads": (lay.kv_head_start * d, (lay.kv_head_start + lay.num_kv_heads) * d),
-             "intermediate": (rank * lay.intermediate_size, (rank + 1) * lay.intermediate_size)}
+             "intermediate": (rank * lay.intermediate_size, (rank + 1) * lay.intermediate_size),
+             "head_values": (rank * lay.num_heads, (rank + 1) * lay.num_heads)}
     out: dict[str, torch.Tensor] = {}
     for name in list(weights):
         w = weights.pop(name)
@@ -66,7 +70,10 @@ def shard_weights(cfg: ModelArchConfig, weights: dict, rank: int, world_size: in
             out[name] = _vocab_slice(w, lay)
         elif name.startswith("layers.") and leaf in splits:
             how, span = splits[leaf]
-            out[name] = (_rows if how == "rows" else _cols)(w, *spans[span])
+            if how == "first":
+                out[name] = w if rank == 0 else torch.zeros_like(w)
+            else:
+                out[name] = (_rows if how == "rows" else _cols)(w, *spans[span])
         else:  # norms: replicated
             out[name] = w
         del w

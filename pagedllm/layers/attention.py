@@ -221,10 +221,11 @@ class Attention:
     sums are reduced by the caller."""
 
     # how its weights split over tensor-parallel ranks (``distributed.sharding``): q/k/v rows (and biases) by head
-    # (column-parallel), o's columns by query head (row-parallel: partial sums, reduced after it)
+    # (column-parallel), o's columns by query head (row-parallel: partial sums, reduced after it; its bias added by
+    # rank 0 alone), the sinks by query head
     TP_SPLIT = {"q": ("rows", "heads"), "q_bias": ("rows", "heads"), "k": ("rows", "kv_heads"),
                 "k_bias": ("rows", "kv_heads"), "v": ("rows", "kv_heads"), "v_bias": ("rows", "kv_heads"),
-                "o": ("cols", "heads"), "sinks": ("rows", "heads")}
+                "o": ("cols", "heads"), "o_bias": ("first", ""), "sinks": ("rows", "head_values")}
 
     def __init__(self, qkv, o, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: RotaryEmbedding, window: int = 0, softcap: float = 0.0, q_norm: torch.Tensor | None = None,

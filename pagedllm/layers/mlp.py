@@ -12,7 +12,8 @@ from pagedllm.layers.weights import WeightSource
 
 class GatedMLP:
     # tensor-parallel split (``distributed.sharding``): gate/up rows by intermediate channel, down's columns
-    TP_SPLIT = {"gate": ("rows", "intermediate"), "up": ("rows", "intermediate"), "down": ("cols", "intermediate")}
+    TP_SPLIT = {"gate": ("rows", "intermediate"), "up": ("rows", "intermediate"), "down": ("cols", "intermediate"),
+                "gate_bias": ("rows", "intermediate"), "up_bias": ("rows", "intermediate"), "down_bias": ("first", "")}
 
     def __init__(self, gate_up, down, act: str) -> None:
         self.gate_up, self.down, self.act = gate_up, down, act

@@ -228,14 +228,15 @@ def _common_form(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
         rep = p.group_size // group
         codes, zeros, offset_form, code_parts = p.codes, p.zeros, p.offset_form, p.code_parts
         if p.bits != bits:  # 4 -> 8: the signed code c = q - code_mid, stored as c + 128; zeros/offsets unchanged
-            if p.table is not None:  # the code's value, table[q] (offset form: code_mid 0)
-                widen = lambda c: (p.table[c.long()].to(torch.int16) + 128).to(torch.uint8)  # noqa: E731
+            if p.table is not None:  # the code's value, table[q] (offset form: code_mid 0), from the codes read whole
+                codes = (p.table[p.materialized().codes.long()].to(torch.int16) + 128).to(torch.uint8)
+                code_parts = None
             else:
                 widen = lambda c: (c.to(torch.int16) - p.code_mid + 128).to(torch.uint8)  # noqa: E731
-            if code_parts is not None and p.code_mid == 0:  # deferred codes c: c + 128 when read
-                code_parts = tuple(widen(c) if isinstance(c, torch.Tensor) else c.widened() for c in code_parts)
-            else:
-                codes, code_parts = widen(p.materialized().codes), None
+                if code_parts is not None and p.code_mid == 0:  # deferred codes c: c + 128 when read
+                    code_parts = tuple(widen(c) if isinstance(c, torch.Tensor) else c.widened() for c in code_parts)
+                else:
+                    codes, code_parts = widen(p.materialized().codes), None
             offset_form = False  # 8-bit zeros are offsets already
         if with_zeros and zeros is None:
             zeros = torch.zeros_like(p.scales, dtype=torch.float32)

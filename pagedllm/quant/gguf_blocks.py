@@ -11,9 +11,10 @@ The forms (``QuantizedWeight`` with ``offset_form``: w = c * scale + offset):
 - 4-bit codes c in [0, 16) with an offset: Q4_0 (offset -8d), Q4_1, Q4_K (blocks of 32), Q2_K and Q3_K (2- and 3-bit
   codes, blocks of 16: Q3_K's signed values as c = q + 4 with offset -4 * scale);
 - signed 8-bit codes: Q8_0, Q5_0 (q - 16), Q5_1 and Q5_K (q in [0, 32) with an offset), Q6_K (q - 32, blocks of 16),
-  IQ4_NL and IQ4_XS (their 16-entry non-linear table of int8 values), MXFP4 (OCP microscaling: E2M1 values doubled to
-  the integers 0, +-1, +-2, +-3, +-4, +-6, +-8, +-12, times half the block's power-of-two E8M0 scale, as ggml keeps
-  them: gpt-oss's experts).
+  IQ4_NL and IQ4_XS (their 16-entry non-linear table of int8 values);
+- 4-bit codes through a table (``QuantizedWeight.table``): MXFP4 (OCP microscaling, gpt-oss's experts: E2M1 values
+  doubled to the integers 0, +-1, +-2, +-3, +-4, +-6, +-8, +-12, times half the block's power-of-two E8M0 scale, as
+  ggml keeps them; stored as value + 16 with the offset -16 x scale).
 Blocks of 16 (``group_size`` 16) run with a scale per half block of 32 in the kernel.
 """
 

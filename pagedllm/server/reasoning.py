@@ -14,7 +14,8 @@ reasoning (``<think>...</think>``) and its answer, whole (``split``) or as it st
   and the next), ``<|return|>`` or ``<|call|>``; the ``analysis`` channel is reasoning, ``final`` (and a
   ``commentary`` preamble) content. A message addressed to a tool (``to=functions.NAME``) goes to the content as
   ``<|channel|>commentary to=functions.NAME<|message|>ARGS``, which ``--tool-call-parser openai`` reads (without it,
-  that text is the content). Text before any header is content.
+  that text is the content; a built-in tool's, ``to=browser...``, stays content). Text before any header is content;
+  an unfinished header at the end (an output cut short) is dropped.
 
 The tags themselves are in neither part; a tag split across two deltas is held back until it is whole (or proves
 not to be a tag). ``make_reasoning_parser`` gives the parser of a name."""
@@ -142,7 +143,9 @@ class HarmonyParser(ReasoningParser):
     def __init__(self, name: str = "openai_gptoss", closed: bool = False) -> None:
         super().__init__("qwen3")  # the state advance() keeps; the routing below is harmony's own
         self.name = name
-        self._route: str | None = None  # inside a message: "reasoning" or "content" (a tool call's too)
+        # inside a message: "reasoning" or "content" (a tool call's too); a prompt that ends with the final channel's
+        # header (``closed``) starts the output inside that message
+        self._route: str | None = "content" if closed else None
 
     def fresh(self, closed: bool = False) -> "HarmonyParser":
         return HarmonyParser(self.name, closed)

@@ -305,6 +305,17 @@ def test_mixed_types_fuse_exactly():
     assert torch.equal(dequantize(fused), torch.cat([reference(r, kind) for r, (kind, _) in zip(raws, parts)]))
 
 
+def test_mxfp4_fuses_exactly():
+    """MXFP4's table codes fused with MXFP4 (gate and up: the table kept, 4-bit) or with another type (widened to
+    8-bit codes of the table's values): the same numbers as the parts."""
+    for parts, bits in (([("MXFP4", 32), ("MXFP4", 16)], 4), ([("MXFP4", 32), ("Q8_0", 16)], 8),
+                        ([("Q4_0", 16), ("MXFP4", 32)], 8)):
+        raws = [random_blocks(kind, rows, 64, seed=i) for i, (kind, rows) in enumerate(parts)]
+        fused = concat([decode(r, kind) for r, (kind, _) in zip(raws, parts)])
+        assert fused.bits == bits and (fused.table is not None) == (bits == 4)
+        assert torch.equal(dequantize(fused), torch.cat([reference(r, kind) for r, (kind, _) in zip(raws, parts)]))
+
+
 # ------------------------------------------------------------------ one tensor of each type through the engine
 # layer 0 and 1's linears and the (tied) embedding, each in another block type (hidden 256: a K-quant super-block)
 TINY_TYPES = {

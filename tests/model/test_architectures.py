@@ -546,3 +546,21 @@ def test_gpt_oss_hf_directory_in_mxfp4(tmp_path, llm):
         assert g.outputs[0].token_ids == want
         for i, lp in enumerate(g.outputs[0].logprobs):
             assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 0.02
+
+
+def test_gpt_oss_gguf_stops_at_return_and_call():
+    """A gpt-oss file's turn ends at <|return|> and a tool call at <|call|> (found by their text, as llama.cpp finds
+    them), not at <|end|>, whatever its eos says; its window, experts and untruncated YaRN come from its keys."""
+    from pagedllm.model.archs import GGUFMeta, gpt_oss
+
+    tokens = ["a", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>"]
+    kv = {"gpt-oss.block_count": 4, "gpt-oss.attention.sliding_window": 128, "gpt-oss.expert_count": 32,
+          "gpt-oss.expert_used_count": 4, "gpt-oss.expert_feed_forward_length": 2880,
+          "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 32.0,
+          "gpt-oss.rope.scaling.original_context_length": 4096, "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.eos_token_id": 4}
+    out = gpt_oss.from_gguf(GGUFMeta("gpt-oss", lambda k, d=None: kv.get(k, d), set(), None))
+    assert out["stop_token_ids"] == (2, 3)
+    assert out["layer_types"] == ("sliding", "full") * 2 and out["sliding_window"] == 128
+    assert (out["num_experts"], out["num_experts_per_tok"], out["moe_intermediate_size"]) == (32, 4, 2880)
+    assert out["rope_scaling"]["truncate"] is False and out["rope_scaling"]["factor"] == 32.0

@@ -50,7 +50,7 @@ def _weights(cfg: ModelArchConfig) -> dict[str, torch.Tensor]:
     shapes = {"embed": (cfg.vocab_size, h), "norm": (h,), "layers.0.input_norm": (h,), "layers.0.post_norm": (h,),
               "layers.0.q": (q, h), "layers.0.k": (kv, h), "layers.0.v": (kv, h), "layers.0.q_bias": (q,),
               "layers.0.k_bias": (kv,), "layers.0.v_bias": (kv,), "layers.0.o": (h, q), "layers.0.gate": (i, h),
-              "layers.0.up": (i, h), "layers.0.down": (h, i)}
+              "layers.0.up": (i, h), "layers.0.down": (h, i), "layers.0.o_bias": (h,), "layers.0.sinks": (cfg.num_heads,)}
     return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
 
 
@@ -79,6 +79,10 @@ def test_shards_reassemble_and_kv_heads_replicate():
             assert torch.equal(cat(name, 0), full[name]), (n, name)
         for name in ("layers.0.o", "layers.0.down"):
             assert torch.equal(cat(name, 1), full[name]), (n, name)
+        # a row-parallel output's bias is added once (rank 0's; the all-reduce sums the ranks); sinks by query head
+        assert torch.equal(sum(s["layers.0.o_bias"] for s in shards), full["layers.0.o_bias"])
+        assert torch.equal(shards[0]["layers.0.o_bias"], full["layers.0.o_bias"])
+        assert torch.equal(cat("layers.0.sinks", 0), full["layers.0.sinks"]), n
         d = cfg.head_dim
         for r, s in enumerate(shards):
             kv_head = r * cfg.num_kv_heads // n if n <= cfg.num_kv_heads else r // (n // cfg.num_kv_heads)

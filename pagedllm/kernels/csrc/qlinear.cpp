@@ -46,7 +46,7 @@ void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_
     TORCH_CHECK(bits == 4 && table->scalar_type() == at::kByte && table->is_contiguous() && table->numel() == 16 &&
                     table->device().is_cpu(), "qlinear: a table is 16 uint8 values, for 4-bit codes");
     tab = table->data_ptr<uint8_t>();
-    for (int i = 0; i < 16; ++i)  // the AVX2 path's vpmaddubsw takes the values as signed bytes' magnitudes
+    for (int i = 0; i < 16; ++i)  // NEON's sdot reads them as signed bytes, vpmaddubsw needs them below 128
       TORCH_CHECK(tab[i] < 128, "qlinear: a table's values must be below 128, got ", int(tab[i]));
   }
   if (implied) {  // a scale per block of 32 (MXFP4's)

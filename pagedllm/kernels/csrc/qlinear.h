@@ -1039,18 +1039,19 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
 template <typename SC> constexpr bool table_scales = false;  // TScales: only 4-bit codes through a table
 template <typename S, int SUB> constexpr bool table_scales<TScales<S, SUB>> = true;
 
-// Calls f with std::integral_constant<int, 4> for 4-bit codes (only with offsets: SC::offsets), else <int, 8>.
-
+// Calls f with std::integral_constant<int, 4> for 4-bit codes (only with offsets: SC::offsets), else <int, 8>;
+// TScales (offsets implied by a table's zero) only with <int, 4> (no 8-bit kernels are built for them).
 template <typename SC, typename F>
 void with_bits(int64_t bits, F&& f) {
   if constexpr (table_scales<SC>) {
     TORCH_CHECK(bits == 4, "qlinear: offsets implied by a table's zero are for 4-bit codes");
-    return f(std::integral_constant<int, 4>{});
+    f(std::integral_constant<int, 4>{});
+  } else {
+    if constexpr (SC::offsets) {
+      if (bits == 4) return f(std::integral_constant<int, 4>{});
+    }
+    f(std::integral_constant<int, 8>{});
   }
-  if constexpr (SC::offsets) {
-    if (bits == 4) return f(std::integral_constant<int, 4>{});
-  }
-  f(std::integral_constant<int, 8>{});
 }
 
 // Runs qlinear_impl for the scales layout `sc` (QScales or KScales) on x's dtype; levels: of the activations (1: 8-bit,

@@ -27,6 +27,13 @@ def from_gguf(meta: GGUFMeta) -> dict:
     if not experts:
         raise ValueError("gpt-oss: the file gives no gpt-oss.expert_count")
     out = _common(int(meta.kv("block_count")), int(meta.kv("attention.sliding_window", 128))) | experts
+    # harmony ends a turn with <|return|> and a tool call with <|call|> (not <|end|>, which ends a message inside it):
+    # stop tokens by their text, as llama.cpp finds them, whatever the file's eos says
+    eos, eot = meta.get("tokenizer.ggml.eos_token_id", None), meta.get("tokenizer.ggml.eot_token_id", None)
+    stops = [eot] + [meta.token_id(t) for t in ("<|return|>", "<|call|>")]
+    stops = list(dict.fromkeys(int(i) for i in stops if i is not None and i != eos))
+    if stops:
+        out["stop_token_ids"] = tuple(stops)
     if meta.kv("rope.scaling.type") == "yarn":  # gpt-oss's blend range is not truncated (transformers' truncate False)
         out["rope_scaling"] = {"rope_type": "yarn", "factor": float(meta.kv("rope.scaling.factor")),
                                "original_max_position_embeddings": int(meta.kv("rope.scaling.original_context_length")),
