@@ -47,8 +47,10 @@ class ReasoningParser:
     keeps_special_tokens = False
 
     def __init__(self, name: str, closed: bool = False) -> None:
-        if name not in REASONING_PARSERS or (name == "openai_gptoss" and type(self) is ReasoningParser):
+        if name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; choose from {REASONING_PARSERS}")
+        if name == "openai_gptoss" and type(self) is ReasoningParser:
+            raise ValueError("openai_gptoss is HarmonyParser's: make_reasoning_parser gives the parser of a name")
         self.name = name
         self.starts_inside = name == "deepseek_r1"  # the template opened <think>
         self._buf = ""  # text not routed yet: a possible tag prefix
