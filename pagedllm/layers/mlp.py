@@ -80,12 +80,6 @@ class MoE:
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
-        if x.shape[0] == 1:  # one row (a lone decode): its k experts in ascending order, with no grouping
-            out = None
-            for slot, e in sorted(enumerate(chosen[0].tolist()), key=lambda se: se[1]):
-                y = self.experts[e](x, ops) * weights[0, slot]
-                out = y if out is None else out.add_(y)
-            return out
         out = torch.zeros_like(x)
         for e in torch.unique(chosen).tolist():
             slot, rows = torch.where((chosen == e).T)  # (k, T) order: by slot, then token, as the reference

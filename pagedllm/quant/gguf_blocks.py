@@ -272,11 +272,14 @@ def e8m0_half(e: np.ndarray) -> np.ndarray:
     return bits.view(np.float32)
 
 
-def _mxfp4_scales(e: np.ndarray) -> np.ndarray:
+def _mxfp4_weight(rows: int, codes: np.ndarray, e: np.ndarray) -> QuantizedWeight:
+    """MXFP4 codes (E2M1 indices, in element order) and E8M0 scales as 4-bit codes through ``MXFP4_TABLE``: half the
+    scale, offset -16 times it."""
     if e.size and int(e.max()) > MXFP4_MAX_E8M0:
         raise ValueError(f"MXFP4 block scale 2^{int(e.max()) - 127} is out of range: (value + 16) * scale "
                          f"would overflow float32 (scales up to 2^{MXFP4_MAX_E8M0 - 127} are read)")
-    return e8m0_half(e)
+    d = e8m0_half(e)
+    return dataclasses.replace(_weight(rows, codes, d, -MXFP4_SHIFT * d, 4, 32), table=MXFP4_TABLE)
 
 
 def mxfp4_ocp(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
@@ -286,17 +289,14 @@ def mxfp4_ocp(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
     rows = blocks.shape[0]
     b = blocks.reshape(rows, -1, 16).numpy()
     codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(rows, -1)  # elements 2j, 2j + 1
-    d = _mxfp4_scales(scales.reshape(rows, -1).numpy())
-    return dataclasses.replace(_weight(rows, codes, d, -MXFP4_SHIFT * d, 4, 32), table=MXFP4_TABLE)
+    return _mxfp4_weight(rows, codes, scales.reshape(rows, -1).numpy())
 
 
 def mxfp4(data: np.ndarray) -> QuantizedWeight:
     """4-bit codes (the file's nibbles) through ``MXFP4_TABLE``, half the E8M0 scale, offset -16 times it: half a
     byte per weight in the kernels, as in the file."""
     rows, b = _blocks(data, 17)
-    d = _mxfp4_scales(b[:, 0])
-    qw = _weight(rows, _nibbles(b[:, 1:]), d, -MXFP4_SHIFT * d, 4, 32)
-    return dataclasses.replace(qw, table=MXFP4_TABLE)
+    return _mxfp4_weight(rows, _nibbles(b[:, 1:]), b[:, 0])
 
 
 # GGUF type name -> decoder of a tensor's raw block rows
