@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pagedllm.config import EngineConfig, resolve_model_path
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.engine.tokenizer import import_tokenizer_library, load_tokenizer
 from pagedllm.outputs import IterationStats, KVCacheSpec, RequestOutput, SchedulerStats
 from pagedllm.sample.structured import StructuredOutputs
 from pagedllm.sampling_params import SamplingParams
@@ -40,6 +40,7 @@ class LLMEngine:
         self.config = config
         # the tokenizer loads on a thread while the weights do (a first start builds it from a GGUF file's
         # vocabulary and saves it: about a second for 150k tokens, in a start-up of five)
+        import_tokenizer_library()
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, resolve_model_path(config.model.model))
             runner = ModelRunner(config)

@@ -125,6 +125,15 @@ def _word_piece_from_gguf(f: GGUFFile):
                              mask_token=name.get("mask", "[MASK]"))
 
 
+def import_tokenizer_library() -> None:
+    """Import transformers on the calling thread, before ``load_tokenizer`` runs on another. Imports on two threads
+    at once can meet half-initialised modules (Python breaks a cycle of import locks by handing one thread the
+    partial module): starts failed with "cannot import name 'version' from 'packaging'" or "No module named 'regex'"
+    while the weights loaded beside the tokenizer. transformers' top level is ~0.5 s; its tokenizer modules load
+    lazily, on the tokenizer's thread."""
+    import transformers  # noqa: F401
+
+
 def load_tokenizer(model_path: str):
     """A GGUF file carries its own vocabulary, merges and chat template; a directory has tokenizer files."""
     import transformers

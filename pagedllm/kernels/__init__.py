@@ -91,7 +91,8 @@ def can_run(march: str) -> bool:
 
 # the predefined macros that choose the kernels' vector paths (``#if defined(...)`` in csrc/)
 PATH_MACROS = ("__AVX2__", "__FMA__", "__F16C__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__",
-               "__AVX512BF16__", "__AMX_TILE__", "__AMX_INT8__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")
+               "__AVX512BF16__", "__AVX512VBMI__", "__AMX_TILE__", "__AMX_INT8__", "__AMX_BF16__", "__ARM_NEON",
+               "__ARM_FEATURE_DOTPROD")
 
 
 def path_macros(march: str) -> frozenset[str]:
@@ -173,18 +174,21 @@ def _build_lock(name: str):
 
 def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None = None, openmp: bool = True) -> Path:
     """Compiles the kernels for ``-march=march`` to one object file without loading it, with the flags of
-    ``build``: for a level this CPU cannot execute (loading that build runs its instructions in the module's
-    start-up code: SIGILL). ``cxx``: another compiler command (default ``$CXX`` or ``c++``), e.g. a cross compiler
-    for another architecture, whose target then comes with it (``march`` None); ``openmp`` False drops ``-fopenmp``
-    for a compiler without OpenMP (the kernels' ``omp simd`` pragmas are hints; their threads come from ATen).
-    The sources compile as one unit (a file that includes each): one process parses the headers once, where the
-    callers already run one compile per target side by side. Raises RuntimeError with the compiler's output on a
-    failed build."""
+    ``build`` but its optimisation level: for a level this CPU cannot execute (loading that build runs its
+    instructions in the module's start-up code: SIGILL). ``cxx``: another compiler command (default ``$CXX`` or
+    ``c++``), e.g. a cross compiler for another architecture, whose target then comes with it (``march`` None);
+    ``openmp`` False drops ``-fopenmp`` for a compiler without OpenMP (the kernels' ``omp simd`` pragmas are hints;
+    their threads come from ATen). The sources compile as one unit (a file that includes each): one process parses
+    the headers once, where the callers already run one compile per target side by side. Raises RuntimeError with
+    the compiler's output on a failed build. At -O1, not -O3: the object is checked, never run, and the target's
+    instructions and intrinsics are checked at any level (an intrinsic's immediate argument even more strictly, no
+    loop being unrolled into constants), in a third of the time (67 -> 22 s for sapphirerapids on 2 cores)."""
     from torch.utils.cpp_extension import include_paths
 
     unit = _unity(Path(out_dir), march or (cxx[-1] if cxx else "default"))  # a cross compiler's target ends cxx
     obj = unit.with_suffix(".o")
-    cflags = [f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + ([f"-march={march}"] if march else [])
+    cflags = ["-O1" if f == "-O3" else f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + (
+        [f"-march={march}"] if march else [])
     cmd = [*(cxx or [os.environ.get("CXX", "c++")]), *cflags, "-std=c++20", "-fPIC",
            "-DTORCH_EXTENSION_NAME=pagedllm_cpu_ops", "-DTORCH_API_INCLUDE_EXTENSION_H",
            *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]), "-c", str(unit), "-o", str(obj)]

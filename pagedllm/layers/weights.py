@@ -4,7 +4,7 @@ as the model's build settings say (quantization policy, block kernels, dense cop
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,9 @@ class LinearBuild:
     float linear weights in this dtype (bfloat16 under float32 activations: the GEMMs in bfloat16; the embedding and
     head keep the model's dtype). The block kernels' linears take ``act_bits`` (8: one int8 level per block of 32
     activations; 16: two) and, in the layers (not the LM head), ``large_step_min_tokens`` (> 0: steps of at least
-    that many rows run on bfloat16 stripes of the weights, ``BlockQuantLinear._stripes``)."""
+    that many rows run on bfloat16 stripes of the weights, ``BlockQuantLinear._stripes``) and ``mid_step_min_rows``
+    (by the weights' code bits: smaller steps of at least that many rows run the kernels' bfloat16 tiles, the same
+    numerics)."""
 
     quant: QuantPolicy | None = None
     block_ops: object = None
@@ -36,6 +38,8 @@ class LinearBuild:
     linear_dtype: torch.dtype | None = None
     act_bits: int = 16  # 8 or 16 (``--activation-bits``, checked where the flag is read)
     large_step_min_tokens: int = 0
+    # code bits -> rows from which a layer's smaller steps (below large_step_min_tokens) run on bfloat16 tiles
+    mid_step_min_rows: dict[int, int] = field(default_factory=dict)
 
 
 class WeightSource:
@@ -88,4 +92,5 @@ class WeightSource:
             lin.act_levels = 1 if b.act_bits == 8 else 2
             if layer:  # (a step's head computes a few rows: it keeps its blocks)
                 lin.bf16_min_tokens = b.large_step_min_tokens
+                lin.bf16_tile_min_rows = b.mid_step_min_rows.get(lin.bits, 0)
         return lin

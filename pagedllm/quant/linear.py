@@ -223,6 +223,9 @@ class BlockQuantLinear(_Packed):
         self.act_levels = 2
         # steps of at least this many rows run on bfloat16 stripes of the weights (``_stripes``); 0: never
         self.bf16_min_tokens = 0
+        # steps of at least this many rows (and below bf16_min_tokens) run qlinear's bfloat16 tiles (levels 0: the
+        # weights decoded to bfloat16 inside the kernel, AMX-BF16); 0: never
+        self.bf16_tile_min_rows = 0
 
     def weight_bf16(self, g0: int, g1: int) -> torch.Tensor:
         """Weight rows ``8 g0 .. min(8 g1, N) - 1`` decoded to bfloat16 by the kernels: (rows, K)."""
@@ -273,11 +276,14 @@ class BlockQuantLinear(_Packed):
             x = x * self.input_scale.to(x.dtype)
         if self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens:
             return self._stripes(x)
+        levels = self.act_levels
+        if self.bf16_tile_min_rows and x.shape[0] >= self.bf16_tile_min_rows and self.ops.bf16_tiles():
+            levels = 0  # the same numerics as the stripes: bfloat16 weights and activations, float32 sums
         if self.super_scales is not None:
             return self.ops.qlinear_k(x.contiguous(), self.codes, self.scales, self.offsets, self.super_scales,
-                                      self.super_offsets, self.bits, self.out_features, self.act_levels)
+                                      self.super_offsets, self.bits, self.out_features, levels)
         return self.ops.qlinear(x.contiguous(), self.codes, self.scales, self.offsets, self.bits, self.out_features,
-                                self.act_levels, self.table, self.table_zero)
+                                levels, self.table, self.table_zero)
 
     def _rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Float32 weight rows ``ids`` (all rows when None), decoded from the interleaved layout."""

@@ -168,8 +168,12 @@ class ModelRunner:
             logger.info("activations: %d-bit per block of 32 (%s)", plan.activation_bits,
                         plan.reasons["activation_bits"])
         if plan.large_step_weights is not None:
-            logger.info("steps of %d+ rows: %s (%s)", BF16_STEP_MIN_TOKENS, "bfloat16 weight stripes" if
+            big = plan.build.large_step_min_tokens or BF16_STEP_MIN_TOKENS
+            logger.info("steps of %d+ rows: %s (%s)", big, "bfloat16 weight stripes" if
                         plan.large_step_weights == "bf16" else "the block kernels", plan.reasons["large_step_weights"])
+            for bits, rows in sorted(plan.build.mid_step_min_rows.items()):
+                logger.info("steps of %d-%d rows, %d-bit codes: the kernels' bfloat16 tiles (AMX-BF16, the same "
+                            "numerics as the stripes)", rows, big - 1, bits)
         if self.tp is not None and rank == 0:
             logger.info("tensor parallelism: %d ranks, weights per rank %s MiB (%.1f MiB in all), KV cache per rank "
                         "%d heads of %d", self.tp.world_size,
@@ -188,6 +192,9 @@ class ModelRunner:
             d["activation_bits"] = p.activation_bits
         if p.large_step_weights is not None:
             d["large_step_weights"] = p.large_step_weights
+        if p.build.mid_step_min_rows:  # code bits -> steps from this many rows (below the large ones) on bf16 tiles
+            d["bf16_tile_min_rows"] = {str(b): r for b, r in sorted(p.build.mid_step_min_rows.items())}
+            d["large_step_min_rows"] = p.build.large_step_min_tokens
         d["why"] = {k: v for k, v in p.reasons.items() if k in d}
         if p.weight_plan is not None:
             d["weight_plan"] = plan_summary(p.weight_plan)

@@ -29,6 +29,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # rows from which a step runs the layers on bfloat16 weight stripes (--large-step-weights bf16): on a CPU with AMX
 # the stripes beat the block kernels from 128-256 rows on the 1.5B's shapes (docs/benchmarks.md)
 BF16_STEP_MIN_TOKENS = 256
+# Where the kernels have AMX-BF16 tiles (qlinear levels 0: the weights decoded to bfloat16 inside the kernel, the
+# same numerics as the stripes, under the same verdict), steps from BF16_TILE_MIN_ROWS rows (by the weights' code
+# bits) run on them and the stripes wait for BF16_TILES_STEP_MIN_TOKENS rows. Below those rows the int8 tiles' float
+# step per block and row costs less than decoding each weight; above them oneDNN's GEMM on decoded stripes, which
+# keeps the activations in cache, wins (the 1.5B's layers, Sapphire Rapids: docs/benchmarks.md)
+BF16_TILE_MIN_ROWS = {4: 64, 8: 32}
+BF16_TILES_STEP_MIN_TOKENS = 1024
 
 
 def choose_device(requested: str) -> torch.device:
@@ -141,7 +148,10 @@ def load_and_plan(config: EngineConfig, path: str, device: torch.device, ops) ->
     bits, reasons["activation_bits"] = activation_bits(c.activation_bits, path,
                                                        k_quant_layers(weights, build.block_ops, device))
     large, reasons["large_step_weights"] = large_step_weights(c.large_step_weights, path, bits)
-    build.act_bits, build.large_step_min_tokens = bits, BF16_STEP_MIN_TOKENS if large == "bf16" else 0
+    tiles = large == "bf16" and build.block_ops is not None and build.block_ops.bf16_tiles()
+    build.act_bits, build.mid_step_min_rows = bits, BF16_TILE_MIN_ROWS if tiles else {}
+    build.large_step_min_tokens = (0 if large != "bf16" else BF16_TILES_STEP_MIN_TOKENS if tiles
+                                   else BF16_STEP_MIN_TOKENS)
     if block_weights(weights, build.block_ops, device):
         plan.activation_bits = bits
     if block_weights(weights, build.block_ops, device, layers_only=True):

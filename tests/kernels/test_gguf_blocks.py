@@ -463,6 +463,45 @@ def test_bf16_stripes_decode_the_file_values_and_multiply_them(kind, monkeypatch
     assert ((small.double() - exact).abs() <= 2e-4 * scale[:39] + 1e-6).all()  # the block kernels' precision
 
 
+@pytest.mark.parametrize("kind", sorted(DECODERS))
+def test_bf16_tiles_multiply_the_decoded_values(kind):
+    """``qlinear`` levels 0 (``bf16_tile_min_rows``, AMX-BF16): the weights decoded to bfloat16 inside the kernel
+    (the values ``qweight_bf16`` gives) times the bfloat16-rounded activations, summed in float32: x W^T to float32
+    rounding for any rows (tails of a 16-row tile, a partial chunk of groups and a partial group, bfloat16
+    activations). A row's result does not depend on the other rows of its step; below the threshold the block
+    kernels run. Off where the build lacks AMX-BF16 or the OS did not grant the tiles."""
+    from pagedllm.kernels import cpu_info, cpu_ops
+    from pagedllm.quant.linear import BlockQuantLinear
+
+    ops = cpu_ops()
+    n, k = 44, 768
+    raw = random_blocks(kind, n, k, seed=2)
+    w = reference(raw, kind)
+    lin = BlockQuantLinear(decode(raw, kind), None, torch.device("cpu"), torch.float32, ops)
+    assert not ops.bf16_tiles() or {"amx_bf16", "amx_tile"} <= cpu_info()[1]
+    if not ops.bf16_tiles():
+        with pytest.raises(RuntimeError, match="AMX-BF16"):
+            ops.qlinear(torch.zeros(16, 64), torch.zeros(1, 256, dtype=torch.uint8), torch.zeros(1, 16),
+                        torch.zeros(1, 16), 4, 8, 0)
+        pytest.skip("this CPU or build has no AMX-BF16 tiles (checked: qlinear refuses levels 0)")
+    lin.bf16_tile_min_rows = 16
+    torch.manual_seed(0)
+    wb = w.bfloat16().double()
+    for m, dtype in ((16, torch.float32), (17, torch.float32), (32, torch.float32), (40, torch.float32),
+                     (100, torch.float32), (33, torch.bfloat16)):
+        x = torch.randn(m, k, dtype=dtype)
+        y = lin(x)
+        ref = x.bfloat16().double() @ wb.T
+        scale = x.abs().double() @ w.abs().double().T
+        tol = 4e-3 if dtype == torch.bfloat16 else 1e-5  # bf16 output rounding, else float32 sums
+        assert ((y.double() - ref).abs() <= tol * scale + 1e-6).all(), (kind, m, dtype)
+        assert torch.equal(lin(x[:16]), y[:16]), (kind, m)  # rows independent of the step's other rows
+    x = torch.randn(15, k)
+    exact = x.double() @ w.double().T
+    scale = x.abs().double() @ w.abs().double().T
+    assert ((lin(x).double() - exact).abs() <= 2e-4 * scale + 1e-6).all()  # under 16 rows: the block kernels
+
+
 def test_bf16_stripes_of_a_gated_mlp():
     """``BlockQuantLinear.gated``: down(act(gate) * up) of a fused gate/up projection on bfloat16 stripes (gate and
     up rows decoded together, the product kept in bf16) matches the float64 product of the file's numbers at bf16
@@ -491,6 +530,45 @@ def test_bf16_stripes_of_a_gated_mlp():
     assert gate_up.gated(x, ops.silu_and_mul, down) is None
 
 
+def test_bf16_tiles_through_the_engine(tiny_gguf, monkeypatch):
+    """With bf16 large steps and a kernel build with AMX-BF16 tiles, the layers' linears run steps from
+    ``BF16_TILE_MIN_ROWS`` rows (by code bits) on qlinear's bfloat16 tiles and the stripes start at
+    ``BF16_TILES_STEP_MIN_TOKENS``; /health's runtime says so; a 100-token prompt's greedy tokens follow the float32
+    path's (logprobs within 0.05). Without the tiles the layers keep the stripes from 256 rows and no tiles."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.worker import plan as runtime_plan
+    from pagedllm.worker.autotune import WeightPlan
+
+    monkeypatch.setattr(runtime_plan, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    prompt = {"prompt_token_ids": [(i * 37) % 5000 + 10 for i in range(100)]}
+    ref = LLM(model=tiny_gguf, dtype="float32", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)
+    llm = LLM(model=tiny_gguf, enable_prefix_caching=False, kv_cache_dtype="float32", large_step_weights="bf16")
+    tiles = cpu_ops().bf16_tiles()
+    layers = {n: lin for n, lin in model_of(llm).linears().items() if n.startswith("layers.")}
+    head = model_of(llm).linears()["lm_head"] if "lm_head" in model_of(llm).linears() else None
+    assert getattr(head, "bf16_tile_min_rows", 0) == 0  # the head's few rows keep their blocks
+    for lin in layers.values():
+        assert lin.bf16_tile_min_rows == (runtime_plan.BF16_TILE_MIN_ROWS[lin.bits] if tiles else 0)
+        assert lin.bf16_min_tokens == (runtime_plan.BF16_TILES_STEP_MIN_TOKENS if tiles else 256)
+    rt = llm.engine.runtime
+    assert ("bf16_tile_min_rows" in rt) == tiles
+    levels = []  # (rows, levels) of each kernel call: levels 0 are the bfloat16 tiles
+    ops = cpu_ops()
+    for name, at in (("qlinear", 5), ("qlinear_k", 7)):  # levels' position after x
+        monkeypatch.setattr(ops, name, lambda x, *a, _f=getattr(ops, name), _at=at: levels.append((len(x), a[_at]))
+                            or _f(x, *a))
+    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert {lv for m, lv in levels if m == 100} == ({0} if tiles else {2})  # the prompt's step: tiles (or blocks)
+    assert {lv for m, lv in levels if m == 1} == {2}  # decode rows: the int8 blocks
+    r = ref[0].outputs[0]
+    for i, (a, b) in enumerate(zip(got.token_ids, r.token_ids)):
+        assert abs(got.logprobs[i].logprob - r.logprobs[i].logprob) < 0.05
+        if a != b:
+            break
+
+
 def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
     """``--large-step-weights bf16``: the layers' linears (not the LM head) take steps of 256+ rows on bfloat16
     stripes, and a 300-token prompt's greedy tokens follow the float32 path's (logprobs within 0.05); auto takes
@@ -502,6 +580,8 @@ def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
     from pagedllm.worker.autotune import WeightPlan
 
     monkeypatch.setattr(runtime_plan, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
+    # with AMX-BF16 tiles the stripes start later (BF16_TILES_STEP_MIN_TOKENS): the same rows here on every CPU
+    monkeypatch.setattr(runtime_plan, "BF16_TILES_STEP_MIN_TOKENS", runtime_plan.BF16_STEP_MIN_TOKENS)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     prompt = {"prompt_token_ids": [(i * 37) % 5000 + 10 for i in range(300)]}
     ref = LLM(model=tiny_gguf, dtype="float32", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)

@@ -161,9 +161,11 @@ def _agreement(got, ref, logprob_tol: float, tie: float) -> int:
 
 def test_default_engine_runs_the_plan_close_to_float32(llm_nocache):
     """LLM() on CPU: the measured plan and a bfloat16 KV cache, named in its runtime description. Its greedy
-    tokens follow the float32 reference on the same weights: with a float32 KV cache only the ~15-bit rounding of
-    activations differs (logprobs within 0.01); the default bfloat16 cache adds a 9-bit rounding of cached K/V
-    (within 0.05; ``pagedllm eval`` gates its quality, docs/benchmarks.md)."""
+    tokens follow the float32 reference on the same weights: with a float32 KV cache and the block kernels at every
+    step size only the ~15-bit rounding of activations differs (logprobs within 0.01); the default bfloat16 cache
+    adds a 9-bit rounding of cached K/V (within 0.05), and where AMX-BF16 tiles run the prompt steps, their bfloat16
+    activations a 9-bit rounding more (within 0.15; ``pagedllm eval`` gates the quality of both,
+    docs/benchmarks.md)."""
     from conftest import PROMPTS
     from pagedllm import LLM, SamplingParams
 
@@ -182,8 +184,9 @@ def test_default_engine_runs_the_plan_close_to_float32(llm_nocache):
                for lin in lins.values())
     got = auto.generate(PROMPTS, sp, use_tqdm=False)
     del auto
-    assert _agreement(got, ref, 0.05, 0.1) >= len(PROMPTS) * 16 * 3 // 4  # most tokens agree before any tie
-    f32kv = LLM(enable_prefix_caching=False, kv_cache_dtype="float32")
+    tol = (0.15, 0.3) if "bf16_tile_min_rows" in rt else (0.05, 0.1)
+    assert _agreement(got, ref, *tol) >= len(PROMPTS) * 16 * 3 // 4  # most tokens agree before any tie
+    f32kv = LLM(enable_prefix_caching=False, kv_cache_dtype="float32", large_step_weights="blocks")
     assert f32kv.engine.runtime["kv_cache_dtype"] == "float32"
     got32 = f32kv.generate(PROMPTS, sp, use_tqdm=False)
     assert _agreement(got32, ref, 0.01, 0.02) >= len(PROMPTS) * 16 * 3 // 4

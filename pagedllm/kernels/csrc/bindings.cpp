@@ -49,7 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_oai_and_mul", &swiglu_oai_and_mul, "gpt-oss's clamped SwiGLU: min(gate, 7) * sigmoid(1.702 min(gate, "
         "7)) * (clamp(up, -7, 7) + 1)", nogil);
   m.def("qlinear", &qlinear, "x W^T with W in blocks of 32 (4-bit or 8-bit codes, scale + offset per block); levels "
-        "of the activations: 2 (~15 bits) or 1 (8 bits); table: the 16 values 4-bit codes stand for (MXFP4), with m "
+        "of the activations: 2 (~15 bits), 1 (8 bits) or 0 (bfloat16, the weights decoded to bfloat16 tiles: "
+        "bf16_tiles()); table: the 16 values 4-bit codes stand for (MXFP4), with m "
         "empty and table_zero > 0 each offset is -table_zero * d", py::arg("x"), py::arg("w"), py::arg("d"),
         py::arg("m"), py::arg("bits"), py::arg("N"), py::arg("levels") = 2, py::arg("table") = py::none(),
         py::arg("table_zero") = 0, nogil);
@@ -92,6 +93,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "rows of codes or of raw GGUF blocks (decoded a group of 8 rows at a time, no copy of the tensor), one part "
         "after another, into qlinear's interleaved layout", py::arg("parts"), py::arg("bits"), py::arg("K"));
   m.def("isa", &isa, "the instruction set this build's vector paths use");
+  m.def("bf16_tiles", &bf16_tiles_enabled, "whether qlinear's levels 0 (weights decoded to bfloat16 in AMX-BF16 tiles, "
+        "bfloat16 activations) runs here: built for AMX-BF16, granted, and AMX not turned off");
   m.def("set_qlinear_amx", &set_qlinear_amx, "qlinear on AMX tiles where built and granted (True) or not; returns "
         "whether it now runs on them", py::arg("on"));
 }

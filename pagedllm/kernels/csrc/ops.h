@@ -43,6 +43,7 @@ struct CodeSource { const uint8_t* data; int64_t nbytes; BlockType type; int64_t
 at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_t K);
 std::string isa();
 bool amx_enabled();
+bool bf16_tiles_enabled();
 bool set_qlinear_amx(bool on);
 
 }  // namespace pagedllm

@@ -20,6 +20,14 @@ bool amx_granted() {
 
 bool amx_enabled() { return amx_wanted.load(std::memory_order_relaxed) && amx_granted(); }
 
+bool bf16_tiles_enabled() {
+#if defined(PAGEDLLM_QAMX_BF16)
+  return amx_enabled();
+#else
+  return false;
+#endif
+}
+
 bool set_qlinear_amx(bool on) {
   amx_wanted.store(on);
   return amx_enabled();

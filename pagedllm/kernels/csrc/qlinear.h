@@ -4,6 +4,10 @@
 
 #include "common.h"
 
+namespace pagedllm {
+bool bf16_tiles_enabled();  // qlinear.cpp: qlinear's levels 0 (bfloat16 tiles) can run here
+}
+
 namespace {
 
 // ------------------------------------------------------------------ block-quantized linear (GGUF-style weights)
@@ -1055,16 +1059,24 @@ void with_bits(int64_t bits, F&& f) {
 }
 
 // Runs qlinear_impl for the scales layout `sc` (QScales or KScales) on x's dtype; levels: of the activations (1: 8-bit,
-// 2: ~15-bit, see QuantizedRows).
+// 2: ~15-bit, see QuantizedRows; 0: bfloat16, on the bfloat16 tiles, qlinear_amx.h).
 template <typename SC>
 void qlinear_run(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t N, const SC& sc, at::Tensor& y,
                  int64_t levels) {
-  TORCH_CHECK(levels == 1 || levels == 2, "qlinear: activation levels must be 1 (8-bit) or 2, got ", levels);
+  TORCH_CHECK(levels == 0 || levels == 1 || levels == 2,
+              "qlinear: activation levels must be 0 (bfloat16 tiles), 1 (8-bit) or 2, got ", levels);
+  TORCH_CHECK(levels != 0 || pagedllm::bf16_tiles_enabled(),
+              "qlinear: levels 0 (bfloat16 tiles) needs AMX-BF16, built in and granted (see bf16_tiles())");
   const int64_t M = x.size(0), K = x.size(1);
   const int lv = static_cast<int>(levels);
   dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
     using T = decltype(tag);
     with_bits<SC>(bits, [&](auto bits_tag) {
+#if defined(PAGEDLLM_QAMX_BF16)
+      if (lv == 0)
+        return qlinear_bf16_tiles<decltype(bits_tag)::value, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N,
+                                                                y.data_ptr<T>());
+#endif
       qlinear_impl<decltype(bits_tag)::value, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>(),
                                                  lv);
     });

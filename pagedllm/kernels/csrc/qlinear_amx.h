@@ -168,6 +168,162 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
     for (int64_t g = g0; g < g1; ++g) store_group(y + r * N, N, 8 * g, acc[r - r0] + 8 * (g - g0));
 }
 
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define PAGEDLLM_QAMX_BF16 1
+// ------------------------------------------------------------------ bfloat16 tiles (levels 0)
+// Mid-size steps (decode batches, short prefills): the weights decoded to bfloat16 straight into the B tiles, the
+// activations rounded to bfloat16, and tdpbf16ps summing in float32 over all of K inside the C tiles. The int8
+// tiles above pay a float step per block of 32 for every row (the block's scale times its integer sums); here the
+// scales are applied once per weight while it is decoded, a cost shared by every row of the step, so from a few
+// dozen rows this path does more of its work in the tile unit. The values are qweight_bf16's (per block d*u + m
+// in float32, the product then the offset, rounded to nearest even): the numerics of the bfloat16 stripes
+// (--large-step-weights bf16: bfloat16 weights and activations, float32 sums), summed in another order.
+//
+// B tile layout (tdpbf16ps): row p holds, for each of its 16 weight rows, the bfloat16 pair of inputs 2p, 2p + 1.
+// A unit i of the interleaved layout (inputs 4i..4i+3 of 8 rows, qlinear.h) gives B rows 2i and 2i + 1.
+inline void amx_configure_bf16() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {  // 0, 1: A (16 rows x 32 inputs); 2, 3: B (16 pairs x 16 weight rows); 4-7: C
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Block b of the chunk's 4 groups gs (32 weight rows), decoded into its two B tiles bt[0], bt[1] (16 x 32 bfloat16).
+template <int BITS, typename SC>
+inline void decode_block_bf16(const uint8_t* w, const SC& sc, const int64_t (&gs)[4], int64_t gstride, int64_t b,
+                              uint16_t (*bt)[16][32]) {
+  constexpr int64_t gbytes = BITS * 32;
+  constexpr int SUB = SC::sub;
+  // byte o of a reordered unit: quarter o / 16 (rows 0-7 / 8-15 of inputs 0, 1, then of inputs 2, 3), row pair
+  // (o % 16) / 2, input o % 2: source byte 4 * row + k
+  alignas(64) static const uint8_t order_bytes[64] = {
+      0,  1,  4,  5,  8,  9,  12, 13, 16, 17, 20, 21, 24, 25, 28, 29,   // rows 0-7, inputs 0, 1
+      32, 33, 36, 37, 40, 41, 44, 45, 48, 49, 52, 53, 56, 57, 60, 61,   // rows 8-15
+      2,  3,  6,  7,  10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31,   // rows 0-7, inputs 2, 3
+      34, 35, 38, 39, 42, 43, 46, 47, 50, 51, 54, 55, 58, 59, 62, 63};  // rows 8-15
+  const __m512i order = _mm512_load_si512(order_bytes);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const bool tab = sc.table != nullptr;
+  const __m512i tbl = table512(sc.table);
+  for (int t = 0; t < 2; ++t) {
+    // d and m of the tile's 16 weight rows; each row's value in 2 lanes: rows 0-7 (dv[h][0]), rows 8-15 ([1])
+    __m512 dq[SUB][2], mq[SUB][2];
+    for (int h = 0; h < SUB; ++h) {
+      const __m512 dv = load_pair(sc.dp(gs[2 * t], b, h), sc.dp(gs[2 * t + 1], b, h));
+      const __m512 mv = SC::offsets ? load_pair(sc.mp(gs[2 * t], b, h), sc.mp(gs[2 * t + 1], b, h))
+                                    : _mm512_setzero_ps();
+      for (int q = 0; q < 2; ++q) {
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(8 * q),
+                                             _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+        dq[h][q] = _mm512_permutexvar_ps(idx, dv);
+        mq[h][q] = _mm512_permutexvar_ps(idx, mv);
+      }
+    }
+    // one unit: 64 codes, byte 4 * row + k (k < 4), reordered so that each 16 bytes are one B row's half: rows 0-7
+    // then 8-15 of inputs k 0, 1 (B row 2u), then of k 2, 3 (row 2u + 1); each 16 widen to floats (from memory: no
+    // lane extracts), times d plus m, and two halves round to one B row of bfloat16 pairs
+    alignas(64) uint8_t cb[64];
+    auto unit = [&](__m512i codes, int u, int h) {
+      _mm512_store_si512(cb, _mm512_permutexvar_epi8(order, codes));
+      __m512 v[4];
+      for (int q = 0; q < 4; ++q) {
+        const __m128i part = _mm_load_si128(reinterpret_cast<const __m128i*>(cb + 16 * q));
+        const __m512i c = BITS == 8 ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part);
+        v[q] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), dq[h][q & 1]), mq[h][q & 1]);
+      }
+      _mm512_store_si512(bt[t][2 * u], (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+      _mm512_store_si512(bt[t][2 * u + 1], (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]));
+    };
+    const uint8_t* wa = w + gs[2 * t] * gstride + b * gbytes;
+    const uint8_t* wb = w + gs[2 * t + 1] * gstride + b * gbytes;
+    if constexpr (BITS == 4) {
+      for (int i = 0; i < 4; ++i) {  // low nibbles: unit i; high: unit 4 + i
+        const __m512i v = load_pair(wa + 32 * i, wb + 32 * i);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (tab) {
+          lo = _mm512_shuffle_epi8(tbl, lo);
+          hi = _mm512_shuffle_epi8(tbl, hi);
+        }
+        unit(lo, i, 0);
+        unit(hi, 4 + i, SUB - 1);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) unit(load_pair(wa + 32 * i, wb + 32 * i), i, SUB == 2 && i >= 4);
+    }
+  }
+}
+
+// y (M, N) = x W^T on bfloat16 tiles. Threads claim chunks of 32 weight rows; a chunk's blocks are decoded once
+// (2 KiB each, held per thread) and then every 32 rows of the step run against them, the C tiles summing all of K.
+template <int BITS, typename T, typename SC>
+void qlinear_bf16_tiles(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y) {
+  const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32, Mp = (M + 15) / 16 * 16;
+  std::vector<at::BFloat16> xb(Mp * K);  // rows past M stay zero (whole A tiles)
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        std::memcpy(xb.data() + r * K, x + r * K, K * sizeof(T));
+      } else {
+        for (int64_t k = 0; k < K; k += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + r * K + k),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * K + k)));
+      }
+    }
+  });
+  for (int64_t r = M; r < Mp; ++r) std::memset(xb.data() + r * K, 0, K * sizeof(at::BFloat16));
+  const int64_t chunks = (NG + 3) / 4, astride = K * static_cast<int64_t>(sizeof(at::BFloat16));
+  parallel_claims(chunks, 1, [&](int64_t c0, int64_t c1) {
+    amx_configure_bf16();
+    thread_local std::vector<uint16_t> buf;  // the chunk's B tiles: (nb, 2, 16, 32), kept between calls
+    buf.resize(nb * 2 * 16 * 32 + 32);
+    auto* bt = reinterpret_cast<uint16_t(*)[2][16][32]>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
+                                                         ~uintptr_t(63));
+    alignas(64) float c[4][16][16];
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      int64_t gs[4];
+      for (int j = 0; j < 4; ++j) gs[j] = std::min(4 * ch + j, NG - 1);
+      for (int64_t b = 0; b < nb; ++b) decode_block_bf16<BITS>(w, sc, gs, gstride, b, bt[b]);
+      const int64_t n0 = 32 * ch;
+      for (int64_t rt = 0; rt < Mp; rt += 32) {
+        const bool two = rt + 16 < Mp;
+        const char* a0 = reinterpret_cast<const char*>(xb.data() + rt * K);
+        const char* a1 = a0 + 16 * astride;
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t b = 0; b < nb; ++b) {
+          _tile_loadd(2, bt[b][0], 64);
+          _tile_loadd(3, bt[b][1], 64);
+          _tile_loadd(0, a0 + b * QB * 2, astride);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_dpbf16ps(5, 0, 3);
+          if (two) {
+            _tile_loadd(1, a1 + b * QB * 2, astride);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+          }
+        }
+        _tile_stored(4, c[0], 64);
+        _tile_stored(5, c[1], 64);
+        _tile_stored(6, c[2], 64);
+        _tile_stored(7, c[3], 64);
+        for (int half = 0; half < (two ? 2 : 1); ++half)
+          for (int i = 0; i < 16 && rt + 16 * half + i < M; ++i) {
+            T* yr = y + (rt + 16 * half + i) * N;
+            for (int t = 0; t < 2; ++t) {
+              const int64_t nt = n0 + 16 * t, cols = std::min<int64_t>(16, N - nt);
+              if (cols > 0) store_row(c[2 * half + t][i], yr + nt, cols);
+            }
+          }
+      }
+    }
+  });
+}
+#endif
+
 #undef PAGEDLLM_AMX_ISSUE
 #undef PAGEDLLM_AMX_STORE
 
