@@ -208,7 +208,7 @@ inline void decode_block_bf16(const uint8_t* w, const SC& sc, const int64_t (&gs
   const bool tab = sc.table != nullptr;
   const __m512i tbl = table512(sc.table);
   for (int t = 0; t < 2; ++t) {
-    // d and m of the tile's 16 weight rows; each row's value in 2 lanes: rows 0-7 (dv[h][0]), rows 8-15 ([1])
+    // d and m of the tile's 16 weight rows, each row's value in 2 lanes: rows 0-7 (dq[h][0]), rows 8-15 (dq[h][1])
     __m512 dq[SUB][2], mq[SUB][2];
     for (int h = 0; h < SUB; ++h) {
       const __m512 dv = load_pair(sc.dp(gs[2 * t], b, h), sc.dp(gs[2 * t + 1], b, h));
