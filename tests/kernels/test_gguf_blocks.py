@@ -546,9 +546,9 @@ def test_bf16_tiles_through_the_engine(tiny_gguf, monkeypatch):
     ref = LLM(model=tiny_gguf, dtype="float32", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)
     llm = LLM(model=tiny_gguf, enable_prefix_caching=False, kv_cache_dtype="float32", large_step_weights="bf16")
     tiles = cpu_ops().bf16_tiles()
-    layers = {n: lin for n, lin in model_of(llm).linears().items() if n.startswith("layers.")}
-    head = model_of(llm).linears()["lm_head"] if "lm_head" in model_of(llm).linears() else None
-    assert getattr(head, "bf16_tile_min_rows", 0) == 0  # the head's few rows keep their blocks
+    lins = model_of(llm).linears()
+    layers = {n: lin for n, lin in lins.items() if n.startswith("layers.")}
+    assert getattr(lins["lm_head"], "bf16_tile_min_rows", 0) == 0  # the head's few rows keep their blocks
     for lin in layers.values():
         assert lin.bf16_tile_min_rows == (runtime_plan.BF16_TILE_MIN_ROWS[lin.bits] if tiles else 0)
         assert lin.bf16_min_tokens == (runtime_plan.BF16_TILES_STEP_MIN_TOKENS if tiles else 256)
