@@ -104,12 +104,13 @@ def path_macros(march: str) -> frozenset[str]:
     return frozenset(m for m in PATH_MACROS if m in defined)
 
 
-def build_cflags(march: str) -> list[str]:
-    """The compile flags for ``-march=march``: BASE_CFLAGS, at ``PAGEDLLM_CPU_OPT``'s optimisation level where set
-    (the x86-level tests build the levels other than the native one at -O1: their vector paths' logic is tested in
-    a third of the compile time, while the native build that the rest of the suite and every user run stays -O3)."""
-    opt = os.environ.get("PAGEDLLM_CPU_OPT")
-    return [opt if f == "-O3" and opt else f for f in BASE_CFLAGS] + [f"-march={march}"]
+def build_cflags(march: str | None, opt: str | None = None) -> list[str]:
+    """The compile flags for ``-march=march`` (None: the compiler's own target): BASE_CFLAGS, at the optimisation
+    level ``opt`` or ``PAGEDLLM_CPU_OPT``'s where given (the x86-level tests build the levels other than the native
+    one at -O1: their vector paths' logic is tested in a third of the compile time, while the native build that the
+    rest of the suite and every user run stays -O3)."""
+    opt = opt or os.environ.get("PAGEDLLM_CPU_OPT")
+    return [opt if f == "-O3" and opt else f for f in BASE_CFLAGS] + ([f"-march={march}"] if march else [])
 
 
 def build_key(march: str, sources: tuple[Path, ...] = SOURCES + HEADERS) -> str:
@@ -195,8 +196,7 @@ def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None =
 
     unit = _unity(Path(out_dir), march or (cxx[-1] if cxx else "default"))  # a cross compiler's target ends cxx
     obj = unit.with_suffix(".o")
-    cflags = ["-O1" if f == "-O3" else f for f in BASE_CFLAGS if openmp or f != "-fopenmp"] + (
-        [f"-march={march}"] if march else [])
+    cflags = [f for f in build_cflags(march, "-O1") if openmp or f != "-fopenmp"]
     cmd = [*(cxx or [os.environ.get("CXX", "c++")]), *cflags, "-std=c++20", "-fPIC",
            "-DTORCH_EXTENSION_NAME=pagedllm_cpu_ops", "-DTORCH_API_INCLUDE_EXTENSION_H",
            *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]), "-c", str(unit), "-o", str(obj)]

@@ -260,19 +260,15 @@ inline void decode_block_bf16(const uint8_t* w, const SC& sc, const int64_t (&gs
 template <int BITS, typename T, typename SC>
 void qlinear_bf16_tiles(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y) {
   const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32, Mp = (M + 15) / 16 * 16;
-  std::vector<at::BFloat16> xb(Mp * K);  // rows past M stay zero (whole A tiles)
+  std::vector<at::BFloat16> xb(Mp * K);  // zero-initialised: rows past M stay zero (whole A tiles)
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if constexpr (std::is_same_v<T, at::BFloat16>)
         std::memcpy(xb.data() + r * K, x + r * K, K * sizeof(T));
-      } else {
-        for (int64_t k = 0; k < K; k += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + r * K + k),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * K + k)));
-      }
+      else
+        store_row(x + r * K, xb.data() + r * K, K);  // rounded to nearest even
     }
   });
-  for (int64_t r = M; r < Mp; ++r) std::memset(xb.data() + r * K, 0, K * sizeof(at::BFloat16));
   const int64_t chunks = (NG + 3) / 4, astride = K * static_cast<int64_t>(sizeof(at::BFloat16));
   parallel_claims(chunks, 1, [&](int64_t c0, int64_t c1) {
     amx_configure_bf16();
