@@ -6,6 +6,7 @@ import concurrent.futures
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -53,6 +54,11 @@ def test_two_replicas_on_a_local_ray_cluster_answer_through_the_openai_sdk(tmp_p
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(proc, base, log, timeout_s=240)
+        # The proxy answers once one replica is up; `serve.run` returns when both are RUNNING, and Serve says so
+        deadline = time.time() + 120
+        while "Application 'pagedllm' is ready" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 
         def complete(i):
