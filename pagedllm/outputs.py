@@ -33,6 +33,13 @@ class ScheduledRequest:
     # prompt logprobs: the rows at positions [start, end) give the logprob of the prompt token after each
     prompt_logprob_span: tuple[int, int] | None = None
     pooling: bool = False  # an embedding request: pool hidden states, sample nothing
+    # a hybrid model's recurrent state (``core.state_pool``): the request's slot (-1: none), a snapshot slot
+    # copied into it before the step (a prefix hit, -1: none), and a snapshot to save after state_save_rows
+    # rows of this chunk into state_save_slot
+    state_slot: int = -1
+    state_restore: int = -1
+    state_save_rows: int = 0
+    state_save_slot: int = -1
 
     @property
     def spec_token_ids(self) -> list[int]:
@@ -133,6 +140,10 @@ class SchedulerStats(SpecDecodeCounters, SchedulerCounters):
     num_batched_tokens: int = 0  # this step
     token_budget: int = 0  # the step budget in force (SLA mode adapts it)
     num_swapped: int = 0  # requests waiting with their KV in host memory
+    # a hybrid model's recurrent-state slots (``core.state_pool``): all, held by running requests, keeping snapshots
+    num_state_slots: int = 0
+    num_state_slots_held: int = 0
+    num_state_snapshots: int = 0
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from pagedllm.core.state_pool import StatePool
 from pagedllm.request import Request
 
 
@@ -21,7 +22,10 @@ class KVCacheManager:
     first token left to compute."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: tuple[int, ...] = (0,), record_events: bool = False) -> None:
+                 windows: tuple[int, ...] = (0,), record_events: bool = False, num_state_slots: int = 0) -> None:
+        """``num_state_slots`` > 0: the model has linear-attention layers; each running request also holds a
+        recurrent-state slot (``StatePool``), and a prefix-cache hit needs the state snapshot saved after the
+        prefix's last block (each prompt saves one at its last block boundary)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.windows = tuple(windows)
@@ -34,6 +38,10 @@ class KVCacheManager:
         self.req_to_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many leading blocks of a request are registered
         self._window_start: dict[str, int] = {}  # per request: blocks before this are freed in the sliding groups
+        self.states = StatePool(num_state_slots) if num_state_slots else None
+        self._restore: dict[str, int] = {}  # request -> the snapshot slot its prefix hit restores (this step)
+        self._saves: dict[str, tuple[int, int]] = {}  # request -> (rows into this step's chunk, snapshot slot)
+        self._pending: dict[str, tuple[bytes, int]] = {}  # snapshots being written: request -> (key, slot)
         # Prefix cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -109,6 +117,11 @@ class KVCacheManager:
             if all(lookup(g, i) is not None for g in sliding for i in range(self.first_needed_block(g, n * bs), n)):
                 break
             n -= 1
+        if self.states is not None:  # the linear layers' state after the prefix: only where a snapshot was kept
+            while n and self.states.snapshot(self._key(0, hashes[n - 1])) is None:
+                n -= 1
+            if n:
+                self._restore[request.request_id] = self.states.snapshot(self._key(0, hashes[n - 1]))
         hits = [[lookup(g, i) if i >= self.first_needed_block(g, n * bs) else self.null_block for i in range(n)]
                 for g in range(self.num_groups)]
         return hits, n * bs
@@ -137,6 +150,9 @@ class KVCacheManager:
         bs = self.block_size
         hits = new_computed_blocks or [[] for _ in self.windows]
         num_hits = len(hits[0])
+        states = self.states
+        if states is not None and rid not in states.owner and states.num_free == 0:
+            return None  # no recurrent-state slot for a new sequence
         tables = self.req_to_blocks.setdefault(rid, [[] for _ in self.windows])
         num_computed = request.num_computed_tokens + num_hits * bs
         self._free_outside_windows(rid, tables, num_computed)
@@ -168,7 +184,42 @@ class KVCacheManager:
             # ones). Content is written layer by layer before any attention reads it, so a request that hits
             # one of these blocks in the same step reads what this one writes.
             self._cache_full_blocks(request, (num_computed + num_new_tokens) // bs)
+        if states is not None:
+            restore = self._restore.pop(rid, None)
+            slot = states.assign(rid)
+            if num_hits and restore is not None and restore != slot:
+                self._restore[rid] = restore  # read by take_state_ops for this step
+            self._plan_snapshot(request, num_computed, num_new_tokens)
         return new_blocks
+
+    def _plan_snapshot(self, request: Request, num_computed: int, num_new: int) -> None:
+        """A prompt's chunk that reaches its last block boundary saves the state there (once per prefix)."""
+        if not self.enable_caching or num_new < 2 or request.request_id in self._pending:  # (a 1-row chunk: decode)
+            return
+        b = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        if not num_computed < b <= num_computed + num_new:
+            return
+        key = self._key(0, self._block_hashes(request, b // self.block_size)[-1])
+        if self.states.snapshot(key) is not None or any(k == key for k, _ in self._pending.values()):
+            return
+        slot = self.states.reserve()
+        if slot is not None:
+            self._pending[request.request_id] = (key, slot)
+            self._saves[request.request_id] = (b - num_computed, slot)
+
+    def take_state_ops(self, req_id: str) -> tuple[int, int, int, int]:
+        """The request's recurrent-state work this step: (its slot, the snapshot slot to restore first or -1,
+        rows of its chunk after which to save a snapshot or 0, that snapshot's slot or -1)."""
+        if self.states is None:
+            return -1, -1, 0, -1
+        rows, save = self._saves.pop(req_id, (0, -1))
+        return self.states.owner.get(req_id, -1), self._restore.pop(req_id, -1), rows, save
+
+    def commit_snapshots(self) -> None:
+        """The snapshots the last step wrote become hits (called once that step's results are in)."""
+        for key, slot in self._pending.values():
+            self.states.register(key, slot)
+        self._pending.clear()
 
     def _free_outside_windows(self, rid: str, tables: list[list[KVCacheBlock]], num_computed: int) -> None:
         """Free the sliding groups' blocks that the token computed next (at ``num_computed``) can no longer read."""
@@ -212,6 +263,9 @@ class KVCacheManager:
         self.req_to_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         self._window_start.pop(rid, None)
+        if self.states is not None:
+            self.states.release(rid)
+            self._restore.pop(rid, None)
 
     def uncache_private_blocks(self, request: Request) -> None:
         """A request failed mid-step: blocks only it holds may have been registered before their content was
@@ -220,6 +274,9 @@ class KVCacheManager:
             for block in t:
                 if block.ref_cnt == 1:
                     self.pool.uncache(block)
+        pending = self._pending.pop(request.request_id, None)
+        if pending is not None:  # its snapshot may be half written
+            self.states.discard(pending[1])
 
     def forget(self, request: Request) -> None:
         """Drop the cached hashes of a finished request (its token list may not change any more)."""
@@ -227,6 +284,8 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        if self.states is not None:
+            self.states.check_integrity()
         held = sum(len(t) for rid in self.req_to_blocks for t in self._held(rid))
         refs = sum(b.ref_cnt for b in self.pool.blocks)
         assert held == refs, f"block references ({refs}) != blocks held by requests ({held})"

@@ -218,6 +218,8 @@ class Scheduler:
         if self._host_release:
             self.host_pool.release(self._host_release)
             self._host_release = []
+        if self.kv.states is not None:
+            self.kv.commit_snapshots()  # the last step's state snapshots are written now
         if self.waiting:
             self._expire_waiting(self.clock())
         if self.config.policy == "priority":
@@ -281,6 +283,7 @@ class Scheduler:
                 self._sent_to_worker.add(req.request_id)
                 out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params))
             end = start + num_new
+            slot, restore, save_rows, save_slot = self.kv.take_state_ops(req.request_id)
             out.scheduled.append(
                 ScheduledRequest(
                     req_id=req.request_id,
@@ -292,6 +295,7 @@ class Scheduler:
                     num_spec_tokens=len(spec),
                     prompt_logprob_span=req.prompt_logprob_span(start, end),
                     pooling=req.sampling_params.pooling is not None,
+                    state_slot=slot, state_restore=restore, state_save_rows=save_rows, state_save_slot=save_slot,
                 )
             )
             req.num_computed_tokens = end + len(spec)  # rejected drafts are taken back in update_from_output
@@ -482,7 +486,15 @@ class Scheduler:
                 "blocks_per_request": {r.request_id: self.kv.num_held_blocks(r.request_id) for r in self.running},
                 "num_swapped": self.num_swapped,
                 "num_host_blocks": self.host_pool.num_blocks, "num_free_host_blocks": self.host_pool.num_free,
-                "consistent": problem is None, "problem": problem}
+                "consistent": problem is None, "problem": problem} | self._state_slots()
+
+    def _state_slots(self) -> dict:
+        """A hybrid model's recurrent-state slots: held by running requests, free, holding prefix snapshots."""
+        st = self.kv.states
+        if st is None:
+            return {}
+        return {"state_slots": {"num_slots": st.num_slots, "num_held": len(st.owner), "num_free": st.num_free,
+                                "num_snapshots": st.num_snapshots}}
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -497,4 +509,7 @@ class Scheduler:
             num_batched_tokens=self.last_step_tokens,
             token_budget=self.token_budget,
             num_swapped=self.num_swapped,
+            **({} if self.kv.states is None else dict(
+                num_state_slots=self.kv.states.num_slots, num_state_slots_held=len(self.kv.states.owner),
+                num_state_snapshots=self.kv.states.num_snapshots)),
         )

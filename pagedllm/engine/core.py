@@ -36,6 +36,7 @@ class EngineCore:
             runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             windows=getattr(runner, "kv_group_windows", (0,)),  # a test's fake runner: one full-attention group
             record_events=config.cache.enable_kv_cache_events,
+            num_state_slots=getattr(runner, "num_state_slots", 0),  # a hybrid model's recurrent-state slots
         )
         self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.max_model_len,
                                                num_host_blocks=runner.num_host_blocks)

@@ -217,6 +217,8 @@ class LLMEngine:
         bpb = self.runner.bytes_per_block
         state["kv_bytes_per_request"] = {rid: n * bpb for rid, n in state.pop("blocks_per_request").items()}
         state["kv_layer_groups"] = len(self.runner.kv_group_windows)
+        if "state_slots" in state:  # the bytes of one sequence's recurrent states (all linear layers)
+            state["state_slots"]["bytes_per_slot"] = self.runner.kv.state_bytes_per_slot
         return state
 
     def drain_aborted_stats(self) -> IterationStats:

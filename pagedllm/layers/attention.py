@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.quant.formats import reorder_rows
 
 Q_TILE = 256
 K_TILE = 512
@@ -230,10 +231,14 @@ class Attention:
     def __init__(self, qkv, o, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: RotaryEmbedding, window: int = 0, softcap: float = 0.0, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, eps: float = 1e-6, causal: bool = True,
-                 temperature: "QueryTemperature | None" = None, sinks: torch.Tensor | None = None) -> None:
+                 temperature: "QueryTemperature | None" = None, sinks: torch.Tensor | None = None,
+                 output_gate: bool = False) -> None:
         """``temperature``: each query times its position's factor after the rotary (Ministral 3); ``sinks``:
-        (num_heads,) float32 logits, one per query head, in each softmax's denominator (gpt-oss)."""
+        (num_heads,) float32 logits, one per query head, in each softmax's denominator (gpt-oss); ``output_gate``:
+        the projection's first num_heads * head_dim columns are a gate, the output times its sigmoid before ``o``
+        (Qwen 3.5; ``load_projections(gated=True)`` puts them there)."""
         self.qkv, self.o = qkv, o
+        self.output_gate = output_gate
         self.temperature = temperature
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -242,9 +247,17 @@ class Attention:
         self.sinks = sinks
 
     @staticmethod
-    def load_projections(src, prefix: str, bias: bool):
+    def load_projections(src, prefix: str, bias: bool, gated: bool = False, head_dim: int = 0):
         """(qkv, o) from ``{prefix}qkv`` (or ``q``, ``k``, ``v`` fused here; their biases with ``bias``) and
-        ``{prefix}o`` (its bias ``o_bias`` where the checkpoint has one: gpt-oss)."""
+        ``{prefix}o`` (its bias ``o_bias`` where the checkpoint has one: gpt-oss). ``gated``: ``q`` holds each head's
+        query rows then its gate rows (Qwen 3.5); the fused projection is then [gates, q, k, v], so that q/k/v
+        stay adjacent columns for the kernels."""
+        if gated:
+            w = src.pop(prefix + "q")
+            heads = (w.shape[0] if isinstance(w, torch.Tensor) else w.codes.shape[0]) // (2 * head_dim)
+            idx = torch.arange(heads * 2 * head_dim).view(heads, 2, head_dim)
+            perm = torch.cat([idx[:, 1].reshape(-1), idx[:, 0].reshape(-1)])  # gate rows first, then q rows
+            src.weights[prefix + "q"] = w[perm] if isinstance(w, torch.Tensor) else reorder_rows(w, lambda x: x[perm])
         b = None
         if bias:
             b = src.pop(prefix + "qkv_bias") if prefix + "qkv_bias" in src else torch.cat(
@@ -267,9 +280,12 @@ class Attention:
         (``ops.step_rotary``); ``kv``: the layer's (K, V) caches, or (None, None) in an encoder, whose ``meta``
         is the step's spans (one per text)."""
         t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x)  # (T, Q+2K)
+        qkv = self.qkv(x)  # (T, Q+2K), or (T, Q+Q+2K) with the gates first
         if qkv.dtype != x.dtype:  # bfloat16 linears under float32 activations (an encoder): rotate in float32
             qkv = qkv.to(x.dtype)
+        gate = None
+        if self.output_gate:
+            gate, qkv = qkv[:, : self.q_size], qkv[:, self.q_size:]  # views: the kernels take the row stride
         if self.q_norm is not None:  # each q and k head normalised in place, before the rotary
             ops.qk_norm(qkv, self.q_norm, self.k_norm, nq, nkv, self.eps)
         k_cache, v_cache = kv
@@ -285,6 +301,9 @@ class Attention:
             k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, nkv, d)
             v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, d)
             attn = bidirectional_attention(q, k, v, meta, self.scale, self.window // 2)
-        return self.o(attn.reshape(t, self.q_size))
+        attn = attn.reshape(t, self.q_size)
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
+        return self.o(attn)
 
     __call__ = forward

@@ -83,7 +83,7 @@ class TorchOps:
                       nkv: int) -> None:
         """q and k heads of qkv rotated in place by the step's rotary (``step_rotary``'s cos and sin); k and v
         written to the caches at ``slots`` (None: no cache, an encoder)."""
-        t, d = qkv.shape[0], cos.shape[-1] * 2
+        t, d = qkv.shape[0], qkv.shape[1] // (nq + 2 * nkv)
         qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
         qk.copy_(RotaryEmbedding.apply((cos, sin), qk))
         if k_cache is not None:

@@ -95,8 +95,12 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """x: (T, H, D) -> rotated (T, H, D)."""
+        """x: (T, H, D) -> rotated (T, H, D); tables narrower than D / 2 turn only the first dimensions (partial
+        rotary: pairs i, i + R/2 of the first R), the rest pass."""
         cos, sin = cos_sin
+        r = cos.shape[-1] * 2
+        if r < x.shape[-1]:
+            return torch.cat((RotaryEmbedding.apply(cos_sin, x[..., :r]), x[..., r:]), dim=-1)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

@@ -88,6 +88,11 @@ class PrometheusStatLogger:
         self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks free (cached prefix blocks count as "
                                     "free); equals kv_cache_total_blocks when no request holds any.")
         self.kv_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
+        self.state_slots = gauge("recurrent_state_slots", "Recurrent-state slots of a hybrid model's linear layers "
+                                 "(0: none); each running request holds one.")
+        self.state_held = gauge("recurrent_state_slots_in_use", "Recurrent-state slots held by running requests.")
+        self.state_snapshots = gauge("recurrent_state_snapshots", "Free recurrent-state slots keeping a prefix's "
+                                     "state for prefix-cache hits.")
         gauge("kv_cache_capacity_bytes", "Bytes preallocated for the paged KV cache.").set(kv_capacity_bytes)
         gauge("kv_cache_capacity_tokens", "Tokens the paged KV cache holds.").set(kv_capacity_tokens)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
@@ -133,6 +138,9 @@ class PrometheusStatLogger:
         self.kv_usage.set(s.kv_cache_usage)
         self.kv_free_blocks.set(s.num_free_blocks)
         self.kv_total_blocks.set(s.num_blocks)
+        self.state_slots.set(s.num_state_slots)
+        self.state_held.set(s.num_state_slots_held)
+        self.state_snapshots.set(s.num_state_snapshots)
         rec, swp, sout, sin = (s.num_preemptions_recompute, s.num_preemptions_swap, s.swap_out_blocks,
                                s.swap_in_blocks)
         last_swp, last_out, last_in = self._last_swap

@@ -41,7 +41,8 @@ class ModelArchConfig:
     norm_float32: bool = False  # RMSNorm's weight multiplies the normalized x in float32, rounded once (gemma)
     attn_scale: float | None = None  # the query scale (None: head_dim ** -0.5)
     sliding_window: int | None = None  # keys a sliding layer sees, its own token included
-    layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; empty: all "full"
+    # per layer "full", "sliding" or "linear" (a Gated DeltaNet layer: recurrent state, no KV); empty: all "full"
+    layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # rotary base of the sliding layers, without scaling (gemma3)
     no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE layers)
     # Llama 4's attention temperature (Ministral 3): each query times 1 + scale * log(1 + floor(position / length))
@@ -64,6 +65,17 @@ class ModelArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    rotary_dim: int = 0  # dimensions of each q/k head the rotary turns (the first ones; 0: all of head_dim)
+    attn_output_gate: bool = False  # attention output times sigmoid(a per-channel gate from q's projection) (qwen3.5)
+    # Gated DeltaNet ("linear" layers: Qwen 3.5, Qwen3-Next): key/value heads and sizes, the short convolution's
+    # kernel, and whether the value heads are tiled over the key heads (llama.cpp's GGUF order: v head j reads key
+    # head j % key heads) or grouped (HF's: j // (value heads / key heads))
+    linear_num_k_heads: int = 0
+    linear_num_v_heads: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    linear_v_tiled: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -72,8 +84,17 @@ class ModelArchConfig:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
-        if set(self.layer_types) - {"full", "sliding"}:
-            raise ValueError(f"layer types must be 'full' or 'sliding', got {sorted(set(self.layer_types))}")
+        if set(self.layer_types) - {"full", "sliding", "linear"}:
+            raise ValueError(f"layer types must be 'full', 'sliding' or 'linear', got {sorted(set(self.layer_types))}")
+        if "linear" in self.layer_types and not (self.linear_num_k_heads and self.linear_num_v_heads and
+                                                 self.linear_conv_kernel and
+                                                 self.linear_num_v_heads % self.linear_num_k_heads == 0):
+            raise ValueError("linear (Gated DeltaNet) layers need their head counts (value heads a multiple of key "
+                             "heads) and convolution kernel")
+        if self.layer_types and all(t == "linear" for t in self.layer_types):
+            raise ValueError("at least one attention layer is needed")
+        if self.rotary_dim and (self.rotary_dim > self.head_dim or self.rotary_dim % 2):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -88,8 +109,20 @@ class ModelArchConfig:
         """Keys layer ``layer`` attends to (0: all of the context)."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding" else 0
 
+    def is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer: a recurrent state per sequence instead of K/V."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear"
+
+    @property
+    def hybrid_state(self) -> bool:
+        """Some layers keep a recurrent state per sequence (next to the attention layers' paged KV)."""
+        return "linear" in self.layer_types
+
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_linear(i)]
+
     def kv_groups(self) -> KVGroups:
-        return kv_groups([self.window(i) for i in range(self.num_layers)])
+        return kv_groups([None if self.is_linear(i) else self.window(i) for i in range(self.num_layers)])
 
 
 @dataclass(frozen=True)
@@ -100,8 +133,8 @@ class KVGroups:
     tensor ``slot[i]``, at the blocks of group ``group[i]``; a block holds ``slots`` layers. A model without
     sliding layers (or with them everywhere) is one group of all its layers."""
 
-    group: tuple[int, ...]  # per layer
-    slot: tuple[int, ...]  # per layer
+    group: tuple[int, ...]  # per layer (-1: a linear layer, no KV)
+    slot: tuple[int, ...]  # per layer (-1: a linear layer)
     windows: tuple[int, ...]  # per group: 0 (full attention) or the window in tokens
 
     @property
@@ -113,13 +146,14 @@ class KVGroups:
         return any(self.windows)
 
 
-def kv_groups(windows: list[int]) -> KVGroups:
+def kv_groups(windows: list[int | None]) -> KVGroups:
     """Groups of equal size: the greatest common divisor of the layer counts of each kind (Gemma 3's 15 sliding
-    and 3 full layers: 6 groups of 3); full-attention groups first."""
-    kinds = sorted(set(windows))  # 0 (full) first
+    and 3 full layers: 6 groups of 3); full-attention groups first. A None window: a layer without KV (a linear
+    layer), in no group."""
+    kinds = sorted(set(w for w in windows if w is not None))  # 0 (full) first
     counts = [windows.count(w) for w in kinds]
     size = math.gcd(*counts)
-    group, slot, group_windows = [0] * len(windows), [0] * len(windows), []
+    group, slot, group_windows = [-1] * len(windows), [-1] * len(windows), []
     for w in kinds:
         base = len(group_windows)
         layers = [i for i, x in enumerate(windows) if x == w]
@@ -155,6 +189,8 @@ def tp_layout(cfg: ModelArchConfig, world_size: int, rank: int = 0) -> TPLayout:
     problems = []
     if cfg.num_experts and n > 1:
         problems.append("mixture-of-experts layers are not split over ranks yet")
+    if cfg.hybrid_state and n > 1:
+        problems.append("linear-attention (Gated DeltaNet) layers are not split over ranks yet")
     if h % n:
         problems.append(f"{h} query heads are not a multiple of {n}")
     if kv % n and n % kv:
@@ -240,7 +276,7 @@ def _hf_common(hf: dict, arch: str) -> dict:
 def _check_gguf_rotary(meta: GGUFMeta, cfg: ModelArchConfig, path: str) -> None:
     """Rotary variants the layers do not implement stop the load with their name, rather than run wrong."""
     dims = meta.kv("rope.dimension_count")
-    if dims is not None and int(dims) != cfg.head_dim:
+    if dims is not None and int(dims) != (cfg.rotary_dim or cfg.head_dim):
         raise ValueError(f"{path}: partial rotary ({dims} of {cfg.head_dim} dimensions) is not supported")
     if "rope_factors_long.weight" in meta.tensor_names:
         raise ValueError(f"{path}: long-context rotary factors (longrope) are not supported")

@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.layers.attention import Attention, AttentionMetadata, QueryTemperature
 from pagedllm.layers.decoder_layer import DecoderLayer
+from pagedllm.layers.gated_deltanet import GatedDeltaNet, StateMetadata
 from pagedllm.layers.linear import build_linear, tensor_bytes
 from pagedllm.layers.mlp import GatedMLP, MoE
 from pagedllm.layers.ops import choose_ops
@@ -61,8 +62,9 @@ class CausalLM:
         src = WeightSource(weights, device, dtype, build, cfg.norm_float32)
 
         # the full layers' rotary; sliding layers with a base of their own (gemma3) use a second, unscaled one
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, device, dtype,
-                                      rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+        rot_dim = cfg.rotary_dim or cfg.head_dim  # partial rotary: the first rot_dim dimensions of each head
+        self.rotary = RotaryEmbedding(rot_dim, cfg.max_position, cfg.rope_theta, device, dtype,
+                                      rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling),
                                       rope_attention_factor(cfg.rope_scaling))
         rotary_local = self.rotary
         if cfg.rope_local_theta is not None and "sliding" in cfg.layer_types:
@@ -80,13 +82,16 @@ class CausalLM:
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             window = cfg.window(i)
-            qkv, o = Attention.load_projections(src, p, cfg.attention_bias)
-            attn = Attention(qkv, o, self.num_heads, self.num_kv_heads, cfg.head_dim, self.scale,
-                             none if i in cfg.no_rope_layers else (rotary_local if window else self.rotary),
-                             window, cfg.attn_softcap or 0.0, src.norm(p + "q_norm") if cfg.qk_norm else None,
-                             src.norm(p + "k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps, causal,
-                             temperature, src.pop(p + "sinks").to(device, torch.float32).contiguous()
-                             if cfg.attn_sinks else None)
+            if cfg.is_linear(i):  # a recurrent state per sequence instead of K/V
+                attn = GatedDeltaNet.load(src, p, cfg)
+            else:
+                qkv, o = Attention.load_projections(src, p, cfg.attention_bias, cfg.attn_output_gate, cfg.head_dim)
+                attn = Attention(qkv, o, self.num_heads, self.num_kv_heads, cfg.head_dim, self.scale,
+                                 none if i in cfg.no_rope_layers else (rotary_local if window else self.rotary),
+                                 window, cfg.attn_softcap or 0.0, src.norm(p + "q_norm") if cfg.qk_norm else None,
+                                 src.norm(p + "k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps, causal,
+                                 temperature, src.pop(p + "sinks").to(device, torch.float32).contiguous()
+                                 if cfg.attn_sinks else None, cfg.attn_output_gate)
             mlp = (MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
                    if cfg.num_experts else GatedMLP.load(src, p, cfg.hidden_act))
             sandwich = cfg.sandwich_norm
@@ -94,7 +99,8 @@ class CausalLM:
                 src.norm(p + "input_norm"), src.norm(p + "post_norm"), attn, mlp, cfg.rms_norm_eps,
                 src.norm(p + "attn_out_norm") if sandwich else None, src.norm(p + "mlp_out_norm") if sandwich else None,
                 tp))
-        self.rotaries = list({id(la.attn.rotary): la.attn.rotary for la in self.layers}.values())
+        self.rotaries = list({id(la.attn.rotary): la.attn.rotary for la in self.layers
+                              if la.attn.rotary is not None}.values())
         # the embedding table doubles as the LM head when tied; an int8 head then serves lookups as well
         if cfg.tie_word_embeddings:
             table = src.pop("embed")
@@ -140,11 +146,13 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+                meta: AttentionMetadata | list[AttentionMetadata],
+                state_meta: StateMetadata | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, H). ``meta``: one for all layers, or one per KV
-        layer group (``cfg.kv_groups()``), each layer reading its group's."""
+        layer group (``cfg.kv_groups()``), each layer reading its group's; ``state_meta``: the recurrent states'
+        slots, which the linear layers (``kv_caches[i]``: their state pools) read (the last entry of the list)."""
         metas = meta if isinstance(meta, list) else [meta] * (max(self.kv_group) + 1)
-        return self._layers(input_ids, positions, kv_caches, metas)
+        return self._layers(input_ids, positions, kv_caches, metas + [state_meta])
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metas: list) -> torch.Tensor:
         """The embedding, every layer over ``self.ops`` (the residual stream added to in place, each add folded into
@@ -156,7 +164,7 @@ class CausalLM:
         last = len(self.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             nxt = self.layers[i + 1].input_norm if i < last else self.norm
-            x = layer(x, h, positions, rots[id(layer.attn.rotary)], kv, metas[self.kv_group[i]], nxt, ops)
+            x = layer(x, h, positions, rots.get(id(layer.attn.rotary)), kv, metas[self.kv_group[i]], nxt, ops)
         return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

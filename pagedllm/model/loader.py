@@ -243,16 +243,21 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
     return cfg, weights
 
 
+# multimodal checkpoints whose text model is served: model_type -> the text config's
+MULTIMODAL = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}
+
+
 def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
-    if hf.get("model_type") == "gemma3":  # a multimodal checkpoint: its text model, transformers' defaults filled in
+    if hf.get("model_type") in MULTIMODAL:  # its text model, transformers' defaults filled in
         from transformers import AutoConfig
 
         text = AutoConfig.from_pretrained(path).text_config.to_dict()
-        hf = text | {"eos_token_id": text.get("eos_token_id") or hf.get("eos_token_id"), "model_type": "gemma3_text"}
+        hf = text | {"eos_token_id": text.get("eos_token_id") or hf.get("eos_token_id"),
+                     "model_type": MULTIMODAL[hf["model_type"]]}
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):  # its eos ids (e.g. gemma's <end_of_turn>) end generation too
         with open(gen) as f:

@@ -189,6 +189,8 @@ class KVCacheState(BaseModel):
     problem: str | None = None
     kv_bytes_per_request: dict[str, int] = {}  # running requests: the KV bytes their blocks hold
     kv_layer_groups: int = 1  # block tables per request (sliding-window layers form groups of their own)
+    # a hybrid model's recurrent-state slots: num_slots, num_held, num_free, num_snapshots, bytes_per_slot
+    state_slots: dict[str, int] | None = None
 
 
 class AnthropicTextContent(BaseModel):

@@ -58,6 +58,13 @@ class KVCache:
         if self.groups.hybrid and draft_model is not None:
             raise ValueError("a draft model with a sliding-window target model is not supported yet "
                              "(use ngram speculation)")
+        # the linear (Gated DeltaNet) layers' recurrent state pools: per layer (conv inputs, state matrix) shapes
+        self.state_layers = model.cfg.linear_layers() if hasattr(model.cfg, "linear_layers") else []
+        self.state_shapes = [model.layers[i].attn.state_shapes() for i in self.state_layers]
+        # bytes of one sequence's state over all of them: the convolution's inputs in the model's dtype, S in float32
+        self.state_bytes_per_slot = sum(math.prod(c) * dtype.itemsize + math.prod(r) * 4 for c, r in self.state_shapes)
+        self.num_state_slots = 0
+        self.state_caches: KVLayers = []  # per linear layer: (conv pool, state pool), a row per slot
         elem = dtype.itemsize
         # KV bytes of one block across its layers (the draft model's layers included)
         self.bytes_per_block = sum(2 * self._slots(m) * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem
@@ -88,11 +95,27 @@ class KVCache:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         return max(budget // self.bytes_per_block, 0)
 
-    def allocate(self, num_blocks: int, max_model_len: int) -> None:
-        """The device blocks of every model, and with ``preemption_mode='swap'`` the host blocks; a ValueError
-        when one request of ``max_model_len`` tokens would not fit."""
+    @property
+    def state_bytes(self) -> int:
+        """The recurrent state pools' bytes (0 without linear layers)."""
+        return self.num_state_slots * self.state_bytes_per_slot
+
+    def allocate(self, num_blocks: int, max_model_len: int, num_state_slots: int = 0) -> None:
+        """The device blocks of every model, ``num_state_slots`` recurrent states per linear layer (a model with
+        such layers), and with ``preemption_mode='swap'`` the host blocks; a ValueError when one request of
+        ``max_model_len`` tokens would not fit."""
         c = self.config
         self.num_blocks = num_blocks
+        if self.state_layers:
+            if c.preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' with linear-attention (recurrent state) layers is not "
+                                 "supported yet: use recompute")
+            self.num_state_slots = num_state_slots
+            dt, dev = self.dtype, self.device
+            # lazily committed like the KV blocks: a slot's pages are resident once a sequence uses it
+            self.state_caches = [(zeros((num_state_slots, *cs), dt, dev)[0],
+                                  zeros((num_state_slots, *rs), torch.float32, dev)[0])
+                                 for cs, rs in self.state_shapes]
         per_seq = math.ceil(max_model_len / self.block_size)
         # a sliding group holds at least its window's blocks (and one reserved null block)
         needed = sum(min(per_seq, math.ceil(w / self.block_size) + 1) if w else per_seq
@@ -107,7 +130,8 @@ class KVCache:
             )
         shape = self._shape(self.model)
         self.slot_caches = self._slot_pairs(self.model)
-        self.kv_caches = [self.slot_caches[j] for j in self.groups.slot]
+        states = iter(self.state_caches)
+        self.kv_caches = [self.slot_caches[j] if j >= 0 else next(states) for j in self.groups.slot]
         if c.preemption_mode == "swap":
             if self.draft_model is not None:
                 raise ValueError("preemption_mode='swap' together with a draft model is not supported yet")
@@ -151,3 +175,20 @@ class KVCache:
             for (kc, vc), (hk, hv) in zip(self.slot_caches, self.host_kv_caches):
                 kc.index_copy_(0, dev, hk.index_select(0, host).to(self.device))
                 vc.index_copy_(0, dev, hv.index_select(0, host).to(self.device))
+
+    def reset_states(self, slots: list[int]) -> None:
+        """Zero these slots' recurrent states (a sequence starting from its first token)."""
+        if slots:
+            idx = torch.tensor(slots, device=self.device)
+            for conv, rec in self.state_caches:
+                conv.index_fill_(0, idx, 0)
+                rec.index_fill_(0, idx, 0)
+
+    def copy_states(self, pairs: list[list[int]]) -> None:
+        """Copy slot src's states to slot dst, for each [src, dst] (a prefix-cache snapshot restored)."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs], device=self.device)
+            dst = torch.tensor([p[1] for p in pairs], device=self.device)
+            for conv, rec in self.state_caches:
+                conv.index_copy_(0, dst, conv.index_select(0, src))
+                rec.index_copy_(0, dst, rec.index_select(0, src))

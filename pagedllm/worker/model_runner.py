@@ -26,6 +26,7 @@ from pagedllm.distributed.sharding import check_shardable, shard_weights
 from pagedllm.errors import TensorParallelError
 from pagedllm.kernels import cpu_ops, kernel_path
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+from pagedllm.layers.gated_deltanet import StateMetadata, StatePrefill
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.decoder import TP_SPLIT, CausalLM
 from pagedllm.model.encoder import SentenceHead, build_encoder
@@ -138,11 +139,19 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model" and rank == 0:
             # with tensor parallelism: whole, on rank 0 only
             self.draft_model = load_draft_model(spec.model, arch, max_len, self.device, self.dtype, self.kv_dtype)
+        if arch.hybrid_state and spec is not None:
+            raise ValueError(f"{arch.arch}: speculative decoding with linear-attention (recurrent state) layers is "
+                             "not supported yet (a rejected draft would have advanced the state)")
         self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
         num_blocks = self.kv.budget_blocks()
         if self.tp is not None:
             num_blocks = self._tp_agree(num_blocks)
-        self.kv.allocate(num_blocks, self.max_model_len)
+        # a hybrid model: a recurrent state per running sequence, and (prefix caching) a quarter more that keep
+        # prefix snapshots while free; beside the KV budget, committed as they are used
+        seqs = config.scheduler.max_num_seqs
+        self.num_state_slots = (seqs + (max(2, seqs // 4) if config.cache.enable_prefix_caching else 0)
+                                if arch.hybrid_state else 0)
+        self.kv.allocate(num_blocks, self.max_model_len, self.num_state_slots)
         self.proposer: Proposer | None = None  # rank 0's speculative proposer
         if spec is not None and rank == 0:
             if self.draft_model is not None:
@@ -164,6 +173,9 @@ class ModelRunner:
             self.model.weight_bytes() / 2**20, self.kernel_path, self.num_blocks, self.block_size,
             str(self.kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20,
         )
+        if self.num_state_slots:
+            logger.info("recurrent states (%d linear layers): %d slots x %.1f MiB, beside the KV cache, committed as "
+                        "used", len(self.kv.state_layers), self.num_state_slots, self.kv.state_bytes_per_slot / 2**20)
         if plan.activation_bits is not None:
             logger.info("activations: %d-bit per block of 32 (%s)", plan.activation_bits,
                         plan.reasons["activation_bits"])
@@ -371,7 +383,12 @@ class ModelRunner:
             spans = sorted([(a, b) for a, b, _ in step.prefills] + [(r, r + 1) for r in step.decode_rows])
             return _Forward(ids, pos, None, self.model.forward(ids, pos, spans), None, None)
         input_ids, positions, meta, rows = self._step_tensors(step)
-        hidden = self.model.forward(input_ids, positions, self.kv.kv_caches, meta)
+        state_meta = None
+        if self.num_state_slots:  # restored snapshots first: a slot zeroed now may have been one
+            self.kv.copy_states(step.state_copies)
+            self.kv.reset_states(step.fresh_states)
+            state_meta = self._state_metadata(step)
+        hidden = self.model.forward(input_ids, positions, self.kv.kv_caches, meta, state_meta)
         logits = self.model.compute_logits(hidden[rows]) if step.logit_rows else None
         prompt_lps = self._prompt_logprobs(hidden, step.prompt_rows, prompt_targets) if step.prompt_rows else None
         return _Forward(input_ids, positions, meta, hidden, logits, prompt_lps)
@@ -450,6 +467,17 @@ class ModelRunner:
             metas[0] if len(metas) == 1 else metas,  # a list: one per KV layer group
             torch.tensor(step.logit_rows, dtype=torch.long, device=dev),
         )
+
+    def _state_metadata(self, step: StepInputs) -> StateMetadata:
+        """Which state slot each sequence of the step reads and writes (the linear layers')."""
+        dev = self.device
+        rows = step.decode_rows
+        meta = StateMetadata(
+            decode_rows=None if rows == list(range(len(step.input_ids))) else torch.tensor(rows, device=dev),
+            decode_slots=torch.tensor(step.decode_states, dtype=torch.long, device=dev), num_decodes=len(rows))
+        meta.prefills = [StatePrefill(a, b, slot, n, save) for (a, b, _), slot, n, save in zip(
+            step.prefills, step.prefill_states, step.prefill_save_rows, step.prefill_save_slots)]
+        return meta
 
     def _group_metadata(self, step: StepInputs, g: int) -> AttentionMetadata:
         """The attention metadata of KV layer group ``g`` (its slots and block tables; rows and lengths are the

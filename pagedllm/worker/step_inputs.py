@@ -17,8 +17,9 @@ import torch
 
 from pagedllm.outputs import SchedulerOutput
 
-_FLAT = ("input_ids", "positions", "slots", "decode_rows", "decode_lens", "logit_rows", "prompt_rows")
-_NESTED = ("decode_tables", "prefills", "prefill_tables", "swap_out", "swap_in")
+_FLAT = ("input_ids", "positions", "slots", "decode_rows", "decode_lens", "logit_rows", "prompt_rows",
+         "decode_states", "prefill_states", "prefill_save_rows", "prefill_save_slots", "fresh_states")
+_NESTED = ("decode_tables", "prefills", "prefill_tables", "swap_out", "swap_in", "state_copies")
 
 
 class StepGroups(NamedTuple):
@@ -45,6 +46,15 @@ class StepInputs:
     prefill_tables: list[list[int]] = field(default_factory=list)  # per group, per prefill chunk: the same
     swap_out: list[list[int]] = field(default_factory=list)  # [device block, host block], before the forward
     swap_in: list[list[int]] = field(default_factory=list)  # [host block, device block]
+    # a hybrid model's recurrent states (``layers.gated_deltanet``): the slot of each decode row and of each
+    # prefill chunk, per chunk the rows after which it saves a snapshot (0: none) and into which slot, the slots
+    # to zero before the forward (sequences starting), and [snapshot slot, slot] copies done before that
+    decode_states: list[int] = field(default_factory=list)
+    prefill_states: list[int] = field(default_factory=list)
+    prefill_save_rows: list[int] = field(default_factory=list)
+    prefill_save_slots: list[int] = field(default_factory=list)
+    fresh_states: list[int] = field(default_factory=list)
+    state_copies: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def from_scheduler_output(cls, so: SchedulerOutput, block_size: int) -> tuple["StepInputs", StepGroups]:
@@ -73,6 +83,17 @@ class StepInputs:
                 st.decode_lens.append(nc + 1)
             else:
                 st.prefills.append([start, start + n, nc + n])
+            if s.state_slot >= 0:
+                if n == 1:
+                    st.decode_states.append(s.state_slot)
+                else:
+                    st.prefill_states.append(s.state_slot)
+                    st.prefill_save_rows.append(s.state_save_rows)
+                    st.prefill_save_slots.append(s.state_save_slot)
+                if s.state_restore >= 0:
+                    st.state_copies.append([s.state_restore, s.state_slot])
+                elif nc == 0:
+                    st.fresh_states.append(s.state_slot)
             if s.pooling:
                 groups.pool.append((s, start, n))
             elif s.sample:

@@ -332,7 +332,8 @@ template <typename T, typename C>
 void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache, int64_t nq, int64_t nkv) {
   const int64_t T_ = qkv.size(0), row_stride = qkv.stride(0);
-  const int64_t D = k_cache.size(3), half = D / 2;
+  // the rotary turns the first 2 * half dimensions of each head (pairs i, i + half); the rest pass (partial rotary)
+  const int64_t D = k_cache.size(3), half = cos.size(1);
   T* base = qkv.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -356,6 +357,7 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
         const float* x1 = xf.data();
         const float* x2 = xf.data() + half;
         float* r = rf.data();
+        for (int64_t i = 2 * half; i < D; ++i) r[i] = xf[i];
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           r[i] = x1[i] * c[i] - x2[i] * s[i];
@@ -551,7 +553,8 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   TORCH_CHECK(qkv.size(1) == (nq + 2 * nkv) * D && D % 2 == 0, "qkv width does not match the heads");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.size(1) == D / 2, "cos/sin must be contiguous float32 (P, D/2)");
+                  sin.is_contiguous() && cos.size(1) <= D / 2 && sin.size(1) == cos.size(1),
+              "cos/sin must be contiguous float32 (P, R/2), R <= D the rotated dimensions");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.is_contiguous() &&
                   slots.is_contiguous() && positions.numel() == qkv.size(0) && slots.numel() == qkv.size(0),
               "positions and slots must be contiguous int64 (T,)");

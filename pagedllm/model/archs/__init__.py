@@ -110,8 +110,8 @@ def hf_eos(hf: dict) -> tuple[int | None, tuple[int, ...]]:
     return (ids[0] if ids else None), tuple(ids[1:])
 
 
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3", "ministral3", "gpt_oss",
-            "bert", "gemma_embedding")
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3_5", "gemma2", "gemma3", "phi3", "smollm3", "ministral3",
+            "gpt_oss", "bert", "gemma_embedding")
 ARCHS: dict[str, Arch] = {}
 for _m in _MODULES:
     _a = importlib.import_module(f"{__name__}.{_m}").ARCH

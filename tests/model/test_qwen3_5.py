@@ -1,0 +1,248 @@
+"""Qwen 3.5, the first hybrid: Gated DeltaNet layers (a recurrent state per sequence) beside full-attention layers
+(output gate, partial rotary). Tiny random models from transformers' own config, saved as an HF directory and
+written as GGUF the way llama.cpp's converter writes them (A as -exp(A_log), the convolution squeezed, 1 + w norms
+but the DeltaNet's, value heads tiled over the key heads); against transformers in float32 on both backends: alone,
+batched with 16-token chunks, under preemption, and with prefix-cache hits that restore a state snapshot."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.ops import TorchOps
+from helpers import model_of
+
+MAX_TOKENS = 16
+PROMPTS = [[5, 17, 300, 42, 9], list(range(100, 140)), [1000, 2000, 3000] * 9]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _hf_model(vocab: int):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    # 4 layers (3 DeltaNet, 1 attention), 4 value heads over 2 key heads, rotary on 8 of 32 dimensions
+    cfg = tf.Qwen3_5TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                               rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                               linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    model = tf.Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: confident greedy choices; norms not all 1 (or 0)
+            p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def _reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    with torch.inference_mode():
+        full = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              min_new_tokens=MAX_TOKENS, pad_token_id=0, eos_token_id=None)
+        logits = model(full).logits[0].float()
+    return full[0, len(prompt):].tolist(), torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
+
+
+def _tiled(t: np.ndarray, axis: int, nk: int, r: int, d: int) -> np.ndarray:
+    """llama.cpp's value-head order: grouped by key head (HF) -> tiled over the key heads."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:axis], nk, r, d, *shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(t, axis, axis + 1)).reshape(shape)
+
+
+def _write_gguf(path: str, model, q8: bool = False) -> None:
+    from pagedllm.config import default_model_path
+    from pagedllm.gguf_file import GGUFFile
+
+    src, c = GGUFFile(default_model_path()), model.config
+    w = gguf.GGUFWriter(path, "qwen35")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    w.add_full_attention_interval(4)  # (layer types linear, linear, linear, full)
+    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
+                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
+        fn(src.get(f"tokenizer.ggml.{key}"))
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = nv // nk
+    for name, t in model.state_dict().items():
+        t = t.float().numpy()
+        base, _, suffix = name.rpartition(".")
+        if name.endswith(".A_log"):
+            base, suffix, t = name, "", -np.exp(t)
+        elif name.endswith(".dt_bias"):
+            base, suffix = name.replace("dt_bias", "dt_proj"), "bias"
+        elif "conv1d" in name:
+            t = t.reshape(t.shape[0], -1)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1.0
+        if "linear_attn." in name:  # value heads tiled over the key heads
+            if "in_proj_qkv" in name:
+                t = np.concatenate([t[:2 * nk * dk], _tiled(t[2 * nk * dk:], 0, nk, r, dv)])
+            elif "conv1d" in name:
+                t = np.concatenate([t[:2 * nk * dk], _tiled(t[2 * nk * dk:], 0, nk, r, dv)])
+            elif "in_proj_z" in name:
+                t = _tiled(t, 0, nk, r, dv)
+            elif "in_proj_a" in name or "in_proj_b" in name or "A_log" in name or "dt_bias" in name:
+                t = _tiled(t, 0, nk, r, 1)
+            elif "out_proj" in name:
+                t = _tiled(t, 1, nk, r, dv)
+        out = names.get_name(base) + (f".{suffix}" if suffix else "")
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if q8 and t.ndim == 2 and "conv1d" not in name:
+            w.add_tensor(out, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(out, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, llm):
+    """(the HF model, its directory, the GGUF file)."""
+    model = _hf_model(llm.engine.core.vocab_size)
+    d = tmp_path_factory.mktemp("qwen3_5") / "hf"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    path = str(d.parent / "tiny-qwen35.gguf")
+    _write_gguf(path, model)
+    return model, str(d), path
+
+
+def _check(path: str, model):
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    alone = LLM(model=path, max_model_len=512, dtype="float32", enable_prefix_caching=False)
+    built = model_of(alone)
+    assert built.cfg.arch == "qwen35" and built.cfg.layer_types == ("linear",) * 3 + ("full",)
+    assert {type(la.attn).__name__ for la in built.layers} == {"GatedDeltaNet", "Attention"}
+    refs = [_reference(model, p) for p in PROMPTS]
+    fused = built.ops
+    assert fused.fused
+    for ops in (fused, TorchOps()):  # both backends
+        built.ops = ops
+        for p, (want, ref_lp) in zip(PROMPTS, refs):
+            got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
+            assert got.token_ids == want, (p, type(ops).__name__)
+            for i, lp in enumerate(got.logprobs):
+                assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (p, i, type(ops).__name__)
+    del alone
+    # batched, 16-token chunks, a shared prefix and a KV cache too small for all at once (preemption): same tokens
+    c = model.config
+    block_bytes = 16 * 2 * c.num_key_value_heads * c.head_dim * 4  # one attention layer
+    busy = LLM(model=path, max_model_len=128, dtype="float32", max_num_batched_tokens=16,
+               kv_cache_memory=8 * block_bytes)
+    prompts = PROMPTS + [PROMPTS[1] + [7, 8, 9], PROMPTS[2][:20], PROMPTS[1] + [7, 8, 9, 10]]
+    outs = busy.generate(prompts, GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(model, p)[0], p
+    sched = busy.engine.core.scheduler
+    assert sched.counters.num_preemptions > 0
+    slots = busy.engine.kv_state()["state_slots"]
+    assert busy.engine.kv_state()["consistent"] and slots["num_held"] == 0 and slots["num_free"] == slots["num_slots"]
+    # a prompt that extends an earlier one restores the state saved at that one's last block boundary
+    before = sched.kv.prefix_cache_hits
+    for p in (PROMPTS[1] + [5] * 30, PROMPTS[1] + [9] * 3):
+        o = busy.generate([p], GREEDY, use_tqdm=False)[0]
+        assert o.outputs[0].token_ids == _reference(model, p)[0], p
+        assert o.num_cached_tokens == 32  # two of PROMPTS[1]'s blocks: its prefix not recomputed
+    assert sched.kv.prefix_cache_hits - before == 64
+
+
+def test_hf_directory_matches_transformers(tiny):
+    model, d, _ = tiny
+    _check(d, model)
+
+
+def test_gguf_file_matches_transformers(tiny):
+    """llama.cpp's conventions, value heads tiled over the key heads included."""
+    model, _, path = tiny
+    from pagedllm.model.loader import load_gguf
+
+    cfg, _ = load_gguf(path)
+    assert cfg.linear_v_tiled and cfg.rotary_dim == 8 and cfg.attn_output_gate
+    _check(path, model)
+
+
+def test_quantized_file_runs_from_its_blocks(tiny, tmp_path):
+    """Every linear in Q8_0 blocks (the attention's q rows with their gates reordered in the packed codes): the
+    block kernels' tokens and logprobs follow the float32 path's on the same file."""
+    model = tiny[0]
+    path = str(tmp_path / "q8.gguf")
+    _write_gguf(path, model, q8=True)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    ref = LLM(model=path, max_model_len=128, dtype="float32").generate(PROMPTS, sp, use_tqdm=False)
+    auto = LLM(model=path, max_model_len=128, quantization="gguf", large_step_weights="blocks")
+    lins = model_of(auto).linears()
+    assert lins["layers.0.in_proj"].kind == "q8-block" and lins["layers.3.qkv"].kind == "q8-block"
+    for g, r in zip(auto.generate(PROMPTS, sp, use_tqdm=False), ref):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert abs(a.logprob - b.logprob) < 0.02
+
+
+def test_what_the_recurrent_state_does_not_support_is_refused(tiny):
+    """Speculative decoding (a rejected draft would have advanced the state), swap preemption (the state is not
+    swapped yet) and tensor parallelism stop the start with their names."""
+    from pagedllm.model.arch import tp_layout
+    from pagedllm.model.loader import load_gguf
+
+    _, d, path = tiny
+    with pytest.raises(ValueError, match="speculative decoding"):
+        LLM(model=path, max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="swap"):
+        LLM(model=path, max_model_len=128, preemption_mode="swap", swap_space=0.01)
+    cfg, _ = load_gguf(path)
+    with pytest.raises(ValueError, match="linear-attention"):
+        tp_layout(cfg, 2)
+
+
+def test_serves_through_the_openai_api(tiny, tmp_path_factory, llm):
+    """The GGUF file behind the server with its defaults: /v1/completions' greedy text, whole and streamed, is
+    the text of transformers' tokens; the second request with the same prompt restores the first one's state
+    snapshot (a prefix hit in the metrics); /debug/kv and /metrics show the state slots, all free at the end."""
+    import httpx
+    import openai
+
+    from helpers import scrape, start_server
+
+    model, _, path = tiny
+    want = llm.get_tokenizer().decode(_reference(model, PROMPTS[1])[0])
+    proc, base, _ = start_server(tmp_path_factory, "--model", path, "--served-model-name", "qwen35")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        kw = dict(model="qwen35", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})
+        assert client.completions.create(**kw).choices[0].text == want
+        assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == want
+        kv = httpx.get(base + "/debug/kv").json()
+        slots = kv["state_slots"]
+        assert kv["consistent"] and slots["num_held"] == 0 and slots["num_free"] == slots["num_slots"] > 0
+        assert slots["num_snapshots"] == 1 and slots["bytes_per_slot"] > 0
+        m = scrape(base)
+        assert m["pagedllm:prefix_cache_hits_total"] == 32  # the second request: two blocks' state restored
+        assert m["pagedllm:recurrent_state_slots"] == slots["num_slots"]
+        assert m["pagedllm:recurrent_state_snapshots"] == 1
+    finally:
+        proc.terminate()
+        proc.wait(30)
