@@ -38,6 +38,9 @@ class StateMetadata:
     decode_slots: torch.Tensor | None  # (Bd,) long: their slots
     num_decodes: int = 0
     prefills: list[StatePrefill] = field(default_factory=list)
+    # every sequence (decode rows and prefill chunks), for the fused kernel: (B, 5) long rows of [first row, rows,
+    # slot, snapshot after this many rows (0: none), snapshot slot]
+    seqs: torch.Tensor | None = None
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -46,37 +49,62 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's rows through the gated delta rule in chunks. q, k: (L, H, Dk) float32 (normalised, q
-    scaled); v: (L, H, Dv); g, beta: (L, H); state: (H, Dk, Dv) float32, the state before the first row. Returns
-    (out (L, H, Dv), the state after the last row)."""
-    n = q.shape[0]
-    chunk = min(chunk, n)
-    pad = (chunk - n % chunk) % chunk
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # (H, L', D)
-    beta, g = (F.pad(x.transpose(0, 1), (0, pad)) for x in (beta, g))  # (H, L')
-    h = q.shape[0]
-    nc = q.shape[1] // chunk
-    v_beta = (v * beta.unsqueeze(-1)).view(h, nc, chunk, -1)
-    k_beta = (k * beta.unsqueeze(-1)).view(h, nc, chunk, -1)
-    q, k = q.view(h, nc, chunk, -1), k.view(h, nc, chunk, -1)
-    cum = g.view(h, nc, chunk).cumsum(dim=-1)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # (H, C, c, c)
-    ut = (k_beta @ k.transpose(-1, -2)) * decay
-    intra = (q @ k.transpose(-1, -2)) * decay
+                     state: torch.Tensor, pieces: list[list[tuple[int, int]]], chunk: int = CHUNK,
+                     saves: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """B sequences' rows through the gated delta rule in chunks, batched over the sequences. q, k: (n, H, Dk) float32
+    (normalised, q scaled); v: (n, H, Dv); g, beta: (n, H); ``state``: (B, H, Dk, Dv) float32, each sequence's state
+    before its first row; ``pieces[b]``: sequence b's rows as consecutive [start, end) ranges of the n rows, each
+    padded to whole chunks (a piece ends where a snapshot is taken: ``saves[b]`` = the index of the piece after
+    which sequence b's state is returned). Padded rows have k = v = beta = g = 0: they leave a state unchanged, as
+    transformers' padding does. Returns (out (n, H, Dv), the states after the last rows, {b: snapshot state})."""
+    n, h, dk = k.shape
+    dv = v.shape[-1]
+    dev = q.device
+    chunks = [[(lo + i, min(lo + i + chunk, hi)) for lo, hi in ps for i in range(0, hi - lo, chunk)] for ps in pieces]
+    nc = max(len(c) for c in chunks)
+    bsz = len(pieces)
+    # where each real row sits in the padded (B, nc * chunk) layout
+    dst = torch.tensor([(b * nc + j) * chunk + r - lo for b, cs in enumerate(chunks) for j, (lo, hi) in enumerate(cs)
+                        for r in range(lo, hi)], dtype=torch.long, device=dev)
+    src = torch.tensor([r for cs in chunks for lo, hi in cs for r in range(lo, hi)], dtype=torch.long, device=dev)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # (n, H, ...) -> (nc, B, H, chunk, ...), contiguous
+        out = x.new_zeros((bsz * nc * chunk, *x.shape[1:]))
+        out[dst] = x[src]
+        out = out.view(bsz, nc, chunk, *x.shape[1:])
+        perm = (1, 0, 3, 2, 4) if x.dim() == 3 else (1, 0, 3, 2)
+        return out.permute(*perm).contiguous()
+
+    q, k, v, beta, g = padded(q), padded(k), padded(v), padded(beta), padded(g)
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    cum = g.cumsum(dim=-1)  # (nc, B, H, chunk)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
+    kt = k.transpose(-1, -2)
+    ut = (k_beta @ kt).mul_(decay)
+    intra = (q @ kt).mul_(decay)
     new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    q = q * cum.exp().unsqueeze(-1)
-    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # (H, C, 1, 1)
+    ecum = cum.exp()
+    k_cum = torch.linalg.solve_triangular(ut, k_beta * ecum.unsqueeze(-1), upper=False, unitriangular=True)
+    q = q * ecum.unsqueeze(-1)
+    k = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # (nc, B, H, Dk, chunk)
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # (nc, B, H, 1, 1)
     out = torch.empty_like(new_v)
-    s = state
+    ends = {b: sum(-(-(hi - lo) // chunk) for lo, hi in pieces[b][:i + 1]) - 1 for b, i in (saves or {}).items()}
+    snaps = {}
+    st = state.contiguous()
     for i in range(nc):
-        v_new = new_v[:, i] - k_cum[:, i] @ s
-        out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
-        s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    return out.reshape(h, nc * chunk, -1)[:, :n].transpose(0, 1), s
+        v_new = torch.sub(new_v[i], k_cum[i] @ st)
+        torch.matmul(q[i], st, out=out[i])
+        out[i].add_(intra[i] @ v_new)
+        st = torch.addcmul(k[i] @ v_new, st, chunk_decay[i])
+        for b, e in ends.items():
+            if e == i:
+                snaps[b] = st[b].clone()
+    res = out.permute(1, 0, 3, 2, 4).reshape(bsz * nc * chunk, h, dv)
+    o = torch.empty(n, h, dv, dtype=res.dtype, device=dev)
+    o[src] = res[dst]
+    return o, st, snaps
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -153,49 +181,64 @@ class GatedDeltaNet:
         if proj.dtype != x.dtype:
             proj = proj.to(x.dtype)
         c, vs, nv = self.conv_dim, self.value_size, self.nv
+        if ops.fused and self.dv % 16 == 0:  # every sequence through the fused kernel, states updated in place
+            return self.out(ops.kernels.gated_delta_rows(
+                proj, meta.seqs, conv_pool, rec_pool, self.conv, self.a_neg, self.dt_bias, self.norm, self.nk,
+                self.dk, self.dv, self.v_tiled, self.eps))
+        rows = meta.decode_rows
         mixed, z = proj[:, :c], proj[:, c:c + vs]
         beta = torch.sigmoid(proj[:, c + vs:c + vs + nv]).float()
         g = self.a_neg * F.softplus(proj[:, c + vs + nv:].float() + self.dt_bias)  # (T, Hv) float32
-        core = torch.empty(t, nv, self.dv, dtype=torch.float32, device=x.device)
+        out = torch.empty(t, vs, dtype=x.dtype, device=x.device)  # the gated norm's rows
         w = self.conv
         if meta.num_decodes:
-            rows, slots = meta.decode_rows, meta.decode_slots
+            slots = meta.decode_slots
             xd = mixed if rows is None else mixed[rows]
             window = torch.cat([conv_pool[slots], xd.unsqueeze(-1).to(conv_pool.dtype)], dim=-1)  # (B, C, K)
             conv_pool[slots] = window[:, :, 1:]
             y = F.silu((window.to(w.dtype) * w).sum(dim=-1)).to(x.dtype)
             q, k, v = self._heads(y)
-            s = rec_pool[slots]
-            o = recurrent_step(q, k, v, g if rows is None else g[rows], beta if rows is None else beta[rows], s)
-            rec_pool[slots] = s
+            st = rec_pool[slots]
+            o = recurrent_step(q, k, v, g if rows is None else g[rows], beta if rows is None else beta[rows], st)
+            rec_pool[slots] = st
             if rows is None:
-                core = o
-            else:
-                core[rows] = o
-        for p in meta.prefills:
+                return self.out(self._gated_norm(o, z))
+            out[rows] = self._gated_norm(o, z[rows])
+        if meta.prefills:
+            self._prefills(meta.prefills, mixed, z, g, beta, conv_pool, rec_pool, out)
+        return self.out(out)
+
+    def _prefills(self, prefills: list[StatePrefill], mixed, z, g, beta, conv_pool, rec_pool, out) -> None:
+        """Every prefill chunk of the step: each sequence's convolution over its slot's inputs and its rows, then
+        the chunked rule for all of them at once; states (and snapshots) written back to the pools."""
+        w, c, km1 = self.conv, self.conv_dim, self.kernel - 1
+        ys, seqs, pieces, saves, pos = [], [], [], {}, 0
+        for b, p in enumerate(prefills):
             n = p.end - p.start
             seq = torch.cat([conv_pool[p.slot], mixed[p.start:p.end].t().to(conv_pool.dtype)], dim=-1)  # (C, K-1+n)
-            y = F.conv1d(seq.unsqueeze(0).to(w.dtype), w.unsqueeze(1), groups=c)[0]  # (C, n)
-            y = F.silu(y).to(x.dtype).t()
-            q, k, v = self._heads(y)
-            gs, bs = g[p.start:p.end], beta[p.start:p.end]
-            s = rec_pool[p.slot]
-            if 0 < p.save_rows < n:  # a snapshot at a block boundary inside the chunk: the rows in two runs
-                m = p.save_rows
-                o1, s = chunk_delta_rule(q[:m], k[:m], v[:m], gs[:m], bs[:m], s)
-                rec_pool[p.save_slot] = s
-                conv_pool[p.save_slot] = seq[:, m:m + self.kernel - 1]
-                o2, s = chunk_delta_rule(q[m:], k[m:], v[m:], gs[m:], bs[m:], s)
-                core[p.start:p.end] = torch.cat([o1, o2])
+            seqs.append(seq)
+            ys.append(F.silu(F.conv1d(seq.unsqueeze(0).to(w.dtype), w.unsqueeze(1), groups=c)[0]).t())  # (n, C)
+            if 0 < p.save_rows < n:  # a snapshot inside the chunk: the rows in two pieces, each in whole chunks
+                pieces.append([(pos, pos + p.save_rows), (pos + p.save_rows, pos + n)])
+                saves[b] = 0
             else:
-                o, s = chunk_delta_rule(q, k, v, gs, bs, s)
-                core[p.start:p.end] = o
-            rec_pool[p.slot] = s
-            conv_pool[p.slot] = seq[:, n:]
-            if p.save_rows == n:  # the snapshot is the state after the whole chunk
-                rec_pool[p.save_slot] = s
-                conv_pool[p.save_slot] = seq[:, n:]
-        return self.out(self._gated_norm(core, z))
+                pieces.append([(pos, pos + n)])
+                if p.save_rows == n:
+                    saves[b] = 0
+            pos += n
+        rows = torch.cat([torch.arange(p.start, p.end) for p in prefills]).to(mixed.device)
+        q, k, v = self._heads(torch.cat(ys).to(z.dtype))
+        slots = torch.tensor([p.slot for p in prefills], dtype=torch.long, device=mixed.device)
+        o, st, snaps = chunk_delta_rule(q, k, v, g[rows], beta[rows], rec_pool[slots], pieces, saves=saves)
+        out[rows] = self._gated_norm(o, z[rows])
+        rec_pool[slots] = st
+        for b, p in enumerate(prefills):
+            n = p.end - p.start
+            conv_pool[p.slot] = seqs[b][:, n:]
+            if b in snaps:
+                rec_pool[p.save_slot] = snaps[b]
+                m = p.save_rows
+                conv_pool[p.save_slot] = seqs[b][:, m:m + km1]
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each value head (float32), rounded to the model dtype, times the weight, times SiLU(z)

@@ -84,15 +84,18 @@ def _time_ms(fn, x: torch.Tensor, min_s: float = 0.03, max_reps: int = 50) -> fl
     return sorted(times)[len(times) // 2] * 1e3
 
 
+# a layer's linears as checkpoints store them: attention (fused or not: phi3), the MLP (gate and up fused or not),
+# a Gated DeltaNet's projections (qkv, z, beta, alpha in, out)
+LAYER_LINEARS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "z", "beta", "alpha", "out")
+
+
 def _linear_names(weights: dict, num_layers: int) -> tuple[list[str], str]:
-    """The names of every layer's linears (as the checkpoint stores them) and of the LM head."""
+    """The names of every layer's linears (as the checkpoint stores them; a mixture of experts: every expert's)
+    and of the LM head."""
     peek = getattr(weights, "peek", weights.get)  # a LazyWeights' value without decoding it
-    # fused in the checkpoint (phi3: qkv, gate_up) or not; a mixture of experts: every expert's
-    attn = ("qkv", "o") if peek("layers.0.qkv") is not None else ("q", "k", "v", "o")
-    gate_up = ("gate_up",) if peek("layers.0.gate_up") is not None else ("gate", "up")
-    mlp = gate_up + ("down",) if peek("layers.0.experts.0.down") is None else tuple(
-        f"experts.{e}.{n}" for e in range(_num_experts(weights)) for n in ("gate", "up", "down"))
-    return [f"layers.{i}.{n}" for i in range(num_layers) for n in attn + mlp], "lm_head" if "lm_head" in weights else "embed"
+    experts = tuple(f"experts.{e}.{n}" for e in range(_num_experts(weights)) for n in ("gate", "up", "down"))
+    return [f"layers.{i}.{n}" for i in range(num_layers) for n in LAYER_LINEARS + experts
+            if peek(f"layers.{i}.{n}") is not None], "lm_head" if "lm_head" in weights else "embed"
 
 
 def blocks_for_autotune(weights: dict, num_layers: int) -> bool:
@@ -117,8 +120,10 @@ def _num_experts(weights: dict) -> int:
 
 
 def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
-    """Layer 0's linears, fused as the model fuses them (a mixture of experts: its first expert's MLP)."""
-    p = "layers.0."
+    """The first attention layer's linears, fused as the model fuses them (a mixture of experts: its first
+    expert's MLP)."""
+    i = next(i for i in range(len(weights)) if f"layers.{i}.o" in weights)  # (a hybrid's first may be recurrent)
+    p = f"layers.{i}."
     mlp = p if f"{p}down" in weights else f"{p}experts.0."
     return {
         "qkv": weights[p + "qkv"] if p + "qkv" in weights else concat([weights[p + n] for n in ("q", "k", "v")],

@@ -61,8 +61,11 @@ class KVCache:
         # the linear (Gated DeltaNet) layers' recurrent state pools: per layer (conv inputs, state matrix) shapes
         self.state_layers = model.cfg.linear_layers() if hasattr(model.cfg, "linear_layers") else []
         self.state_shapes = [model.layers[i].attn.state_shapes() for i in self.state_layers]
-        # bytes of one sequence's state over all of them: the convolution's inputs in the model's dtype, S in float32
-        self.state_bytes_per_slot = sum(math.prod(c) * dtype.itemsize + math.prod(r) * 4 for c, r in self.state_shapes)
+        # bytes of one sequence's state over all of them: the convolution's inputs in the activations' dtype (not
+        # the KV cache's), S in float32
+        self.state_dtype = getattr(model, "dtype", dtype)
+        self.state_bytes_per_slot = sum(math.prod(c) * self.state_dtype.itemsize + math.prod(r) * 4
+                                        for c, r in self.state_shapes)
         self.num_state_slots = 0
         self.state_caches: KVLayers = []  # per linear layer: (conv pool, state pool), a row per slot
         elem = dtype.itemsize
@@ -111,7 +114,7 @@ class KVCache:
                 raise ValueError("preemption_mode='swap' with linear-attention (recurrent state) layers is not "
                                  "supported yet: use recompute")
             self.num_state_slots = num_state_slots
-            dt, dev = self.dtype, self.device
+            dt, dev = self.state_dtype, self.device
             # lazily committed like the KV blocks: a slot's pages are resident once a sequence uses it
             self.state_caches = [(zeros((num_state_slots, *cs), dt, dev)[0],
                                   zeros((num_state_slots, *rs), torch.float32, dev)[0])

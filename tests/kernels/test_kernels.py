@@ -696,3 +696,48 @@ def test_a_lock_left_by_an_interrupted_build_does_not_hang_the_next_start(ops):
     assert run.returncode == 0, run.stderr[-2000:]
     assert not stale
     assert "left by a kernel build that was interrupted" in run.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_tiled", [False, True])
+def test_gated_delta_rows_match_the_layers_torch_path(ops, dtype, v_tiled):
+    """Gated DeltaNet's fused step (deltanet.cpp: conv, recurrence row by row, gated norm, states in place) against
+    the layer's torch path (the chunked rule) on one step of mixed sequences: two decode rows, a 90-row prefill
+    that saves a snapshot after 70 rows, a 5-row one starting from a zero state. Outputs, the updated states and
+    the snapshot agree."""
+    from pagedllm.layers.gated_deltanet import GatedDeltaNet, StateMetadata, StatePrefill
+
+    torch.manual_seed(3)
+    nk, nv, dk, dv, k = 2, 4, 32, 32, 4
+    c = 2 * nk * dk + nv * dv
+    hidden = 48
+    w_in = torch.randn(c + nv * dv + 2 * nv, hidden) * 0.2
+    w_out = torch.randn(hidden, nv * dv) * 0.1
+    layer = GatedDeltaNet(lambda x: x @ w_in.to(x.dtype).T, lambda y: y.float() @ w_out.T,
+                          (torch.randn(c, k) * 0.5).to(dtype), -torch.rand(nv) * 3 - 0.5, torch.randn(nv) * 0.3,
+                          (1 + torch.randn(dv) * 0.1).to(dtype), nk, nv, dk, dv, v_tiled, 1e-6)
+    slots = 8
+    conv0 = (torch.randn(slots, c, k - 1) * 0.5).to(dtype)
+    rec0 = torch.randn(slots, nv, dk, dv) * 0.1
+    rec0[5], conv0[5] = 0, 0  # the 5-row prefill starts a sequence
+    x = torch.randn(97, hidden).to(dtype)
+    # rows: decode (slot 1), prefill 90 rows (slot 2, snapshot after 70 into slot 6), decode (slot 3), 5 rows (slot 5)
+    prefills = [StatePrefill(1, 91, 2, 70, 6), StatePrefill(92, 97, 5)]
+    meta = StateMetadata(torch.tensor([0, 91]), torch.tensor([1, 3]), 2, prefills,
+                         torch.tensor([[0, 1, 1, 0, -1], [91, 1, 3, 0, -1], [1, 90, 2, 70, 6], [92, 5, 5, 0, -1]]))
+    outs, pools = [], []
+    for fused in (True, False):
+        conv, rec = conv0.clone(), rec0.clone()
+        run_ops = TorchOps()
+        if fused:
+            run_ops = type("Fused", (), {"fused": True, "kernels": ops})()
+        outs.append(layer(x, None, None, (conv, rec), meta, run_ops))
+        pools.append((conv, rec))
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+    err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
+    assert err < tol, err
+    for s in (1, 2, 3, 5, 6):
+        assert torch.equal(pools[0][0][s], pools[1][0][s]), s  # the convolution's inputs: copies of the rows
+        err = ((pools[0][1][s] - pools[1][1][s]).abs().max() / pools[1][1][s].abs().max()).item()
+        assert err < tol, (s, err)
+    assert torch.equal(pools[0][1][0], rec0[0]) and torch.equal(pools[0][1][7], rec0[7])  # other slots untouched

@@ -40,6 +40,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "window keys; softcap > 0: scores soft-capped; sinks: a float32 logit per query head in each softmax's denominator)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), nogil);
+  m.def("gated_delta_rows", &gated_delta_rows, "Gated DeltaNet over a step's sequences (seqs: (B, 5) start row, "
+        "rows, state slot, snapshot after this many rows or 0, snapshot slot), their conv and recurrent states "
+        "updated in place in the pools; returns the gated RMSNorm's output (T, Hv Dv)", py::arg("proj"),
+        py::arg("seqs"), py::arg("conv_pool"), py::arg("rec_pool"), py::arg("conv_w"), py::arg("a_neg"),
+        py::arg("dt_bias"), py::arg("norm_w"), py::arg("nk"), py::arg("dk"), py::arg("dv"), py::arg("v_tiled"),
+        py::arg("eps"), nogil);
+  m.def("flush_denormals", &flush_denormals, "FTZ and DAZ on every thread of the OpenMP team (x86; False elsewhere)");
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
   m.def("qk_norm", &qk_norm, "RMSNorm of each q head and each k head of qkv's rows, in place", nogil);

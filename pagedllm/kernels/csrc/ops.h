@@ -1,4 +1,5 @@
-// The kernels the module exports (bindings.cpp), defined in attention.cpp, qlinear.cpp, qlinear_k.cpp and pack.cpp.
+// The kernels the module exports (bindings.cpp), defined in attention.cpp, deltanet.cpp, qlinear.cpp, qlinear_k.cpp
+// and pack.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,6 +24,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 at::Tensor swiglu_oai_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
+bool flush_denormals();
+at::Tensor gated_delta_rows(const at::Tensor& proj, const at::Tensor& seqs, at::Tensor conv_pool, at::Tensor rec_pool,
+                            const at::Tensor& conv_w, const at::Tensor& a_neg, const at::Tensor& dt_bias,
+                            const at::Tensor& norm_w, int64_t nk, int64_t dk, int64_t dv, bool v_tiled, double eps);
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                    int64_t N, int64_t levels = 2, const std::optional<at::Tensor>& table = std::nullopt,
                    int64_t table_zero = 0);
