@@ -22,10 +22,12 @@ class KVCacheManager:
     first token left to compute."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: tuple[int, ...] = (0,), record_events: bool = False, num_state_slots: int = 0) -> None:
+                 windows: tuple[int, ...] = (0,), record_events: bool = False, num_state_slots: int = 0,
+                 state_live_slots: int | None = None) -> None:
         """``num_state_slots`` > 0: the model has linear-attention layers; each running request also holds a
         recurrent-state slot (``StatePool``), and a prefix-cache hit needs the state snapshot saved after the
-        prefix's last block (each prompt saves one at its last block boundary)."""
+        prefix's last block (each prompt saves one at its last block boundary, into a slot beyond the
+        ``state_live_slots`` that running requests may claim)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.windows = tuple(windows)
@@ -38,7 +40,7 @@ class KVCacheManager:
         self.req_to_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many leading blocks of a request are registered
         self._window_start: dict[str, int] = {}  # per request: blocks before this are freed in the sliding groups
-        self.states = StatePool(num_state_slots) if num_state_slots else None
+        self.states = StatePool(num_state_slots, state_live_slots) if num_state_slots else None
         self._restore: dict[str, int] = {}  # request -> the snapshot slot its prefix hit restores (this step)
         self._saves: dict[str, tuple[int, int]] = {}  # request -> (rows into this step's chunk, snapshot slot)
         self._pending: dict[str, tuple[bytes, int]] = {}  # snapshots being written: request -> (key, slot)

@@ -13,8 +13,11 @@ from collections import OrderedDict
 
 
 class StatePool:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, live_slots: int | None = None) -> None:
+        """``live_slots``: at most this many requests run at once (``--max-num-seqs``); a snapshot is written only
+        into a slot beyond what they may still claim (default: none beyond ``num_slots``)."""
         self.num_slots = num_slots
+        self.live_slots = num_slots if live_slots is None else min(live_slots, num_slots)
         self._free: OrderedDict[int, bytes | None] = OrderedDict((s, None) for s in range(num_slots))  # LRU first
         self._by_hash: dict[bytes, int] = {}
         self.owner: dict[str, int] = {}  # request id -> its live slot
@@ -56,7 +59,10 @@ class StatePool:
         return self._by_hash.get(key)
 
     def reserve(self) -> int | None:
-        """A free slot for a snapshot the next step writes (``register`` after it ran, or ``discard``)."""
+        """A free slot for a snapshot the next step writes (``register`` after it ran, or ``discard``), or None
+        when taking it could leave a request that may still start without a slot."""
+        if self.num_free - 1 < self.live_slots - len(self.owner):
+            return None
         return self.take()
 
     def register(self, key: bytes, slot: int) -> None:

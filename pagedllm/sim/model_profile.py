@@ -219,6 +219,9 @@ def _from_arch(cfg: ModelArchConfig, name: str, path: str, scheme: "QuantScheme 
     if cfg.num_experts:
         raise ValueError(f"{path}: mixture-of-experts models are not simulated yet (their active weights per token "
                          "differ from a dense model's)")
+    if cfg.hybrid_state:
+        raise ValueError(f"{path}: models with linear-attention (recurrent state) layers are not simulated yet (the "
+                         "cost model knows attention layers and their KV, not a per-sequence state)")
     return ModelProfile(
         name=name, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,

@@ -203,7 +203,7 @@ def test_quantized_file_runs_from_its_blocks(tiny, tmp_path):
 
 def test_what_the_recurrent_state_does_not_support_is_refused(tiny):
     """Speculative decoding (a rejected draft would have advanced the state), swap preemption (the state is not
-    swapped yet) and tensor parallelism stop the start with their names."""
+    swapped yet), tensor parallelism and the simulator stop with their names."""
     from pagedllm.model.arch import tp_layout
     from pagedllm.model.loader import load_gguf
 
@@ -215,6 +215,10 @@ def test_what_the_recurrent_state_does_not_support_is_refused(tiny):
     cfg, _ = load_gguf(path)
     with pytest.raises(ValueError, match="linear-attention"):
         tp_layout(cfg, 2)
+    from pagedllm.sim.model_profile import load_model_profile
+
+    with pytest.raises(ValueError, match="not simulated yet"):  # the simulator's cost model has no state
+        load_model_profile(path)
 
 
 def test_serves_through_the_openai_api(tiny, tmp_path_factory, llm):
