@@ -56,9 +56,13 @@ class MoE:
     are added in ascending order, as the reference does."""
 
     def __init__(self, router: torch.Tensor, experts: list[GatedMLP], top_k: int, norm_topk_prob: bool,
-                 router_bias: torch.Tensor | None = None) -> None:
+                 router_bias: torch.Tensor | None = None, shared: GatedMLP | None = None,
+                 shared_gate: torch.Tensor | None = None) -> None:
+        """``shared``: an expert every token goes through, its output times sigmoid(x . ``shared_gate``) (Qwen 3.5
+        MoE, Qwen3-Next)."""
         self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
         self.router_bias = router_bias
+        self.shared, self.shared_gate = shared, shared_gate
 
     @classmethod
     def load(cls, src: WeightSource, prefix: str, act: str, num_experts: int, top_k: int,
@@ -68,11 +72,17 @@ class MoE:
         router = src.float_tensor(prefix + "router")
         bias = src.float_tensor(prefix + "router_bias") if prefix + "router_bias" in src else None
         experts = [GatedMLP.load(src, f"{prefix}experts.{e}.", act, dense=False) for e in range(num_experts)]
-        return cls(router, experts, top_k, norm_topk_prob, bias)
+        shared = shared_gate = None
+        if prefix + "shared.down" in src or prefix + "shared.gate_up" in src:  # a gated shared expert
+            shared = GatedMLP.load(src, prefix + "shared.", act)
+            shared_gate = src.float_tensor(prefix + "shared_gate")
+        return cls(router, experts, top_k, norm_topk_prob, bias, shared, shared_gate)
 
     def linear_slots(self, prefix: str):
         for e, expert in enumerate(self.experts):
             yield from expert.linear_slots(f"{prefix}experts.{e}.")
+        if self.shared is not None:
+            yield from self.shared.linear_slots(prefix + "shared.")
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         probs = torch.softmax(F.linear(x, self.router, self.router_bias), dim=-1, dtype=torch.float32)
@@ -85,6 +95,8 @@ class MoE:
             slot, rows = torch.where((chosen == e).T)  # (k, T) order: by slot, then token, as the reference
             y = self.experts[e](x[rows].contiguous(), ops)
             out.index_add_(0, rows, y * weights[rows, slot, None])
+        if self.shared is not None:
+            out += torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, ops)
         return out
 
     __call__ = forward

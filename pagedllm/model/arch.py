@@ -65,6 +65,7 @@ class ModelArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0  # > 0: a gated shared expert beside the routed ones (Qwen 3.5 MoE)
     rotary_dim: int = 0  # dimensions of each q/k head the rotary turns (the first ones; 0: all of head_dim)
     attn_output_gate: bool = False  # attention output times sigmoid(a per-channel gate from q's projection) (qwen3.5)
     # Gated DeltaNet ("linear" layers: Qwen 3.5, Qwen3-Next): key/value heads and sizes, the short convolution's
@@ -231,7 +232,7 @@ def _gguf_common(meta: GGUFMeta) -> dict:
         num_heads=n_head,
         num_kv_heads=int(kv("attention.head_count_kv", n_head)),
         head_dim=int(kv("attention.key_length", hidden // n_head)),
-        intermediate_size=int(kv("feed_forward_length")),
+        intermediate_size=int(kv("feed_forward_length", kv("expert_feed_forward_length", 0))),  # (MoE-only: experts')
         rms_norm_eps=float(kv("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(kv("rope.freq_base", 10000.0)),
         max_position=int(kv("context_length", 2048)),
@@ -260,7 +261,7 @@ def _hf_common(hf: dict, arch: str) -> dict:
         num_heads=n_head,
         num_kv_heads=hf.get("num_key_value_heads") or n_head,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
-        intermediate_size=hf["intermediate_size"],
+        intermediate_size=hf.get("intermediate_size") or hf.get("moe_intermediate_size", 0),  # (MoE-only: experts')
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,

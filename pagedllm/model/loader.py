@@ -111,8 +111,13 @@ GGUF_LAYER_NAMES = {
     "ffn_down.weight": "down",
     "post_ffw_norm.weight": "mlp_out_norm",
     "ffn_gate_inp.weight": "router",  # mixture of experts: the router, and the experts stacked in one tensor each
+    "ffn_gate_shexp.weight": "shared.gate",  # a shared expert and its gate (Qwen 3.5 MoE, Qwen 2 MoE)
+    "ffn_up_shexp.weight": "shared.up",
+    "ffn_down_shexp.weight": "shared.down",
+    "ffn_gate_inp_shexp.weight": "shared_gate",
 }
 GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
+                "ffn_gate_up_exps.weight": "gate_up",  # (fused by the converter's option: gate rows, then up)
                 "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
 GGUF_EXPERT_OLD = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # early Mixtral files: a tensor per expert
 HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
@@ -136,6 +141,10 @@ HF_LAYER_NAMES = {
     "mlp.down_proj.weight": "down",
     "mlp.gate.weight": "router",
     "block_sparse_moe.gate.weight": "router",
+    "mlp.shared_expert.gate_proj.weight": "shared.gate",
+    "mlp.shared_expert.up_proj.weight": "shared.up",
+    "mlp.shared_expert.down_proj.weight": "shared.down",
+    "mlp.shared_expert_gate.weight": "shared_gate",
 }
 # one expert's projection (qwen3moe: mlp.experts.E.gate_proj; mixtral: block_sparse_moe.experts.E.w1 / w3 / w2)
 HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -244,7 +253,7 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
 
 
 # multimodal checkpoints whose text model is served: model_type -> the text config's
-MULTIMODAL = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}
+MULTIMODAL = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:

@@ -152,8 +152,6 @@ class ModelRunner:
         self.num_state_slots = (seqs + (max(2, seqs // 4) if config.cache.enable_prefix_caching else 0)
                                 if arch.hybrid_state else 0)
         self.kv.allocate(num_blocks, self.max_model_len, self.num_state_slots)
-        if self.num_state_slots and ops is not None:
-            ops.flush_denormals()  # decaying states pass through denormals: 4.5x slower matmuls (deltanet.cpp)
         self.proposer: Proposer | None = None  # rank 0's speculative proposer
         if spec is not None and rank == 0:
             if self.draft_model is not None:

@@ -18,17 +18,22 @@ PROMPTS = [[5, 17, 300, 42, 9], list(range(100, 140)), [1000, 2000, 3000] * 9]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _hf_model(vocab: int):
+def _hf_model(vocab: int, moe: bool = False):
     import transformers as tf
 
     torch.manual_seed(0)
-    # 4 layers (3 DeltaNet, 1 attention), 4 value heads over 2 key heads, rotary on 8 of 32 dimensions
-    cfg = tf.Qwen3_5TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                               rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
-                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                               linear_value_head_dim=16, linear_conv_kernel_dim=4)
-    model = tf.Qwen3_5ForCausalLM(cfg)
+    # 4 layers (3 DeltaNet, 1 attention), 4 value heads over 2 key heads, rotary on 8 of 32 dimensions; the MoE
+    # variant: 4 experts of 32, 2 per token, a shared expert of 48
+    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  eos_token_id=2, bos_token_id=1, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    if moe:
+        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                                 moe_intermediate_size=32,
+                                                                 shared_expert_intermediate_size=48))
+    else:
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common, intermediate_size=128))
     with torch.no_grad():
         for p in model.parameters():  # larger weights: confident greedy choices; norms not all 1 (or 0)
             p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
@@ -56,11 +61,18 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
     from pagedllm.gguf_file import GGUFFile
 
     src, c = GGUFFile(default_model_path()), model.config
-    w = gguf.GGUFWriter(path, "qwen35")
+    moe = hasattr(c, "num_experts")
+    w = gguf.GGUFWriter(path, "qwen35moe" if moe else "qwen35")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    if moe:  # as llama.cpp's converter: the experts' sizes, stacked experts, the shared expert and its gate
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    else:
+        w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(c.head_dim)
@@ -80,11 +92,20 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
         fn(src.get(f"tokenizer.ggml.{key}"))
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
     nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     r = nv // nk
     for name, t in model.state_dict().items():
         t = t.float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):  # (E, 2I, H): gate rows then up rows, split as llama.cpp
+            i = name.split(".")[2]
+            gate, up = np.split(t, 2, axis=1)
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            w.add_tensor(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", np.ascontiguousarray(t))
+            continue
         base, _, suffix = name.rpartition(".")
         if name.endswith(".A_log"):
             base, suffix, t = name, "", -np.exp(t)
@@ -130,11 +151,11 @@ def tiny(tmp_path_factory, llm):
     return model, str(d), path
 
 
-def _check(path: str, model):
+def _check(path: str, model, arch: str = "qwen35"):
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     alone = LLM(model=path, max_model_len=512, dtype="float32", enable_prefix_caching=False)
     built = model_of(alone)
-    assert built.cfg.arch == "qwen35" and built.cfg.layer_types == ("linear",) * 3 + ("full",)
+    assert built.cfg.arch == arch and built.cfg.layer_types == ("linear",) * 3 + ("full",)
     assert {type(la.attn).__name__ for la in built.layers} == {"GatedDeltaNet", "Attention"}
     refs = [_reference(model, p) for p in PROMPTS]
     fused = built.ops
@@ -167,6 +188,19 @@ def _check(path: str, model):
         assert o.outputs[0].token_ids == _reference(model, p)[0], p
         assert o.num_cached_tokens == 32  # two of PROMPTS[1]'s blocks: its prefix not recomputed
     assert sched.kv.prefix_cache_hits - before == 64
+
+
+def test_moe_with_a_shared_expert_matches_transformers(tmp_path, llm):
+    """Qwen 3.5 MoE: the same hybrid layers, experts (top 2 of 4) and a gated shared expert in every layer; as an
+    HF directory and as llama.cpp's GGUF (experts stacked, the shared expert's ``_shexp`` tensors)."""
+    model = _hf_model(llm.engine.core.vocab_size, moe=True)
+    d = tmp_path / "hf"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    path = str(tmp_path / "tiny-qwen35moe.gguf")
+    _write_gguf(path, model)
+    for src in (str(d), path):
+        _check(src, model, "qwen35moe")
 
 
 def test_hf_directory_matches_transformers(tiny):

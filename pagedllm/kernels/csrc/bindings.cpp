@@ -46,7 +46,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seqs"), py::arg("conv_pool"), py::arg("rec_pool"), py::arg("conv_w"), py::arg("a_neg"),
         py::arg("dt_bias"), py::arg("norm_w"), py::arg("nk"), py::arg("dk"), py::arg("dv"), py::arg("v_tiled"),
         py::arg("eps"), nogil);
-  m.def("flush_denormals", &flush_denormals, "FTZ and DAZ on every thread of the OpenMP team (x86; False elsewhere)");
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
   m.def("qk_norm", &qk_norm, "RMSNorm of each q head and each k head of qkv's rows, in place", nogil);

@@ -46,6 +46,17 @@ constexpr int64_t DN_COLS = 16;  // columns of S per block of the recurrence (Dv
 
 struct Seq { int64_t start, n, slot, save_rows, save_slot; };
 
+// Denormals flushed to zero (FTZ) and read as zero (DAZ) while a thread runs this kernel, its own setting restored
+// after (MXCSR is per thread; the process's stays IEEE): a decaying state passes through the denormal range, where
+// each multiply costs ~100 cycles (the chunked form's matmuls ran 4.5x slower on them).
+struct FlushDenormals {
+#if defined(__SSE__) || defined(__x86_64__)
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
 template <typename T>
 void delta_rows_impl(const at::Tensor& proj, const std::vector<Seq>& seqs, at::Tensor& conv_pool, at::Tensor& rec_pool,
                      const at::Tensor& conv_w, const float* a_neg, const float* dt_bias, const T* norm_w, int64_t nk,
@@ -63,6 +74,7 @@ void delta_rows_impl(const at::Tensor& proj, const std::vector<Seq>& seqs, at::T
   float* const buf = kept.data();  // (the workers see the caller's buffer through this pointer, not their own)
   const int64_t nblk = (C + CONV_BLOCK - 1) / CONV_BLOCK;
   at::parallel_for(0, B * nblk, 1, [&](int64_t t0, int64_t t1) {
+    const FlushDenormals ftz;
     std::vector<float> wf(CONV_BLOCK * K), acc(CONV_BLOCK);
     for (int64_t t = t0; t < t1; ++t) {
       const Seq& s = seqs[t / nblk];
@@ -120,6 +132,7 @@ void delta_rows_impl(const at::Tensor& proj, const std::vector<Seq>& seqs, at::T
     }
   });
   at::parallel_for(0, B * Hv, 1, [&](int64_t i0, int64_t i1) {
+    const FlushDenormals ftz;
     std::vector<float> ob, dec, bet, zs(dv);
     for (int64_t task = i0; task < i1; ++task) {
       const Seq& s = seqs[task / Hv];
@@ -211,22 +224,6 @@ void delta_rows_impl(const at::Tensor& proj, const std::vector<Seq>& seqs, at::T
 }
 
 }  // namespace
-
-// Denormal floats flushed to zero (FTZ) and read as zero (DAZ) on every thread of the OpenMP team the kernels and
-// torch's matmuls share (MXCSR is per thread; torch.set_flush_denormal sets only the caller's). A decaying state
-// passes through the denormal range, where each multiply costs ~100 cycles: Gated DeltaNet's chunked prefill ran
-// 4.5x slower in its matmuls. Returns whether it was set (x86 only).
-bool flush_denormals() {
-#if defined(__SSE__) || defined(__x86_64__)
-  at::parallel_for(0, at::get_num_threads(), 1, [](int64_t, int64_t) { _mm_setcsr(_mm_getcsr() | 0x8040); });
-#pragma omp parallel
-  { _mm_setcsr(_mm_getcsr() | 0x8040); }
-  _mm_setcsr(_mm_getcsr() | 0x8040);
-  return true;
-#else
-  return false;
-#endif
-}
 
 at::Tensor gated_delta_rows(const at::Tensor& proj, const at::Tensor& seqs, at::Tensor conv_pool, at::Tensor rec_pool,
                             const at::Tensor& conv_w, const at::Tensor& a_neg, const at::Tensor& dt_bias,
