@@ -157,9 +157,10 @@ class GatedDeltaNet:
     def norms(self) -> dict[str, torch.Tensor]:
         return {"conv": self.conv, "ssm_a": self.a_neg, "dt_bias": self.dt_bias, "ssm_normw": self.norm}
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per slot: the convolution's inputs (conv_dim, K - 1) and the recurrent state (Hv, Dk, Dv)."""
-        return (self.conv_dim, self.kernel - 1), (self.nv, self.dk, self.dv)
+    def state_shapes(self) -> tuple[tuple[tuple[int, ...], bool], ...]:
+        """Per slot, (shape, float32?) of each pool: the convolution's inputs (conv_dim, K - 1) in the model's
+        dtype, the recurrent state (Hv, Dk, Dv) in float32."""
+        return ((self.conv_dim, self.kernel - 1), False), ((self.nv, self.dk, self.dv), True)
 
     def _heads(self, mixed: torch.Tensor):
         """Convolved rows (n, conv_dim) -> q, k (n, Hv, Dk) float32, normalised (q scaled), v (n, Hv, Dv) float32."""

@@ -12,6 +12,7 @@ from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos, hf_rope  # t
 
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
+STATE_LAYER_TYPES = ("linear", "conv")  # layers that keep a state per sequence instead of K/V
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ class ModelArchConfig:
     norm_float32: bool = False  # RMSNorm's weight multiplies the normalized x in float32, rounded once (gemma)
     attn_scale: float | None = None  # the query scale (None: head_dim ** -0.5)
     sliding_window: int | None = None  # keys a sliding layer sees, its own token included
-    # per layer "full", "sliding" or "linear" (a Gated DeltaNet layer: recurrent state, no KV); empty: all "full"
+    # per layer "full", "sliding", "linear" (a Gated DeltaNet layer: recurrent state, no KV) or "conv" (LFM2's short
+    # convolution: its last inputs as state, no KV); empty: all "full"
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # rotary base of the sliding layers, without scaling (gemma3)
     no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE layers)
@@ -85,14 +87,15 @@ class ModelArchConfig:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
-        if set(self.layer_types) - {"full", "sliding", "linear"}:
-            raise ValueError(f"layer types must be 'full', 'sliding' or 'linear', got {sorted(set(self.layer_types))}")
+        if set(self.layer_types) - {"full", "sliding", *STATE_LAYER_TYPES}:
+            raise ValueError(f"layer types must be 'full', 'sliding', 'linear' or 'conv', got "
+                             f"{sorted(set(self.layer_types))}")
         if "linear" in self.layer_types and not (self.linear_num_k_heads and self.linear_num_v_heads and
                                                  self.linear_conv_kernel and
                                                  self.linear_num_v_heads % self.linear_num_k_heads == 0):
             raise ValueError("linear (Gated DeltaNet) layers need their head counts (value heads a multiple of key "
                              "heads) and convolution kernel")
-        if self.layer_types and all(t == "linear" for t in self.layer_types):
+        if self.layer_types and all(t in STATE_LAYER_TYPES for t in self.layer_types):
             raise ValueError("at least one attention layer is needed")
         if self.rotary_dim and (self.rotary_dim > self.head_dim or self.rotary_dim % 2):
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
@@ -110,20 +113,21 @@ class ModelArchConfig:
         """Keys layer ``layer`` attends to (0: all of the context)."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding" else 0
 
-    def is_linear(self, layer: int) -> bool:
-        """A Gated DeltaNet layer: a recurrent state per sequence instead of K/V."""
-        return bool(self.layer_types) and self.layer_types[layer] == "linear"
+    def has_state(self, layer: int) -> bool:
+        """A layer with a state per sequence instead of K/V: Gated DeltaNet ("linear") or LFM2's short convolution
+        ("conv")."""
+        return bool(self.layer_types) and self.layer_types[layer] in STATE_LAYER_TYPES
 
     @property
     def hybrid_state(self) -> bool:
         """Some layers keep a recurrent state per sequence (next to the attention layers' paged KV)."""
-        return "linear" in self.layer_types
+        return any(t in STATE_LAYER_TYPES for t in self.layer_types)
 
-    def linear_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if self.is_linear(i)]
+    def state_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.has_state(i)]
 
     def kv_groups(self) -> KVGroups:
-        return kv_groups([None if self.is_linear(i) else self.window(i) for i in range(self.num_layers)])
+        return kv_groups([None if self.has_state(i) else self.window(i) for i in range(self.num_layers)])
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,11 @@ def tp_layout(cfg: ModelArchConfig, world_size: int, rank: int = 0) -> TPLayout:
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 
 
+def _max_int(v) -> int:
+    """A GGUF value that may be a per-layer array: its largest entry."""
+    return int(max(v)) if isinstance(v, (list, tuple)) or hasattr(v, "__len__") and not isinstance(v, str) else int(v)
+
+
 def _gguf_common(meta: GGUFMeta) -> dict:
     """The hyper-parameters every architecture's GGUF metadata holds alike (llama.cpp's key names)."""
     kv = meta.kv
@@ -230,7 +239,7 @@ def _gguf_common(meta: GGUFMeta) -> dict:
         hidden_size=hidden,
         num_layers=int(kv("block_count")),
         num_heads=n_head,
-        num_kv_heads=int(kv("attention.head_count_kv", n_head)),
+        num_kv_heads=_max_int(kv("attention.head_count_kv", n_head)),  # (LFM2: per layer, 0 on its conv layers)
         head_dim=int(kv("attention.key_length", hidden // n_head)),
         intermediate_size=int(kv("feed_forward_length", kv("expert_feed_forward_length", 0))),  # (MoE-only: experts')
         rms_norm_eps=float(kv("attention.layer_norm_rms_epsilon", 1e-6)),

@@ -17,6 +17,7 @@ import torch
 from pagedllm.layers.attention import Attention, AttentionMetadata, QueryTemperature
 from pagedllm.layers.decoder_layer import DecoderLayer
 from pagedllm.layers.gated_deltanet import GatedDeltaNet, StateMetadata
+from pagedllm.layers.short_conv import ShortConv
 from pagedllm.layers.linear import build_linear, tensor_bytes
 from pagedllm.layers.mlp import GatedMLP, MoE
 from pagedllm.layers.ops import choose_ops
@@ -82,8 +83,8 @@ class CausalLM:
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             window = cfg.window(i)
-            if cfg.is_linear(i):  # a recurrent state per sequence instead of K/V
-                attn = GatedDeltaNet.load(src, p, cfg)
+            if cfg.has_state(i):  # a state per sequence instead of K/V
+                attn = (GatedDeltaNet.load(src, p, cfg) if cfg.layer_types[i] == "linear" else ShortConv.load(src, p))
             else:
                 qkv, o = Attention.load_projections(src, p, cfg.attention_bias, cfg.attn_output_gate, cfg.head_dim)
                 attn = Attention(qkv, o, self.num_heads, self.num_kv_heads, cfg.head_dim, self.scale,

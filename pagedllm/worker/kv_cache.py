@@ -58,16 +58,16 @@ class KVCache:
         if self.groups.hybrid and draft_model is not None:
             raise ValueError("a draft model with a sliding-window target model is not supported yet "
                              "(use ngram speculation)")
-        # the linear (Gated DeltaNet) layers' recurrent state pools: per layer (conv inputs, state matrix) shapes
-        self.state_layers = model.cfg.linear_layers() if hasattr(model.cfg, "linear_layers") else []
+        # the state layers' pools (Gated DeltaNet: conv inputs and state matrix; a short convolution: its inputs):
+        # per layer, each pool's (shape per slot, float32?)
+        self.state_layers = model.cfg.state_layers() if hasattr(model.cfg, "state_layers") else []
         self.state_shapes = [model.layers[i].attn.state_shapes() for i in self.state_layers]
-        # bytes of one sequence's state over all of them: the convolution's inputs in the activations' dtype (not
-        # the KV cache's), S in float32
+        # the pools not in float32 are in the activations' dtype (not the KV cache's)
         self.state_dtype = getattr(model, "dtype", dtype)
-        self.state_bytes_per_slot = sum(math.prod(c) * self.state_dtype.itemsize + math.prod(r) * 4
-                                        for c, r in self.state_shapes)
+        self.state_bytes_per_slot = sum(math.prod(shape) * (4 if f32 else self.state_dtype.itemsize)
+                                        for pools in self.state_shapes for shape, f32 in pools)
         self.num_state_slots = 0
-        self.state_caches: KVLayers = []  # per linear layer: (conv pool, state pool), a row per slot
+        self.state_caches: list[tuple[torch.Tensor, ...]] = []  # per state layer: its pools, a row per slot
         elem = dtype.itemsize
         # KV bytes of one block across its layers (the draft model's layers included)
         self.bytes_per_block = sum(2 * self._slots(m) * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem
@@ -116,9 +116,8 @@ class KVCache:
             self.num_state_slots = num_state_slots
             dt, dev = self.state_dtype, self.device
             # lazily committed like the KV blocks: a slot's pages are resident once a sequence uses it
-            self.state_caches = [(zeros((num_state_slots, *cs), dt, dev)[0],
-                                  zeros((num_state_slots, *rs), torch.float32, dev)[0])
-                                 for cs, rs in self.state_shapes]
+            self.state_caches = [tuple(zeros((num_state_slots, *shape), torch.float32 if f32 else dt, dev)[0]
+                                       for shape, f32 in pools) for pools in self.state_shapes]
         per_seq = math.ceil(max_model_len / self.block_size)
         # a sliding group holds at least its window's blocks (and one reserved null block)
         needed = sum(min(per_seq, math.ceil(w / self.block_size) + 1) if w else per_seq
@@ -183,15 +182,13 @@ class KVCache:
         """Zero these slots' recurrent states (a sequence starting from its first token)."""
         if slots:
             idx = torch.tensor(slots, device=self.device)
-            for conv, rec in self.state_caches:
-                conv.index_fill_(0, idx, 0)
-                rec.index_fill_(0, idx, 0)
+            for pool in (t for pools in self.state_caches for t in pools):
+                pool.index_fill_(0, idx, 0)
 
     def copy_states(self, pairs: list[list[int]]) -> None:
         """Copy slot src's states to slot dst, for each [src, dst] (a prefix-cache snapshot restored)."""
         if pairs:
             src = torch.tensor([p[0] for p in pairs], device=self.device)
             dst = torch.tensor([p[1] for p in pairs], device=self.device)
-            for conv, rec in self.state_caches:
-                conv.index_copy_(0, dst, conv.index_select(0, src))
-                rec.index_copy_(0, dst, rec.index_select(0, src))
+            for pool in (t for pools in self.state_caches for t in pools):
+                pool.index_copy_(0, dst, pool.index_select(0, src))

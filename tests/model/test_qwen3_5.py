@@ -151,12 +151,13 @@ def tiny(tmp_path_factory, llm):
     return model, str(d), path
 
 
-def _check(path: str, model, arch: str = "qwen35"):
+def _check(path: str, model, arch: str = "qwen35", types=("linear",) * 3 + ("full",),
+           mixers=("GatedDeltaNet", "Attention")):
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     alone = LLM(model=path, max_model_len=512, dtype="float32", enable_prefix_caching=False)
     built = model_of(alone)
-    assert built.cfg.arch == arch and built.cfg.layer_types == ("linear",) * 3 + ("full",)
-    assert {type(la.attn).__name__ for la in built.layers} == {"GatedDeltaNet", "Attention"}
+    assert built.cfg.arch == arch and built.cfg.layer_types == types
+    assert {type(la.attn).__name__ for la in built.layers} == set(mixers)
     refs = [_reference(model, p) for p in PROMPTS]
     fused = built.ops
     assert fused.fused
@@ -170,7 +171,8 @@ def _check(path: str, model, arch: str = "qwen35"):
     del alone
     # batched, 16-token chunks, a shared prefix and a KV cache too small for all at once (preemption): same tokens
     c = model.config
-    block_bytes = 16 * 2 * c.num_key_value_heads * c.head_dim * 4  # one attention layer
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    block_bytes = 16 * 2 * c.num_key_value_heads * head_dim * 4 * types.count("full")  # the attention layers
     busy = LLM(model=path, max_model_len=128, dtype="float32", max_num_batched_tokens=16,
                kv_cache_memory=8 * block_bytes)
     prompts = PROMPTS + [PROMPTS[1] + [7, 8, 9], PROMPTS[2][:20], PROMPTS[1] + [7, 8, 9, 10]]

@@ -1,0 +1,77 @@
+"""LFM2: gated short-convolution layers (a per-sequence state of their last inputs) beside attention layers with
+QK-norm. A tiny random model from transformers' own config, as an HF directory and as a GGUF file written the way
+llama.cpp's converter writes it (KV heads per layer, 0 on the convolution layers; the convolution squeezed;
+``token_embd_norm`` as the final norm); against transformers in float32 on both backends, alone, batched with
+16-token chunks, under preemption, and with a prefix hit that restores the convolution's saved inputs."""
+
+import gguf
+import numpy as np
+import torch
+
+from test_qwen3_5 import _check
+
+TYPES = ("conv", "conv", "full", "conv", "full")
+
+
+def _hf_model(vocab: int):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Lfm2Config(vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=5,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, norm_eps=1e-5,
+                        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0, conv_L_cache=3,
+                        block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
+                        layer_types=["full_attention" if t == "full" else "conv" for t in TYPES])
+    model = tf.Lfm2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: confident greedy choices; norms not all 1
+            p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def _write_gguf(path: str, model) -> None:
+    from pagedllm.config import default_model_path
+    from pagedllm.gguf_file import GGUFFile
+
+    src, c = GGUFFile(default_model_path()), model.config
+    w = gguf.GGUFWriter(path, "lfm2")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.num_key_value_heads if t == "full" else 0 for t in TYPES])
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_shortconv_l_cache(c.conv_L_cache)
+    w.add_vocab_size(c.vocab_size)
+    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
+                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
+        fn(src.get(f"tokenizer.ggml.{key}"))
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        t = t.float().numpy()
+        if "conv.conv" in name:
+            t = t.reshape(t.shape[0], -1)
+        base, _, suffix = name.rpartition(".")
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_hf_directory_and_gguf_match_transformers(tmp_path, llm):
+    model = _hf_model(llm.engine.core.vocab_size)
+    d = tmp_path / "hf"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    path = str(tmp_path / "tiny-lfm2.gguf")
+    _write_gguf(path, model)
+    for src in (str(d), path):
+        _check(src, model, "lfm2", TYPES, ("ShortConv", "Attention"))
