@@ -12,9 +12,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.ops import TorchOps
 from helpers import model_of
+from test_architectures import MAX_TOKENS, PROMPTS, _reference
 
-MAX_TOKENS = 16
-PROMPTS = [[5, 17, 300, 42, 9], list(range(100, 140)), [1000, 2000, 3000] * 9]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -39,14 +38,6 @@ def _hf_model(vocab: int, moe: bool = False):
             p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
     model.config._attn_implementation = "eager"
     return model.eval()
-
-
-def _reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    with torch.inference_mode():
-        full = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              min_new_tokens=MAX_TOKENS, pad_token_id=0, eos_token_id=None)
-        logits = model(full).logits[0].float()
-    return full[0, len(prompt):].tolist(), torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
 
 
 def _tiled(t: np.ndarray, axis: int, nk: int, r: int, d: int) -> np.ndarray:
