@@ -123,7 +123,9 @@ class KVCacheManager:
             while n and self.states.snapshot(self._key(0, hashes[n - 1])) is None:
                 n -= 1
             if n:
-                self._restore[request.request_id] = self.states.snapshot(self._key(0, hashes[n - 1]))
+                slot = self.states.snapshot(self._key(0, hashes[n - 1]))
+                self.states.touch(slot)
+                self._restore[request.request_id] = slot
         hits = [[lookup(g, i) if i >= self.first_needed_block(g, n * bs) else self.null_block for i in range(n)]
                 for g in range(self.num_groups)]
         return hits, n * bs
@@ -216,6 +218,13 @@ class KVCacheManager:
             return -1, -1, 0, -1
         rows, save = self._saves.pop(req_id, (0, -1))
         return self.states.owner.get(req_id, -1), self._restore.pop(req_id, -1), rows, save
+
+    def discard_pending_snapshots(self) -> None:
+        """The step that was to write them failed: their slots hold nothing reliable."""
+        for _, slot in self._pending.values():
+            self.states.discard(slot)
+        self._pending.clear()
+        self._saves.clear()
 
     def commit_snapshots(self) -> None:
         """The snapshots the last step wrote become hits (called once that step's results are in)."""

@@ -4,8 +4,8 @@ Each running request holds one slot: the row of every linear layer's state pools
 updates (``worker.kv_cache``). A free slot may hold a snapshot: the state after a prefix of whole blocks, keyed by
 the hash of that prefix's last block (the chain hash the KV blocks are cached under), so that a later request with
 that prefix restores it instead of recomputing the prefix (as vLLM's hybrid allocator and SGLang's mamba radix
-cache keep states at block boundaries). Free slots are reused least recently freed first, dropping their
-snapshot; a snapshot is registered only once the step that writes it has run."""
+cache keep states at block boundaries). A new sequence takes an empty free slot first, else the least recently used
+snapshot's; a snapshot is registered only once the step that writes it has run."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ class StatePool:
         self._free: OrderedDict[int, bytes | None] = OrderedDict((s, None) for s in range(num_slots))  # LRU first
         self._by_hash: dict[bytes, int] = {}
         self.owner: dict[str, int] = {}  # request id -> its live slot
-        self.num_snapshot_hits = 0
 
     @property
     def num_free(self) -> int:
@@ -32,12 +31,15 @@ class StatePool:
         return len(self._by_hash)
 
     def take(self) -> int | None:
-        """A free slot (the least recently freed; its snapshot dropped), or None."""
+        """A free slot: an empty one if any, else the least recently used snapshot's (dropped); None: none free."""
         if not self._free:
             return None
-        slot, key = self._free.popitem(last=False)
-        if key is not None:
+        slot = next((s for s, k in self._free.items() if k is None), None)
+        if slot is None:
+            slot, key = self._free.popitem(last=False)
             del self._by_hash[key]
+        else:
+            del self._free[slot]
         return slot
 
     def assign(self, req_id: str) -> int | None:
@@ -57,6 +59,10 @@ class StatePool:
     def snapshot(self, key: bytes) -> int | None:
         """The free slot holding the state after the prefix ``key`` (None: no snapshot of it)."""
         return self._by_hash.get(key)
+
+    def touch(self, slot: int) -> None:
+        """A prefix hit used this snapshot: it is evicted last."""
+        self._free.move_to_end(slot)
 
     def reserve(self) -> int | None:
         """A free slot for a snapshot the next step writes (``register`` after it ran, or ``discard``), or None

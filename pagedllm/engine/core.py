@@ -116,6 +116,8 @@ class EngineCore:
             raise
         except Exception as e:  # find the request(s) that fail; the others go on
             logger.warning("step failed (%s: %s); re-running its requests one at a time", type(e).__name__, e)
+            if self.kv_cache_manager.states is not None:  # the failed step may have half-written its snapshots
+                self.kv_cache_manager.discard_pending_snapshots()
             result, failed = self._execute_isolated(so)
             t0 = None  # a step re-run request by request is no sample of the step-time model
         self.num_steps += 1
@@ -134,6 +136,13 @@ class EngineCore:
         merged = ModelRunnerOutput()
         failed: dict[str, str] = {}
         for s in so.scheduled:
+            if s.state_slot >= 0:
+                # a recurrent state the failed step may already have advanced (K/V rewrites are idempotent, a
+                # state update is not): the request's whole context again, from its first token and a zeroed state
+                req = self.scheduler.requests[s.req_id]
+                end = s.num_computed_tokens + len(s.token_ids)
+                s = dataclasses.replace(s, token_ids=req.all_token_ids[:end], num_computed_tokens=0, state_restore=-1,
+                                        state_save_rows=0, state_save_slot=-1)
             try:
                 r = self.runner.execute(SchedulerOutput(scheduled=[s], num_batched_tokens=len(s.token_ids)))
             except EngineFatalError as e:

@@ -95,6 +95,8 @@ class ModelArchConfig:
                                                  self.linear_num_v_heads % self.linear_num_k_heads == 0):
             raise ValueError("linear (Gated DeltaNet) layers need their head counts (value heads a multiple of key "
                              "heads) and convolution kernel")
+        if "sliding" in self.layer_types and any(t in STATE_LAYER_TYPES for t in self.layer_types):
+            raise ValueError("sliding-window layers beside recurrent-state layers are not supported yet")
         if self.layer_types and all(t in STATE_LAYER_TYPES for t in self.layer_types):
             raise ValueError("at least one attention layer is needed")
         if self.rotary_dim and (self.rotary_dim > self.head_dim or self.rotary_dim % 2):

@@ -8,6 +8,7 @@ import math
 import torch
 
 from pagedllm.layers.attention import AttentionMetadata, PrefillSeq
+from pagedllm.layers.gated_deltanet import StatePrefill, StateMetadata
 
 BLOCK = 16
 
@@ -24,8 +25,15 @@ def sequence_hidden(model, token_ids: list[int]) -> torch.Tensor:
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), decode_rows=None, decode_block_tables=None,
                              decode_mask=None, num_decodes=0,
                              prefills=[PrefillSeq(0, n, n, torch.arange(nb, device=dev))])
+    states = None
+    if cfg.hybrid_state:  # one zeroed state slot per state layer, the sequence its only prefill
+        for i in cfg.state_layers():
+            caches[i] = tuple(torch.zeros((1, *shape), dtype=torch.float32 if f32 else model.dtype, device=dev)
+                              for shape, f32 in model.layers[i].attn.state_shapes())
+        states = StateMetadata(None, torch.zeros(0, dtype=torch.long, device=dev), 0, [StatePrefill(0, n, 0)],
+                               torch.tensor([[0, n, 0, 0, -1]], dtype=torch.long, device=dev))
     ids = torch.tensor(token_ids, device=dev)
-    return model.forward(ids, torch.arange(n, device=dev), caches, meta)
+    return model.forward(ids, torch.arange(n, device=dev), caches, meta, states)
 
 
 @torch.inference_mode()

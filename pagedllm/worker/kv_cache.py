@@ -83,8 +83,10 @@ class KVCache:
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def budget_blocks(self) -> int:
-        """The blocks the memory budget holds (``--kv-cache-memory``, the GPU's free memory, or the CPU default)."""
+    def budget_blocks(self, state_bytes: int = 0) -> int:
+        """The blocks the memory budget holds (``--kv-cache-memory``, the GPU's free memory, or the CPU default).
+        ``state_bytes``: a hybrid model's state pools, taken from the GPU's free memory first (on CPU they sit
+        beside the budget, committed only as sequences touch them)."""
         c = self.config
         if c.num_gpu_blocks_override is not None:
             return c.num_gpu_blocks_override
@@ -93,7 +95,7 @@ class KVCache:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             activation_reserve = 1 << 30
-            budget = int(total * c.gpu_memory_utilization) - (total - free) - activation_reserve
+            budget = int(total * c.gpu_memory_utilization) - (total - free) - activation_reserve - state_bytes
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         return max(budget // self.bytes_per_block, 0)

@@ -143,14 +143,14 @@ class ModelRunner:
             raise ValueError(f"{arch.arch}: speculative decoding with linear-attention (recurrent state) layers is "
                              "not supported yet (a rejected draft would have advanced the state)")
         self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
-        num_blocks = self.kv.budget_blocks()
-        if self.tp is not None:
-            num_blocks = self._tp_agree(num_blocks)
         # a hybrid model: a recurrent state per running sequence, and (prefix caching) a quarter more that keep
-        # prefix snapshots while free; beside the KV budget, committed as they are used
+        # prefix snapshots while free; on CPU beside the KV budget, committed as they are used
         seqs = config.scheduler.max_num_seqs
         self.num_state_slots = (seqs + (max(2, seqs // 4) if config.cache.enable_prefix_caching else 0)
                                 if arch.hybrid_state else 0)
+        num_blocks = self.kv.budget_blocks(self.num_state_slots * self.kv.state_bytes_per_slot)
+        if self.tp is not None:
+            num_blocks = self._tp_agree(num_blocks)
         self.kv.allocate(num_blocks, self.max_model_len, self.num_state_slots)
         self.proposer: Proposer | None = None  # rank 0's speculative proposer
         if spec is not None and rank == 0:

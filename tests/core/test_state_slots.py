@@ -116,13 +116,16 @@ def test_no_free_slot_means_the_request_waits():
     assert sched.kv.states.num_free == 2
 
 
-def test_the_pool_evicts_the_least_recently_freed_snapshot():
-    pool = StatePool(3, live_slots=2)
+def test_new_sequences_take_empty_slots_before_snapshots():
+    pool = StatePool(4, live_slots=2)
     a, b = pool.assign("x"), pool.assign("y")
-    s = pool.reserve()
-    pool.register(b"k1", s)
-    pool.release("x")  # free: [s (k1), x's slot]
-    assert pool.snapshot(b"k1") == s
-    assert pool.assign("z") == s and pool.snapshot(b"k1") is None  # the oldest free slot, its snapshot dropped
+    s1, s2 = pool.reserve(), pool.reserve()
+    pool.register(b"k1", s1)
+    pool.register(b"k2", s2)
+    pool.touch(s1)  # a prefix hit on k1: k2 is now the least recently used snapshot
+    pool.release("x")  # free: s1 (k1), s2 (k2) and x's empty slot
+    assert pool.assign("z") == a and pool.num_snapshots == 2  # the empty slot first
+    pool.release("y")
+    assert pool.assign("w") == b
+    assert pool.assign("v") == s2 and pool.snapshot(b"k2") is None and pool.snapshot(b"k1") == s1
     pool.check_integrity()
-    assert a != b

@@ -277,3 +277,55 @@ def test_serves_through_the_openai_api(tiny, tmp_path_factory, llm):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_step_failing_after_the_state_update_reruns_the_others_from_their_first_token(tiny):
+    """A step that raises after its forward ran (the states of every sequence in it already advanced): the engine
+    re-runs its requests one at a time, each from its first token on a zeroed state, so the innocent requests'
+    greedy tokens stay the reference's; the failing one ends with an error."""
+    model, d, _ = tiny
+    llm = LLM(model=d, max_model_len=128, dtype="float32")
+    eng, bad = llm.engine, 777
+    runner = eng.core.runner
+    forward = runner._forward_step
+
+    def fails_after_the_forward(step, *args, **kwargs):
+        out = forward(step, *args, **kwargs)
+        if bad in step.input_ids:
+            raise RuntimeError("injected fault after the forward")
+        return out
+
+    runner._forward_step = fails_after_the_forward
+    for i, p in enumerate(PROMPTS[:2]):
+        eng.add_request(f"ok{i}", p, GREEDY)
+    tokens: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+
+    def step():
+        for o in eng.step():
+            tokens[o.request_id] = o.outputs[0].token_ids
+            if o.finished:
+                finish[o.request_id] = o.outputs[0].finish_reason
+
+    for _ in range(4):  # the two requests decode a few tokens first: their states hold something
+        step()
+    eng.add_request("bad", [bad] + PROMPTS[2], GREEDY)
+    while eng.has_unfinished_requests():
+        step()
+    for i, p in enumerate(PROMPTS[:2]):
+        assert tokens[f"ok{i}"] == _reference(model, p)[0], i
+    assert finish["bad"] == "error"
+    assert eng.kv_state()["consistent"] and eng.kv_state()["state_slots"]["num_held"] == 0
+
+
+def test_offline_scoring_runs_the_state_layers(tiny):
+    """The offline tools' whole-sequence pass (``model.scoring``: perplexity, calibration) gives a hybrid's state
+    layers a private zeroed state: its log-probabilities are transformers'."""
+    from pagedllm.model.scoring import sequence_logprobs
+
+    model, d, _ = tiny
+    built = model_of(LLM(model=d, max_model_len=128, dtype="float32"))
+    ids = PROMPTS[1] + PROMPTS[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert (sequence_logprobs(built, ids) - ref).abs().max() < 1e-4
