@@ -43,6 +43,26 @@ class StateMetadata:
     seqs: torch.Tensor | None = None
 
 
+def decode_conv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One input row per sequence (B, C) through the causal depthwise convolution ``w`` (C, K) over each slot's last
+    K - 1 inputs (the slots' histories shifted in ``pool``) -> (B, C) in ``w``'s dtype, before any activation."""
+    window = torch.cat([pool[slots], x.unsqueeze(-1).to(pool.dtype)], dim=-1)  # (B, C, K)
+    pool[slots] = window[:, :, 1:]
+    return (window.to(w.dtype) * w).sum(dim=-1)
+
+
+def prefill_conv(pool: torch.Tensor, p: StatePrefill, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A chunk's rows (n, C) through the convolution over its slot's history -> (n, C) in ``w``'s dtype; the slot's
+    history becomes the chunk's last K - 1 inputs, and a snapshot's (``p.save_rows`` > 0) those after that row."""
+    n, km1 = x.shape[0], w.shape[1] - 1
+    seq = torch.cat([pool[p.slot], x.t().to(pool.dtype)], dim=-1)  # (C, K-1+n)
+    y = F.conv1d(seq.unsqueeze(0).to(w.dtype), w.unsqueeze(1), groups=w.shape[0])[0].t()
+    pool[p.slot] = seq[:, n:]
+    if p.save_rows:
+        pool[p.save_slot] = seq[:, p.save_rows:p.save_rows + km1]
+    return y
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension (transformers' and FLA's form)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -191,13 +211,10 @@ class GatedDeltaNet:
         beta = torch.sigmoid(proj[:, c + vs:c + vs + nv]).float()
         g = self.a_neg * F.softplus(proj[:, c + vs + nv:].float() + self.dt_bias)  # (T, Hv) float32
         out = torch.empty(t, vs, dtype=x.dtype, device=x.device)  # the gated norm's rows
-        w = self.conv
         if meta.num_decodes:
             slots = meta.decode_slots
             xd = mixed if rows is None else mixed[rows]
-            window = torch.cat([conv_pool[slots], xd.unsqueeze(-1).to(conv_pool.dtype)], dim=-1)  # (B, C, K)
-            conv_pool[slots] = window[:, :, 1:]
-            y = F.silu((window.to(w.dtype) * w).sum(dim=-1)).to(x.dtype)
+            y = F.silu(decode_conv(conv_pool, slots, xd, self.conv)).to(x.dtype)
             q, k, v = self._heads(y)
             st = rec_pool[slots]
             o = recurrent_step(q, k, v, g if rows is None else g[rows], beta if rows is None else beta[rows], st)
@@ -212,13 +229,10 @@ class GatedDeltaNet:
     def _prefills(self, prefills: list[StatePrefill], mixed, z, g, beta, conv_pool, rec_pool, out) -> None:
         """Every prefill chunk of the step: each sequence's convolution over its slot's inputs and its rows, then
         the chunked rule for all of them at once; states (and snapshots) written back to the pools."""
-        w, c, km1 = self.conv, self.conv_dim, self.kernel - 1
-        ys, seqs, pieces, saves, pos = [], [], [], {}, 0
+        ys, pieces, saves, pos = [], [], {}, 0
         for b, p in enumerate(prefills):
             n = p.end - p.start
-            seq = torch.cat([conv_pool[p.slot], mixed[p.start:p.end].t().to(conv_pool.dtype)], dim=-1)  # (C, K-1+n)
-            seqs.append(seq)
-            ys.append(F.silu(F.conv1d(seq.unsqueeze(0).to(w.dtype), w.unsqueeze(1), groups=c)[0]).t())  # (n, C)
+            ys.append(F.silu(prefill_conv(conv_pool, p, mixed[p.start:p.end], self.conv)))  # (n, C)
             if 0 < p.save_rows < n:  # a snapshot inside the chunk: the rows in two pieces, each in whole chunks
                 pieces.append([(pos, pos + p.save_rows), (pos + p.save_rows, pos + n)])
                 saves[b] = 0
@@ -234,12 +248,8 @@ class GatedDeltaNet:
         out[rows] = self._gated_norm(o, z[rows])
         rec_pool[slots] = st
         for b, p in enumerate(prefills):
-            n = p.end - p.start
-            conv_pool[p.slot] = seqs[b][:, n:]
             if b in snaps:
                 rec_pool[p.save_slot] = snaps[b]
-                m = p.save_rows
-                conv_pool[p.save_slot] = seqs[b][:, m:m + km1]
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each value head (float32), rounded to the model dtype, times the weight, times SiLU(z)

@@ -10,9 +10,8 @@ slot's history, and a prefix snapshot copied where a chunk crosses its prompt's 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from pagedllm.layers.gated_deltanet import StateMetadata
+from pagedllm.layers.gated_deltanet import StateMetadata, decode_conv, prefill_conv
 
 
 class ShortConv:
@@ -49,26 +48,19 @@ class ShortConv:
         bcx = self.in_proj(x)
         if bcx.dtype != x.dtype:
             bcx = bcx.to(x.dtype)
-        h, w = self.hidden, self.conv
+        h = self.hidden
         b, c, xx = bcx[:, :h], bcx[:, h:2 * h], bcx[:, 2 * h:]
         bx = b * xx
         y = torch.empty_like(bx)
         if meta.num_decodes:
             rows, slots = meta.decode_rows, meta.decode_slots
             xd = bx if rows is None else bx[rows]
-            window = torch.cat([pool[slots], xd.unsqueeze(-1).to(pool.dtype)], dim=-1)  # (B, H, K)
-            pool[slots] = window[:, :, 1:]
-            yd = (window.to(w.dtype) * w).sum(dim=-1).to(x.dtype)
+            yd = decode_conv(pool, slots, xd, self.conv).to(x.dtype)
             if rows is None:
                 return self.out(c * yd)
             y[rows] = yd
-        for p in meta.prefills:
-            n = p.end - p.start
-            seq = torch.cat([pool[p.slot], bx[p.start:p.end].t().to(pool.dtype)], dim=-1)  # (H, K-1+n)
-            y[p.start:p.end] = F.conv1d(seq.unsqueeze(0).to(w.dtype), w.unsqueeze(1), groups=h)[0].t().to(x.dtype)
-            pool[p.slot] = seq[:, n:]
-            if p.save_rows:  # a prefix snapshot: the inputs after save_rows rows
-                pool[p.save_slot] = seq[:, p.save_rows:p.save_rows + self.kernel - 1]
+        for p in meta.prefills:  # (a prefix snapshot: the inputs after save_rows rows, saved by prefill_conv)
+            y[p.start:p.end] = prefill_conv(pool, p, bx[p.start:p.end], self.conv).to(x.dtype)
         return self.out(c * y)
 
     __call__ = forward
