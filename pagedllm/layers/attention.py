@@ -232,12 +232,15 @@ class Attention:
                  rotary: RotaryEmbedding, window: int = 0, softcap: float = 0.0, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, eps: float = 1e-6, causal: bool = True,
                  temperature: "QueryTemperature | None" = None, sinks: torch.Tensor | None = None,
-                 output_gate: bool = False) -> None:
+                 output_gate: bool = False, v_norm: torch.Tensor | None = None, kv_shared: bool = False) -> None:
         """``temperature``: each query times its position's factor after the rotary (Ministral 3); ``sinks``:
         (num_heads,) float32 logits, one per query head, in each softmax's denominator (gpt-oss); ``output_gate``:
         the projection's first num_heads * head_dim columns are a gate, the output times its sigmoid before ``o``
-        (Qwen 3.5; ``load_projections(gated=True)`` puts them there)."""
+        (Qwen 3.5; ``load_projections(gated=True)`` puts them there); ``v_norm``: each v head RMS-normalised
+        (times these weights: ones for Gemma 4's weightless norm); ``kv_shared``: the projection is q alone and the
+        layer attends over the K/V another layer wrote to ``kv`` (Gemma 4's last layers)."""
         self.qkv, self.o = qkv, o
+        self.v_norm, self.kv_shared = v_norm, kv_shared
         self.output_gate = output_gate
         self.temperature = temperature
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -247,11 +250,19 @@ class Attention:
         self.sinks = sinks
 
     @staticmethod
-    def load_projections(src, prefix: str, bias: bool, gated: bool = False, head_dim: int = 0):
+    def load_projections(src, prefix: str, bias: bool, gated: bool = False, head_dim: int = 0, kv: str = "own"):
         """(qkv, o) from ``{prefix}qkv`` (or ``q``, ``k``, ``v`` fused here; their biases with ``bias``) and
         ``{prefix}o`` (its bias ``o_bias`` where the checkpoint has one: gpt-oss). ``gated``: ``q`` holds each head's
         query rows then its gate rows (Qwen 3.5); the fused projection is then [gates, q, k, v], so that q/k/v
-        stay adjacent columns for the kernels."""
+        stay adjacent columns for the kernels. ``kv``: "shared" (q alone: the layer reads another's K/V; any k/v
+        weights the checkpoint keeps for it are dropped), or "own" (where a layer has no ``v`` its values are its
+        keys' projection, Gemma 4's ``attention_k_eq_v``: k's rows serve twice)."""
+        if kv == "shared":
+            for name in ("k", "v", "k_norm", "v_norm"):
+                src.weights.pop(prefix + name, None)
+            return src.linear(prefix + "q", [prefix + "q"], "attn"), src.linear(prefix + "o", [prefix + "o"], "attn")
+        if prefix + "qkv" not in src and prefix + "v" not in src:
+            src.weights[prefix + "v"] = src.weights[prefix + "k"]
         if gated:
             w = src.pop(prefix + "q")
             heads = (w.shape[0] if isinstance(w, torch.Tensor) else w.codes.shape[0]) // (2 * head_dim)
@@ -286,11 +297,14 @@ class Attention:
         gate = None
         if self.output_gate:
             gate, qkv = qkv[:, : self.q_size], qkv[:, self.q_size:]  # views: the kernels take the row stride
+        own = 0 if self.kv_shared else nkv  # the K/V heads this layer computes and writes
         if self.q_norm is not None:  # each q and k head normalised in place, before the rotary
-            ops.qk_norm(qkv, self.q_norm, self.k_norm, nq, nkv, self.eps)
+            ops.qk_norm(qkv, self.q_norm, self.k_norm if own else self.q_norm, nq, own, self.eps)
+        if self.v_norm is not None and own:
+            ops.qk_norm(qkv[:, (nq + nkv) * d:], self.v_norm, self.v_norm, nkv, 0, self.eps)
         k_cache, v_cache = kv
         ops.rope_write_kv(qkv, positions, rot[0], rot[1], meta.slot_mapping if self.causal else None, k_cache, v_cache,
-                          nq, nkv)
+                          nq, own)
         q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
         if self.temperature is not None:
             q.mul_(self.temperature(positions).to(q.dtype).view(t, 1, 1))

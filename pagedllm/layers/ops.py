@@ -86,7 +86,7 @@ class TorchOps:
         t, d = qkv.shape[0], qkv.shape[1] // (nq + 2 * nkv)
         qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
         qk.copy_(RotaryEmbedding.apply((cos, sin), qk))
-        if k_cache is not None:
+        if k_cache is not None and nkv:  # (nkv 0: q alone, a layer reading another's K/V)
             kv = qkv[:, nq * d:].view(t, 2, nkv, d)
             write_kv(k_cache, v_cache, kv[:, 0], kv[:, 1], slots)
 

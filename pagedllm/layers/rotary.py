@@ -1,5 +1,6 @@
 """Rotary position embedding (Su et al. 2021), HuggingFace's half-split layout, with the frequency scalings models
-ship: linear (position interpolation), Llama 3's per-band ``llama3``, llama.cpp's per-frequency divisors and YaRN
+ship: linear (position interpolation), Llama 3's per-band ``llama3``, llama.cpp's per-frequency divisors, Gemma 4's
+``proportional`` (a fraction of the head's frequencies, the others zero) and YaRN
 (a per-dimension blend of the original and interpolated frequencies, cos and sin times its attention factor), each
 computed with transformers' float32 steps."""
 
@@ -18,6 +19,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "proportional":  # Gemma 4's full layers: the first frequencies of the whole head, the rest 0 (unturned)
+        turned = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        return torch.cat([inv_freq[:turned], torch.zeros(head_dim // 2 - turned)])
     if kind == "factors":  # llama.cpp's rope_freqs tensor: each frequency divided by its factor
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":  # long wavelengths divided by factor, short ones kept, a smooth blend between

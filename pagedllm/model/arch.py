@@ -79,6 +79,15 @@ class ModelArchConfig:
     linear_v_head_dim: int = 0
     linear_conv_kernel: int = 0
     linear_v_tiled: bool = False
+    # Gemma 4: the full layers' own head size and KV heads (0: head_dim / num_kv_heads, as the sliding layers'); the
+    # last kv_shared_layers layers keep no K/V and attend over the K/V of the last earlier layer of their type;
+    # v RMS-normalised per head (no weight); per-layer inputs (PLE): a second embedding of per_layer_input_size
+    # values per layer and token, mixed into each layer's residual stream after its MLP
+    global_head_dim: int = 0
+    global_num_kv_heads: int = 0
+    kv_shared_layers: int = 0
+    attn_v_norm: bool = False
+    per_layer_input_size: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -107,13 +116,39 @@ class ModelArchConfig:
             raise ValueError(f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
-        if self.num_heads % self.num_kv_heads:
+        if self.num_heads % self.num_kv_heads or self.num_heads % self.layer_kv_heads(self.num_layers - 1):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-
+        if self.kv_shared_layers:
+            if not 0 < self.kv_shared_layers < self.num_layers or self.hybrid_state:
+                raise ValueError(f"{self.kv_shared_layers} KV-sharing layers of {self.num_layers} (with no "
+                                 "recurrent-state layers) are not supported")
+            for i in range(self.num_layers - self.kv_shared_layers, self.num_layers):
+                if self.kv_source(i) < 0:
+                    raise ValueError(f"layer {i} shares the K/V of an earlier {self._type(i)} layer, and there is none")
 
     def window(self, layer: int) -> int:
         """Keys layer ``layer`` attends to (0: all of the context)."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding" else 0
+
+    def _type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "full"
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer ``layer``'s head size (Gemma 4's full layers: their own)."""
+        return self.global_head_dim if self.global_head_dim and self._type(layer) == "full" else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return (self.global_num_kv_heads if self.global_num_kv_heads and self._type(layer) == "full"
+                else self.num_kv_heads)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V layer ``layer`` attends over: itself, or for one of the last ``kv_shared_layers``
+        the last earlier layer of its type that keeps its own (-1: none)."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self._type(layer)
+        return max((j for j in range(first_shared) if self._type(j) == kind), default=-1)
 
     def has_state(self, layer: int) -> bool:
         """A layer with a state per sequence instead of K/V: Gated DeltaNet ("linear") or LFM2's short convolution
@@ -129,7 +164,17 @@ class ModelArchConfig:
         return [i for i in range(self.num_layers) if self.has_state(i)]
 
     def kv_groups(self) -> KVGroups:
-        return kv_groups([None if self.has_state(i) else self.window(i) for i in range(self.num_layers)])
+        own = [None if self.has_state(i) or self.kv_source(i) != i else self.window(i) for i in range(self.num_layers)]
+        return kv_groups(own, [self.kv_source(i) for i in range(self.num_layers)])
+
+    def kv_width(self, kv_heads: int | None = None) -> int:
+        """Values of K (or V) per token in a cache tensor: the widest layer's heads x head size (layers of
+        narrower heads use a prefix of each token's row). ``kv_heads``: a tensor-parallel rank's share (uniform
+        heads only)."""
+        if kv_heads is not None:
+            return kv_heads * self.head_dim
+        return max(self.layer_kv_heads(i) * self.layer_head_dim(i) for i in range(self.num_layers)
+                   if not self.has_state(i))
 
 
 @dataclass(frozen=True)
@@ -153,10 +198,10 @@ class KVGroups:
         return any(self.windows)
 
 
-def kv_groups(windows: list[int | None]) -> KVGroups:
+def kv_groups(windows: list[int | None], sources: list[int] | None = None) -> KVGroups:
     """Groups of equal size: the greatest common divisor of the layer counts of each kind (Gemma 3's 15 sliding
-    and 3 full layers: 6 groups of 3); full-attention groups first. A None window: a layer without KV (a linear
-    layer), in no group."""
+    and 3 full layers: 6 groups of 3); full-attention groups first. A None window: a layer without KV of its own
+    (a linear layer: in no group; a layer sharing another's K/V, ``sources[i]``: that layer's group and slot)."""
     kinds = sorted(set(w for w in windows if w is not None))  # 0 (full) first
     counts = [windows.count(w) for w in kinds]
     size = math.gcd(*counts)
@@ -167,6 +212,9 @@ def kv_groups(windows: list[int | None]) -> KVGroups:
         group_windows += [w] * (len(layers) // size)
         for j, i in enumerate(layers):
             group[i], slot[i] = base + j // size, j % size
+    for i, src in enumerate(sources or ()):
+        if src != i:
+            group[i], slot[i] = group[src], slot[src]
     return KVGroups(tuple(group), tuple(slot), tuple(group_windows))
 
 
@@ -198,6 +246,8 @@ def tp_layout(cfg: ModelArchConfig, world_size: int, rank: int = 0) -> TPLayout:
         problems.append("mixture-of-experts layers are not split over ranks yet")
     if cfg.hybrid_state and n > 1:
         problems.append("linear-attention (Gated DeltaNet) layers are not split over ranks yet")
+    if (cfg.global_head_dim or cfg.global_num_kv_heads or cfg.kv_shared_layers or cfg.per_layer_input_size) and n > 1:
+        problems.append("per-layer head shapes, shared K/V and per-layer inputs (Gemma 4) are not split over ranks yet")
     if h % n:
         problems.append(f"{h} query heads are not a multiple of {n}")
     if kv % n and n % kv:
@@ -243,7 +293,8 @@ def _gguf_common(meta: GGUFMeta) -> dict:
         num_heads=n_head,
         num_kv_heads=_max_int(kv("attention.head_count_kv", n_head)),  # (LFM2: per layer, 0 on its conv layers)
         head_dim=int(kv("attention.key_length", hidden // n_head)),
-        intermediate_size=int(kv("feed_forward_length", kv("expert_feed_forward_length", 0))),  # (MoE-only: experts')
+        # (MoE-only: the experts'; Gemma 4: per layer, the KV-sharing layers' twice as wide)
+        intermediate_size=_max_int(kv("feed_forward_length", kv("expert_feed_forward_length", 0))),
         rms_norm_eps=float(kv("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(kv("rope.freq_base", 10000.0)),
         max_position=int(kv("context_length", 2048)),
@@ -288,7 +339,7 @@ def _hf_common(hf: dict, arch: str) -> dict:
 def _check_gguf_rotary(meta: GGUFMeta, cfg: ModelArchConfig, path: str) -> None:
     """Rotary variants the layers do not implement stop the load with their name, rather than run wrong."""
     dims = meta.kv("rope.dimension_count")
-    if dims is not None and int(dims) != (cfg.rotary_dim or cfg.head_dim):
+    if dims is not None and int(dims) != (cfg.rotary_dim or cfg.global_head_dim or cfg.head_dim):
         raise ValueError(f"{path}: partial rotary ({dims} of {cfg.head_dim} dimensions) is not supported")
     if "rope_factors_long.weight" in meta.tensor_names:
         raise ValueError(f"{path}: long-context rotary factors (longrope) are not supported")

@@ -21,6 +21,7 @@ from pagedllm.layers.short_conv import ShortConv
 from pagedllm.layers.linear import build_linear, tensor_bytes
 from pagedllm.layers.mlp import GatedMLP, MoE
 from pagedllm.layers.ops import choose_ops
+from pagedllm.layers.per_layer_inputs import PerLayerInput, PerLayerInputs
 from pagedllm.layers.rotary import RotaryEmbedding, rope_attention_factor, rope_inv_freq
 from pagedllm.layers.weights import LinearBuild, WeightSource
 from pagedllm.model.arch import ModelArchConfig, tp_layout
@@ -63,7 +64,8 @@ class CausalLM:
         src = WeightSource(weights, device, dtype, build, cfg.norm_float32)
 
         # the full layers' rotary; sliding layers with a base of their own (gemma3) use a second, unscaled one
-        rot_dim = cfg.rotary_dim or cfg.head_dim  # partial rotary: the first rot_dim dimensions of each head
+        # partial rotary: the first rot_dim dimensions of each head (Gemma 4's full layers: their own head size)
+        rot_dim = cfg.rotary_dim or cfg.global_head_dim or cfg.head_dim
         self.rotary = RotaryEmbedding(rot_dim, cfg.max_position, cfg.rope_theta, device, dtype,
                                       rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling),
                                       rope_attention_factor(cfg.rope_scaling))
@@ -86,20 +88,28 @@ class CausalLM:
             if cfg.has_state(i):  # a state per sequence instead of K/V
                 attn = (GatedDeltaNet.load(src, p, cfg) if cfg.layer_types[i] == "linear" else ShortConv.load(src, p))
             else:
-                qkv, o = Attention.load_projections(src, p, cfg.attention_bias, cfg.attn_output_gate, cfg.head_dim)
-                attn = Attention(qkv, o, self.num_heads, self.num_kv_heads, cfg.head_dim, self.scale,
+                shared = cfg.kv_source(i) != i  # attends over an earlier layer's K/V
+                head_dim = cfg.layer_head_dim(i)
+                kv_heads = self.num_kv_heads if tp is not None else cfg.layer_kv_heads(i)
+                qkv, o = Attention.load_projections(src, p, cfg.attention_bias, cfg.attn_output_gate, head_dim,
+                                                    "shared" if shared else "own")
+                attn = Attention(qkv, o, self.num_heads, kv_heads, head_dim, self.scale,
                                  none if i in cfg.no_rope_layers else (rotary_local if window else self.rotary),
                                  window, cfg.attn_softcap or 0.0, src.norm(p + "q_norm") if cfg.qk_norm else None,
-                                 src.norm(p + "k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps, causal,
-                                 temperature, src.pop(p + "sinks").to(device, torch.float32).contiguous()
-                                 if cfg.attn_sinks else None, cfg.attn_output_gate)
+                                 src.norm(p + "k_norm") if cfg.qk_norm and not shared else None, cfg.rms_norm_eps,
+                                 causal, temperature, src.pop(p + "sinks").to(device, torch.float32).contiguous()
+                                 if cfg.attn_sinks else None, cfg.attn_output_gate,
+                                 torch.ones(head_dim, dtype=src.norm_dtype, device=device) if cfg.attn_v_norm else None,
+                                 shared)
             mlp = (MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
                    if cfg.num_experts else GatedMLP.load(src, p, cfg.hidden_act))
             sandwich = cfg.sandwich_norm
             self.layers.append(DecoderLayer(
                 src.norm(p + "input_norm"), src.norm(p + "post_norm"), attn, mlp, cfg.rms_norm_eps,
                 src.norm(p + "attn_out_norm") if sandwich else None, src.norm(p + "mlp_out_norm") if sandwich else None,
-                tp))
+                tp, PerLayerInput.load(src, p, cfg.rms_norm_eps) if cfg.per_layer_input_size else None,
+                src.norm(p + "layer_scalar") if p + "layer_scalar" in src else None))
+        self.per_layer_inputs = PerLayerInputs.load(src, cfg) if cfg.per_layer_input_size else None
         self.rotaries = list({id(la.attn.rotary): la.attn.rotary for la in self.layers
                               if la.attn.rotary is not None}.values())
         # the embedding table doubles as the LM head when tied; an int8 head then serves lookups as well
@@ -122,9 +132,10 @@ class CausalLM:
         # gemma: embeddings times sqrt(hidden), rounded to the model dtype as the reference does
         self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype)
         # bfloat16 dense weights on CPU: oneDNN's pre-packed layout (a tied head keeps its rows for lookups)
+        lookups = [self.embed] + ([self.per_layer_inputs.embed] if self.per_layer_inputs is not None else [])
         for lin in self.linears().values():
             if lin.kind == "dense":
-                lin.prepack(keep_weight=lin is self.embed)
+                lin.prepack(keep_weight=any(lin is t for t in lookups))
         # the operations between the matmuls: the fused CPU kernels where they run, else torch's (``layers.ops``)
         self.ops = choose_ops(device, dtype)
 
@@ -134,6 +145,8 @@ class CausalLM:
         and calibration walk (calibration swaps linears in place through them)."""
         yield "lm_head", self, "lm_head"
         yield "embed", self, "embed"
+        if self.per_layer_inputs is not None:
+            yield from self.per_layer_inputs.linear_slots()
         for i, layer in enumerate(self.layers):
             yield from layer.linear_slots(f"layers.{i}.")
 
@@ -142,6 +155,7 @@ class CausalLM:
 
     def weight_bytes(self) -> int:
         tensors = [self.norm] + [t for lin in self.linears().values() for t in lin.tensors()]
+        tensors += [self.per_layer_inputs.norm] if self.per_layer_inputs is not None else []
         tensors += [t for layer in self.layers for t in layer.norms().values()]
         return tensor_bytes(tensors)
 
@@ -161,11 +175,13 @@ class CausalLM:
         ops, eps = self.ops, self.cfg.rms_norm_eps
         h = self._embed(input_ids).contiguous()  # (T, H): the residual stream
         rots = {id(r): ops.step_rotary(r, positions) for r in self.rotaries}  # looked up once per step
+        ple = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, h, ops)  # (T, L, size)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             nxt = self.layers[i + 1].input_norm if i < last else self.norm
-            x = layer(x, h, positions, rots.get(id(layer.attn.rotary)), kv, metas[self.kv_group[i]], nxt, ops)
+            x = layer(x, h, positions, rots.get(id(layer.attn.rotary)), kv, metas[self.kv_group[i]], nxt, ops,
+                      None if ple is None else ple[:, i])
         return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -253,7 +253,8 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
 
 
 # multimodal checkpoints whose text model is served: model_type -> the text config's
-MULTIMODAL = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
+              "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:

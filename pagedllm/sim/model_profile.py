@@ -222,6 +222,9 @@ def _from_arch(cfg: ModelArchConfig, name: str, path: str, scheme: "QuantScheme 
     if cfg.hybrid_state:
         raise ValueError(f"{path}: models with linear-attention (recurrent state) layers are not simulated yet (the "
                          "cost model knows attention layers and their KV, not a per-sequence state)")
+    if cfg.global_head_dim or cfg.global_num_kv_heads or cfg.kv_shared_layers or cfg.per_layer_input_size:
+        raise ValueError(f"{path}: per-layer head shapes, shared K/V and per-layer inputs (Gemma 4) are not simulated "
+                         "yet (the cost model assumes one head shape and K/V in every attention layer)")
     return ModelProfile(
         name=name, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,

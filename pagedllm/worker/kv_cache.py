@@ -70,8 +70,7 @@ class KVCache:
         self.state_caches: list[tuple[torch.Tensor, ...]] = []  # per state layer: its pools, a row per slot
         elem = dtype.itemsize
         # KV bytes of one block across its layers (the draft model's layers included)
-        self.bytes_per_block = sum(2 * self._slots(m) * self.block_size * m.num_kv_heads * m.cfg.head_dim * elem
-                                   for m in models)
+        self.bytes_per_block = sum(2 * self._slots(m) * self.block_size * self._width(m) * elem for m in models)
         self.num_blocks = 0
         self.kv_caches: KVLayers = []  # the target model's layers
         self.slot_caches: KVLayers = []  # its distinct (K, V) tensors, one pair per slot (what swaps copy)
@@ -135,7 +134,8 @@ class KVCache:
         shape = self._shape(self.model)
         self.slot_caches = self._slot_pairs(self.model)
         states = iter(self.state_caches)
-        self.kv_caches = [self.slot_caches[j] if j >= 0 else next(states) for j in self.groups.slot]
+        self.kv_caches = [self._layer_view(self.slot_caches[j], i) if j >= 0 else next(states)
+                          for i, j in enumerate(self.groups.slot)]
         if c.preemption_mode == "swap":
             if self.draft_model is not None:
                 raise ValueError("preemption_mode='swap' together with a draft model is not supported yet")
@@ -152,8 +152,23 @@ class KVCache:
         if self.draft_model is not None:
             self.draft_kv_caches = self._slot_pairs(self.draft_model)
 
-    def _shape(self, model) -> tuple[int, int, int, int]:
-        return (self.num_blocks, self.block_size, model.num_kv_heads, model.cfg.head_dim)
+    def _shape(self, model) -> tuple[int, int, int]:
+        """A cache tensor: (blocks, block_size, values per token), each layer viewing it with its heads
+        (``_layer_view``)."""
+        return (self.num_blocks, self.block_size, self._width(model))
+
+    def _width(self, model) -> int:
+        """K (or V) values per token of a cache tensor: the widest layer's (Gemma 4's full layers are wider than
+        its sliding ones, which share the tensors and use each token's first values)."""
+        cfg = model.cfg
+        return cfg.kv_width(model.num_kv_heads if model.num_kv_heads != cfg.num_kv_heads else None)
+
+    def _layer_view(self, pair: tuple[torch.Tensor, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s (blocks, block_size, heads, head_dim) views of a slot's tensors."""
+        cfg = self.model.cfg
+        heads = self.model.num_kv_heads if self.model.num_kv_heads != cfg.num_kv_heads else cfg.layer_kv_heads(layer)
+        d = cfg.layer_head_dim(layer)
+        return tuple(t[..., : heads * d].unflatten(-1, (heads, d)) for t in pair)
 
     def _slots(self, model) -> int:
         return self.groups.slots if model is self.model else model.cfg.num_layers
@@ -162,7 +177,10 @@ class KVCache:
         """One (K, V) tensor pair per slot (the draft model: per layer)."""
         n = self._slots(model)
         t = zeros(self._shape(model), self.dtype, self.device, 2 * n)
-        return [(t[2 * j], t[2 * j + 1]) for j in range(n)]
+        if model is self.model:
+            return [(t[2 * j], t[2 * j + 1]) for j in range(n)]
+        shape = (model.num_kv_heads, model.cfg.head_dim)
+        return [(t[2 * j].unflatten(-1, shape), t[2 * j + 1].unflatten(-1, shape)) for j in range(n)]
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),

@@ -105,6 +105,41 @@ def test_decode_attention_strided_query_and_bad_input(ops):
             ops.decode_attention(q, kc, vc, tables, lens, 0.125, 0, 0.0, sinks)
 
 
+@pytest.mark.parametrize("hkv,d,width", [(1, 256, 512), (2, 64, 256), (2, 16, 64)])
+def test_caches_viewed_in_wider_rows(ops, hkv, d, width):
+    """Gemma 4's layers of different head shapes share cache tensors whose token rows are the widest layer's
+    (``width`` values); a narrower layer's cache is a view of each row's first hkv * d values. The rotary + KV
+    write lands there (and nowhere else), decode attention reads it (the vector paths for d 64 / 256, the portable
+    one for 16) as from a contiguous copy; with no KV heads the kernel turns q alone and writes nothing."""
+    torch.manual_seed(d)
+    nb, bs, hq, t = 6, 16, 4 * hkv, 5
+    rows = [torch.zeros(nb, bs, width) for _ in range(2)]
+    kc, vc = (r[..., : hkv * d].unflatten(-1, (hkv, d)) for r in rows)
+    assert not kc.is_contiguous()
+    cos, sin = torch.randn(64, d // 2), torch.randn(64, d // 2)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    slots, positions = torch.tensor([3, 17, 18, 40, 95]), torch.tensor([3, 1, 2, 40, 63])
+    want_qkv, want_k, want_v = qkv.clone(), torch.zeros(nb, bs, hkv, d), torch.zeros(nb, bs, hkv, d)
+    step = (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))  # the torch path's per-step rows
+    TorchOps().rope_write_kv(want_qkv, positions, *step, slots, want_k, want_v, hq, hkv)
+    ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, hq, hkv)
+    torch.testing.assert_close(qkv[:, : hq * d], want_qkv[:, : hq * d])  # q turned in place (k: into the cache)
+    torch.testing.assert_close(kc, want_k)
+    torch.testing.assert_close(vc, want_v)
+    assert not rows[0][..., hkv * d:].any() and not rows[1][..., hkv * d:].any()  # the rest of each row untouched
+    q_only = torch.randn(t, hq * d)
+    turned = q_only.clone()
+    ops.rope_write_kv(turned, positions, cos, sin, slots, kc, vc, hq, 0)
+    torch.testing.assert_close(turned.view(t, hq, d), RotaryEmbedding.apply(step, q_only.view(t, hq, d)))
+    torch.testing.assert_close(kc, want_k)  # nothing written
+    for r in rows:
+        r.normal_()
+    lens, tables = torch.tensor([1, 20, 70]), torch.tensor([[5, 0, 1, 2, 3], [2, 4, 0, 1, 3], [1, 3, 5, 0, 4]])
+    q = torch.randn(3, hq, d)
+    torch.testing.assert_close(ops.decode_attention(q, kc, vc, tables, lens, d ** -0.5),
+                               ops.decode_attention(q, kc.contiguous(), vc.contiguous(), tables, lens, d ** -0.5))
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 32)])  # the vector path and the portable one
 def test_decode_attention_on_bfloat16_caches(ops, hq, hkv, d):
     """Float32 queries over bfloat16 caches (``--kv-cache-dtype bfloat16``): the float32 kernel's output on the same

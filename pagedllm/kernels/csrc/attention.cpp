@@ -79,11 +79,11 @@ inline void reorder_rows(float* x, int64_t rows, bool split) {  // rows of NC ve
 // head, while the next block is prefetched. Only KV heads [h0, h1) are computed (their rows of scores and out).
 // qf's rows of those heads are reordered in place for a bfloat16 cache.
 template <typename T, int G, int NC>
-void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t Hkv,
+void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS, int64_t tok,
                 int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, const ScoreRule& rule) {
   constexpr int64_t D = NC * W;
   constexpr bool split = std::is_same_v<T, at::BFloat16>;
-  const int64_t tok = Hkv * D, blk = BS * tok, nblocks = (L + BS - 1) / BS;
+  const int64_t blk = BS * tok, nblocks = (L + BS - 1) / BS;  // tok: elements from a token's row to the next
   if constexpr (split) reorder_rows<NC>(qf + h0 * G * D, (h1 - h0) * G, true);
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const int64_t t0 = bi * BS, n = std::min(BS, L - t0);
@@ -148,10 +148,10 @@ void attend_seq(float* qf, const T* kc, const T* vc, const int64_t* table, int64
 
 template <typename T, int NC>
 bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L, int64_t BS,
-                  int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, const ScoreRule& rule) {
+                  int64_t tok, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip, const ScoreRule& rule) {
   switch (G) {
 #define PAGEDLLM_G(n) \
-  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, rule); return true;
+  case n: attend_seq<T, n, NC>(qf, kc, vc, table, L, BS, tok, h0, h1, scores, out, skip, rule); return true;
     PAGEDLLM_G(1) PAGEDLLM_G(2) PAGEDLLM_G(3) PAGEDLLM_G(4) PAGEDLLM_G(5) PAGEDLLM_G(6) PAGEDLLM_G(7) PAGEDLLM_G(8)
 #undef PAGEDLLM_G
     default: return false;
@@ -162,15 +162,17 @@ bool attend_seq_g(int64_t G, float* qf, const T* kc, const T* vc, const int64_t*
 // The vector path for head dims 64, 128 and 256 and up to 8 query heads per KV head; false: use the portable loop.
 template <typename T>
 bool attend_fast(int64_t G, int64_t D, float* qf, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                 int64_t BS, int64_t Hkv, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip,
+                 int64_t BS, int64_t tok, int64_t h0, int64_t h1, float* scores, float* out, int64_t skip,
                  const ScoreRule& rule) {
 #if PAGEDLLM_VEC
-  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, rule);
-  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, rule);
+  if (D == 64) return attend_seq_g<T, 64 / W>(G, qf, kc, vc, table, L, BS, tok, h0, h1, scores, out, skip, rule);
+  if (D == 128) return attend_seq_g<T, 128 / W>(G, qf, kc, vc, table, L, BS, tok, h0, h1, scores, out, skip, rule);
   if (D == 256)  // gemma
-    return attend_seq_g<T, 256 / W>(G, qf, kc, vc, table, L, BS, Hkv, h0, h1, scores, out, skip, rule);
+    return attend_seq_g<T, 256 / W>(G, qf, kc, vc, table, L, BS, tok, h0, h1, scores, out, skip, rule);
+  if (D == 512)  // gemma 4's full layers
+    return attend_seq_g<T, 512 / W>(G, qf, kc, vc, table, L, BS, tok, h0, h1, scores, out, skip, rule);
 #endif
-  (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)Hkv, (void)h0, (void)h1,
+  (void)G, (void)D, (void)qf, (void)kc, (void)vc, (void)table, (void)L, (void)BS, (void)tok, (void)h0, (void)h1,
       (void)scores, (void)out, (void)skip, (void)rule;
   return false;
 }
@@ -192,7 +194,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
   T* op = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t tok_stride = Hkv * D;  // elements between consecutive tokens of a block
+  // elements between consecutive tokens of a block: Hkv * D, or more where a cache row is shared by layers of
+  // different head shapes and this layer uses its first Hkv * D values (``paged_layout``)
+  const int64_t tok_stride = k_cache.stride(1);
   const int64_t num_blocks = k_cache.size(0);
   // work items: whole sequences, or with fewer sequences than twice the threads (a single decode), sequence x KV
   // head, so that both cores work; a sequence's heads are neighbours in its blocks, so whole sequences read them
@@ -218,7 +222,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
         for (int64_t i = 0; i < D; ++i) qf[hq * D + i] = to_f(src[i]) * static_cast<float>(scale);
       }
       scores.resize(Hq * L);
-      if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, Hkv, h0, h1, scores.data(), acc.data(), skip,
+      if (!attend_fast<C>(G, D, qf.data(), kc, vc, table, L, BS, tok_stride, h0, h1, scores.data(), acc.data(), skip,
                            rule)) {
         for (int64_t h = h0; h < h1; ++h) {  // portable path: one KV head at a time
           float* sc = scores.data() + h * G * L;
@@ -333,7 +337,7 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
                         const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache, int64_t nq, int64_t nkv) {
   const int64_t T_ = qkv.size(0), row_stride = qkv.stride(0);
   // the rotary turns the first 2 * half dimensions of each head (pairs i, i + half); the rest pass (partial rotary)
-  const int64_t D = k_cache.size(3), half = cos.size(1);
+  const int64_t D = k_cache.size(3), half = cos.size(1), tok_stride = k_cache.stride(1);
   T* base = qkv.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -350,7 +354,7 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
       const float* c = ct + pos[t] * half;
       const float* s = st + pos[t] * half;
       T* row = base + t * row_stride;
-      C* kdst = kc + slot[t] * nkv * D;
+      C* kdst = kc + slot[t] * tok_stride;
       for (int64_t hd = 0; hd < nq + nkv; ++hd) {
         T* x = row + hd * D;
         load_row(x, xf.data(), D);
@@ -373,7 +377,7 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
           store_row(r, kdst + (hd - nq) * D, D);
         }
       }
-      C* vdst = vc + slot[t] * nkv * D;
+      C* vdst = vc + slot[t] * tok_stride;
       const T* vsrc = row + (nq + nkv) * D;
       if constexpr (std::is_same_v<T, C>) {
         std::memcpy(vdst, vsrc, nkv * D * sizeof(T));
@@ -491,8 +495,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->device().is_cpu() &&
                          sinks->numel() == q.size(1)), "sinks must be contiguous float32 (Hq,) on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (B, Hq, D) with unit stride in D");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(), "caches must be contiguous (blocks, block_size, Hkv, D)");
+  TORCH_CHECK(paged_layout(k_cache) && paged_layout(v_cache) && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.strides() == k_cache.strides(),
+              "caches must be (blocks, block_size, Hkv, D), each token's heads contiguous");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
@@ -547,8 +552,9 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
                    const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache, int64_t nq, int64_t nkv) {
   check_cpu(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be (T, width) with unit column stride");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.size(2) == nkv,
-              "caches must be contiguous (blocks, block_size, nkv, D)");
+  TORCH_CHECK(paged_layout(k_cache) && paged_layout(v_cache) && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.strides() == k_cache.strides() && (nkv == 0 || k_cache.size(2) == nkv),
+              "caches must be (blocks, block_size, nkv, D), each token's heads contiguous");
   const int64_t D = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (nq + 2 * nkv) * D && D % 2 == 0, "qkv width does not match the heads");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");

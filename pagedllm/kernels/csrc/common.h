@@ -96,6 +96,14 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
+// A paged K or V cache (blocks, block_size, heads, D): each token's heads contiguous, tokens a fixed stride apart
+// (heads x D, or a wider row whose first heads x D values are this layer's: layers of different head shapes
+// sharing one cache tensor, Gemma 4), a block's tokens one after another.
+bool paged_layout(const at::Tensor& c) {
+  return c.dim() == 4 && c.stride(3) == 1 && c.stride(2) == c.size(3) && c.stride(1) >= c.size(2) * c.size(3) &&
+         c.stride(0) == c.size(1) * c.stride(1);
+}
+
 // Work split of the big kernels: each of torch's intra-op threads claims chunks of `chunk` items [b, e) from a shared
 // counter until none are left, instead of taking one fixed share. On a 2-core machine the HTTP thread and the load
 // generator run beside the step: a fixed split waits for a thread that was descheduled with half of the work still

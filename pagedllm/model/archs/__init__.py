@@ -67,8 +67,8 @@ def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
         return theta, None
-    if kind not in ("linear", "llama3", "yarn"):
-        raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn")
+    if kind not in ("linear", "llama3", "yarn", "proportional"):
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn, proportional")
     out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
     if kind == "yarn" and out.get("factor") is None:  # transformers: the context's growth
         out["factor"] = hf.get("max_position_embeddings", 2048) / out["original_max_position_embeddings"]
@@ -110,7 +110,7 @@ def hf_eos(hf: dict) -> tuple[int | None, tuple[int, ...]]:
     return (ids[0] if ids else None), tuple(ids[1:])
 
 
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3_5", "qwen3_5_moe", "gemma2", "gemma3", "phi3", "smollm3", "ministral3",
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3_5", "qwen3_5_moe", "gemma2", "gemma3", "gemma4", "phi3", "smollm3", "ministral3",
             "gpt_oss", "lfm2", "bert", "gemma_embedding")
 ARCHS: dict[str, Arch] = {}
 for _m in _MODULES:

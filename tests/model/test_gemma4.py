@@ -1,0 +1,246 @@
+"""Gemma 4 (text): tiny random models from transformers' own config, as HF directories and as GGUF files written
+the way llama.cpp's converter writes them (per-layer KV heads and feed-forward sizes, the sliding pattern, the full
+layers' ``rope_freqs`` factors for their proportional rotary); against transformers in float32 on both backends,
+alone, batched in 16-token chunks with prefix hits and preemption. Two shapes: the E2B kind (per-layer inputs, the
+last layers reading earlier layers' K/V, double-wide MLPs there, full layers with twice the head size, a layer
+scalar) and the 31B kind (full layers whose values are their keys' projection, with their own KV heads)."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.ops import TorchOps
+from helpers import model_of, start_server
+from test_architectures import MAX_TOKENS, PROMPTS, WINDOW, _reference
+
+TYPES = ("sliding", "sliding", "full", "sliding", "sliding", "full")
+
+
+def _hf_model(vocab: int, kind: str = "e2b", scale: float = 5.0):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=len(TYPES),
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                  sliding_window=WINDOW, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+                  layer_types=[f"{t}_attention" for t in TYPES])
+    if kind == "e2b":
+        cfg = tf.Gemma4TextConfig(**common, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                                  vocab_size_per_layer_input=vocab, use_double_wide_mlp=True,
+                                  final_logit_softcapping=30.0)
+    else:  # 31B: values = keys on the full layers, which have 1 KV head of their own
+        cfg = tf.Gemma4TextConfig(**common, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                  hidden_size_per_layer_input=0)
+    model = tf.Gemma4ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: confident greedy choices (x8: within the 8-bit blocks'
+            # error; x5 keeps float32's rounding differences through the 6 layers under 1e-4); norms not all 1
+            p.mul_(scale) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.1 * i)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def _write_gguf(path: str, model, q8: bool = False) -> None:
+    from pagedllm.config import default_model_path
+    from pagedllm.gguf_file import GGUFFile
+
+    src, c = GGUFFile(default_model_path()), model.config
+    n = c.num_hidden_layers
+    swa = [t == "sliding_attention" for t in c.layer_types]
+    full_dim, full_kv = (getattr(c.per_layer_config[TYPES.index("full")], k) for k in ("head_dim", "num_key_value_heads"))
+    swa_dim, swa_kv = (getattr(c.per_layer_config[0], k) for k in ("head_dim", "num_key_value_heads"))
+    w = gguf.GGUFWriter(path, "gemma4")
+    w.add_block_count(n)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    first_shared = n - c.num_kv_shared_layers
+    w.add_feed_forward_length([c.intermediate_size * (2 if c.use_double_wide_mlp and i >= first_shared else 1)
+                               for i in range(n)])
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([swa_kv if s else full_kv for s in swa])
+    w.add_key_length(full_dim)
+    w.add_value_length(full_dim)
+    w.add_key_length_swa(swa_dim)
+    w.add_value_length_swa(swa_dim)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+    w.add_rope_dimension_count(full_dim)
+    w.add_rope_dimension_count_swa(swa_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_sliding_window_pattern(swa)
+    w.add_shared_kv_layers(c.num_kv_shared_layers)
+    w.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input or 0)
+    if c.final_logit_softcapping:
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    w.add_vocab_size(c.vocab_size)
+    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
+                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
+        fn(src.get(f"tokenizer.ggml.{key}"))
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    turned = int(full_dim * c.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * turned + [1e30] * (full_dim // 2 - turned), np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        base, _, suffix = name.rpartition(".")
+        if name.endswith("layer_scalar"):
+            base, suffix = name, "weight"
+        out, t = f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(t.float().numpy(), dtype=np.float32)
+        if q8 and t.ndim == 2 and t.shape[1] % 32 == 0:
+            w.add_tensor(out, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(out, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", params=["e2b", "k_eq_v"])
+def tiny(request, tmp_path_factory, llm):
+    """(kind, the HF model, its directory, the GGUF file)."""
+    model = _hf_model(llm.engine.core.vocab_size, request.param)
+    d = tmp_path_factory.mktemp(f"gemma4_{request.param}") / "hf"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    path = str(d.parent / "tiny-gemma4.gguf")
+    _write_gguf(path, model)
+    return request.param, model, str(d), path
+
+
+def _check(path: str, model, kind: str) -> None:
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    alone = LLM(model=path, max_model_len=512, dtype="float32", enable_prefix_caching=False)
+    built = model_of(alone)
+    cfg = built.cfg
+    assert cfg.arch == "gemma4" and cfg.layer_types == TYPES and (cfg.head_dim, cfg.global_head_dim) == (16, 32)
+    shared = [i for i, la in enumerate(built.layers) if la.attn.kv_shared]
+    assert shared == ([4, 5] if kind == "e2b" else [])
+    if kind == "e2b":  # the sharing layers keep no K/V: they read their source's tensors
+        kv = alone.engine.core.runner.kv.kv_caches
+        assert kv[4][0].data_ptr() == kv[3][0].data_ptr() and kv[5][0].data_ptr() == kv[2][0].data_ptr()
+        assert built.per_layer_inputs is not None and built.layers[4].mlp.down.in_features == 256
+    else:
+        assert built.layers[2].attn.num_kv_heads == 1 and built.layers[0].attn.num_kv_heads == 2
+    refs = [_reference(model, p) for p in PROMPTS]
+    fused = built.ops
+    assert fused.fused
+    for ops in (fused, TorchOps()):  # both backends
+        built.ops = ops
+        for p, (want, ref_lp) in zip(PROMPTS, refs):
+            got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
+            assert got.token_ids == want, (p, type(ops).__name__)
+            for i, lp in enumerate(got.logprobs):
+                assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (p, i, type(ops).__name__)
+    bytes_per_block = alone.engine.core.runner.kv.bytes_per_block
+    del alone
+    # batched, 16-token chunks, a shared prefix and a KV cache too small for all at once (preemption)
+    busy = LLM(model=path, max_model_len=128, dtype="float32", max_num_batched_tokens=16,
+               kv_cache_memory=20 * bytes_per_block)
+    prompts = PROMPTS + [PROMPTS[1] + [7, 8, 9], PROMPTS[2][:20]]
+    outs = busy.generate(prompts, sp, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(model, p)[0], p
+    sched = busy.engine.core.scheduler
+    assert sched.counters.num_preemptions > 0
+    del busy
+    # a prompt that extends an earlier one reads that one's cached blocks (the sliding groups' window included)
+    cached = LLM(model=path, max_model_len=128, dtype="float32", max_num_batched_tokens=16)
+    cached.generate([PROMPTS[1]], sp, use_tqdm=False)
+    p = PROMPTS[1] + [5] * 30
+    o = cached.generate([p], sp, use_tqdm=False)[0]
+    assert o.outputs[0].token_ids == _reference(model, p)[0] and o.num_cached_tokens == 32
+
+
+def test_hf_directory_matches_transformers(tiny):
+    kind, model, d, _ = tiny
+    _check(d, model, kind)
+
+
+def test_gguf_file_matches_transformers(tiny):
+    """llama.cpp's layout: per-layer arrays, the full layers' rotary as rope_freqs factors, no attn_v where the
+    values are the keys' projection."""
+    kind, model, _, path = tiny
+    _check(path, model, kind)
+
+
+def test_cache_rows_hold_the_widest_layer(tiny):
+    """One cache tensor per slot serves the sliding layers (2 heads x 16) and the full ones (2 x 32, or 1 x 32 with
+    k = v): a token's row is the widest layer's, the narrower layers use its first values; blocks hold only the
+    layers that keep K/V."""
+    kind, _, d, _ = tiny
+    llm = LLM(model=d, max_model_len=128, dtype="float32")
+    kv = llm.engine.core.runner.kv
+    width = 64 if kind == "e2b" else 32
+    own = 4 if kind == "e2b" else 6  # layers keeping K/V; their groups: 3 sliding + 1 full (e2b), 4 + 2 (k_eq_v)
+    slots = 1 if kind == "e2b" else 2
+    assert kv.groups.slots == slots and len(kv.slot_caches) == slots
+    assert kv.bytes_per_block == 2 * slots * 16 * width * 4
+    assert sum(1 for i in range(6) if llm.engine.core.runner.model.cfg.kv_source(i) == i) == own
+    k0, k2 = kv.kv_caches[0][0], kv.kv_caches[2][0]
+    assert k0.shape[2:] == (2, 16) and k2.shape[2:] == ((2, 32) if kind == "e2b" else (1, 32))
+    assert k0.stride(1) == width  # the sliding layer's view: the wide row's first 32 values
+
+
+def test_quantized_file_runs_from_its_blocks(tmp_path, llm):
+    """The linears in Q8_0 blocks (the per-layer-input table requantized to int8): on the float32 path's own
+    greedy continuations, the block kernels' logprobs of each token stay within the 8-bit weights' error (this
+    random model's top choices are too close for free-running tokens to be compared)."""
+    model = _hf_model(llm.engine.core.vocab_size)
+    path = str(tmp_path / "q8.gguf")
+    _write_gguf(path, model, q8=True)
+    ref = LLM(model=path, max_model_len=128, dtype="float32")
+    auto = LLM(model=path, max_model_len=128, quantization="gguf", large_step_weights="blocks", dtype="float32")
+    lins = model_of(auto).linears()
+    assert lins["layers.0.qkv"].kind == "q8-block" and lins["layers.4.ple_gate"].kind == "q8-block"
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    for p in PROMPTS:
+        text = p + ref.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        a, b = (m.generate([text], scored, use_tqdm=False)[0].prompt_logprobs[1:] for m in (auto, ref))
+        diffs = [abs(x.logprob - y.logprob) for x, y in zip(a, b)]
+        assert len(diffs) == len(text) - 1 and max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, diffs
+
+
+def test_served_through_the_openai_api(tmp_path_factory, llm):
+    """The GGUF behind ``pagedllm serve`` with its defaults: /v1/completions' greedy text, whole and streamed, is
+    the text of transformers' tokens."""
+    import openai
+
+    model = _hf_model(llm.engine.core.vocab_size)
+    path = str(tmp_path_factory.mktemp("gemma4_served") / "tiny-gemma4.gguf")
+    _write_gguf(path, model)
+    want = llm.get_tokenizer().decode(_reference(model, PROMPTS[1])[0])
+    proc, base, _ = start_server(tmp_path_factory, "--model", path, "--served-model-name", "gemma4")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        kw = dict(model="gemma4", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})
+        assert client.completions.create(**kw).choices[0].text == want
+        assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == want
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_what_gemma4_does_not_support_is_refused(tmp_path, llm):
+    """The mixture-of-experts block, bidirectional attention, tensor parallelism and the simulator: named."""
+    from pagedllm.model.arch import config_from_hf, tp_layout
+
+    base = _hf_model(llm.engine.core.vocab_size).config.to_dict()
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        config_from_hf(base | {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2})
+    with pytest.raises(ValueError, match="bidirectional"):
+        config_from_hf(base | {"use_bidirectional_attention": "all"})
+    cfg = config_from_hf(base)
+    assert cfg.global_head_dim == 32 and cfg.kv_shared_layers == 2 and cfg.per_layer_input_size == 8
+    with pytest.raises(ValueError, match="Gemma 4"):
+        tp_layout(cfg, 2)
