@@ -1,13 +1,14 @@
-"""A random-weight hybrid GGUF file at real layer shapes, written as llama.cpp's converter writes the architecture,
-for speed comparisons (no package on the index ships these weights): Qwen 3.5 at the 0.8B's shapes (``qwen35``) or
-LFM2 at the 350M's (``lfm2``).
+"""A random-weight GGUF file at real layer shapes of a 2026 architecture, written as llama.cpp's converter writes it,
+for speed comparisons (no package on the index ships these weights): Qwen 3.5 at the 0.8B's shapes (``qwen35``),
+LFM2 at the 350M's (``lfm2``) or Gemma 4 at the E2B's (``gemma4``: 35 layers, a full one every 5th, the last 20
+reading the K/V of layers 13 / 14, per-layer inputs of 256).
 
     python tools/scripts/random_hybrid_gguf.py /tmp/q35-0.8b-f16.gguf --shape qwen35-0.8b
     llama-quantize /tmp/q35-0.8b-f16.gguf /tmp/q35-0.8b-q4km.gguf Q4_K_M
 
 The vocabulary is the default model's (SmolLM2's 49152 tokens, so a tied head is smaller than the real models':
-Qwen 3.5 0.8B's 254M weights, LFM2's 67M); weights N(0, 0.02), norms 1, A in [1, 16], dt_bias 1, F16 (the norms and
-small vectors F32, as the converter keeps them)."""
+Qwen 3.5 0.8B's 254M weights, LFM2's 67M, Gemma 4 E2B's 403M and its per-layer-input table's 2.35G); weights
+N(0, 0.02), norms 1, A in [1, 16], dt_bias 1, F16 (the norms and small vectors F32, as the converter keeps them)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ SHAPES = {
     # LFM2-350M: attention on layers 2, 5, 8, 10, 12 and 14, short convolutions (kernel 3) elsewhere
     "lfm2-350m": dict(arch="lfm2", hidden=1024, layers=16, inter=4608, heads=16, kv_heads=8, head_dim=64, conv=3,
                       attention=(2, 5, 8, 10, 12, 14)),
+    "gemma4-e2b": dict(arch="gemma4", hidden=1536, layers=35, inter=6144, heads=8, kv_heads=1, head_dim=256,
+                       global_head_dim=512, window=512, shared=20, per_layer=256),
 }
 
 
@@ -40,6 +43,9 @@ def main() -> None:
     tokens = src.get("tokenizer.ggml.tokens")
     lfm2 = s["arch"] == "lfm2"
     w = gguf.GGUFWriter(a.out, s["arch"])
+    if s["arch"] == "gemma4":
+        _gemma4(w, s, rng, src)
+        return
     w.add_block_count(s["layers"])
     w.add_context_length(32768)
     w.add_embedding_length(s["hidden"])
@@ -62,19 +68,7 @@ def main() -> None:
         w.add_ssm_time_step_rank(s["v_heads"])
         w.add_ssm_inner_size(s["v_dim"] * s["v_heads"])
         w.add_full_attention_interval(s["interval"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
-                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
-        fn(src.get(f"tokenizer.ggml.{key}"))
-    w.add_bos_token_id(src.get("tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(src.get("tokenizer.ggml.eos_token_id"))
-
-    def lin(name: str, rows: int, cols: int) -> None:
-        w.add_tensor(name, (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16))
-
-    def vec(name: str, values: np.ndarray) -> None:
-        w.add_tensor(name, values.astype(np.float32))
-
+    lin, vec = _writers(w, rng, src)
     h = s["hidden"]
     lin("token_embd.weight", len(tokens), h)
     vec("token_embd_norm.weight" if lfm2 else "output_norm.weight", np.ones(h))
@@ -114,10 +108,88 @@ def main() -> None:
         lin(p + "ffn_gate.weight", s["inter"], h)
         lin(p + "ffn_up.weight", s["inter"], h)
         lin(p + "ffn_down.weight", h, s["inter"])
+    _close(w)
+
+
+def _writers(w, rng, src):
+    """The file type and the default model's vocabulary written; (lin, vec): add a random F16 matrix, an F32
+    vector."""
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
+                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
+        fn(src.get(f"tokenizer.ggml.{key}"))
+    w.add_bos_token_id(src.get("tokenizer.ggml.bos_token_id"))
+    w.add_eos_token_id(src.get("tokenizer.ggml.eos_token_id"))
+
+    def lin(name: str, rows: int, cols: int) -> None:
+        w.add_tensor(name, (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16))
+
+    def vec(name: str, values: np.ndarray) -> None:
+        w.add_tensor(name, values.astype(np.float32))
+
+    return lin, vec
+
+
+def _close(w) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _gemma4(w, s: dict, rng, src) -> None:
+    """Gemma 4 as llama.cpp's converter writes it: per-layer feed-forward sizes (the K/V-sharing layers' twice as
+    wide), the sliding pattern, both head sizes, ``rope_freqs`` for the full layers' proportional rotary."""
+    n, h, hd, ghd, ple = s["layers"], s["hidden"], s["head_dim"], s["global_head_dim"], s["per_layer"]
+    sliding = [i % 5 != 4 for i in range(n)]
+    first_shared = n - s["shared"]
+    inter = [s["inter"] * (2 if i >= first_shared else 1) for i in range(n)]
+    w.add_block_count(n)
+    w.add_context_length(32768)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(ghd)
+    w.add_value_length(ghd)
+    w.add_key_length_swa(hd)
+    w.add_value_length_swa(hd)
+    w.add_rope_freq_base(1e6)
+    w.add_rope_freq_base_swa(1e4)
+    w.add_rope_dimension_count(ghd)
+    w.add_rope_dimension_count_swa(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(s["window"])
+    w.add_sliding_window_pattern(sliding)
+    w.add_shared_kv_layers(s["shared"])
+    w.add_embedding_length_per_layer_input(ple)
+    w.add_final_logit_softcapping(30.0)
+    lin, vec = _writers(w, rng, src)
+    vocab = len(src.get("tokenizer.ggml.tokens"))
+    lin("token_embd.weight", vocab, h)
+    lin("per_layer_token_embd.weight", vocab, n * ple)
+    lin("per_layer_model_proj.weight", n * ple, h)
+    vec("per_layer_proj_norm.weight", np.ones(ple))
+    vec("rope_freqs.weight", np.array([1.0] * (ghd // 8) + [1e30] * (ghd // 2 - ghd // 8)))
+    vec("output_norm.weight", np.ones(h))
+    for i in range(n):
+        p, d = f"blk.{i}.", hd if sliding[i] else ghd
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "post_norm"):
+            vec(p + norm + ".weight", np.ones(h))
+        lin(p + "attn_q.weight", s["heads"] * d, h)
+        vec(p + "attn_q_norm.weight", np.ones(d))
+        if i < first_shared:
+            lin(p + "attn_k.weight", s["kv_heads"] * d, h)
+            lin(p + "attn_v.weight", s["kv_heads"] * d, h)
+            vec(p + "attn_k_norm.weight", np.ones(d))
+        lin(p + "attn_output.weight", h, s["heads"] * d)
+        lin(p + "ffn_gate.weight", inter[i], h)
+        lin(p + "ffn_up.weight", inter[i], h)
+        lin(p + "ffn_down.weight", h, inter[i])
+        lin(p + "inp_gate.weight", ple, h)
+        lin(p + "proj.weight", h, ple)
+        vec(p + "layer_output_scale.weight", np.array([0.5]))
+    _close(w)
 
 
 if __name__ == "__main__":
