@@ -11,12 +11,13 @@ from __future__ import annotations
 import torch
 
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.mlp import GatedMLP, MoE
+from pagedllm.layers.mlp import DenseAndExperts, GatedMLP, MoE
 from pagedllm.layers.per_layer_inputs import PerLayerInput
 
 
 class DecoderLayer:
-    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, attn: Attention, mlp: GatedMLP | MoE,
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, attn: Attention,
+                 mlp: GatedMLP | MoE | DenseAndExperts,
                  eps: float, attn_out_norm: torch.Tensor | None = None, mlp_out_norm: torch.Tensor | None = None,
                  tp=None, per_layer: PerLayerInput | None = None, scalar: torch.Tensor | None = None) -> None:
         """``post_norm``: the norm before the MLP; ``attn_out_norm`` / ``mlp_out_norm``: gemma's sandwich norms on
@@ -36,6 +37,7 @@ class DecoderLayer:
 
     def norms(self) -> dict[str, torch.Tensor]:
         out = {"input_norm": self.input_norm, "post_norm": self.post_norm, **self.attn.norms()}
+        out.update(self.mlp.norms() if hasattr(self.mlp, "norms") else {})
         if self.attn_out_norm is not None:
             out.update(attn_out_norm=self.attn_out_norm, mlp_out_norm=self.mlp_out_norm)
         if self.per_layer is not None:
@@ -55,7 +57,7 @@ class DecoderLayer:
         if self.attn_out_norm is not None:
             o = ops.rms_norm(o, self.attn_out_norm, self.eps)
         x = ops.add_rms_norm(h, o, self.post_norm, self.eps)
-        m = self.mlp(x, ops)
+        m = self.mlp(x, ops, h) if getattr(self.mlp, "takes_residual", False) else self.mlp(x, ops)
         if tp is not None:
             m = tp.all_reduce(m)
         if self.mlp_out_norm is not None:

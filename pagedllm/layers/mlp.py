@@ -57,11 +57,12 @@ class MoE:
 
     def __init__(self, router: torch.Tensor, experts: list[GatedMLP], top_k: int, norm_topk_prob: bool,
                  router_bias: torch.Tensor | None = None, shared: GatedMLP | None = None,
-                 shared_gate: torch.Tensor | None = None) -> None:
+                 shared_gate: torch.Tensor | None = None, expert_scale: torch.Tensor | None = None) -> None:
         """``shared``: an expert every token goes through, its output times sigmoid(x . ``shared_gate``) (Qwen 3.5
-        MoE, Qwen3-Next)."""
+        MoE, Qwen3-Next); ``expert_scale``: each chosen expert's weight times its entry, after the renormalisation
+        (Gemma 4)."""
         self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
-        self.router_bias = router_bias
+        self.router_bias, self.expert_scale = router_bias, expert_scale
         self.shared, self.shared_gate = shared, shared_gate
 
     @classmethod
@@ -76,7 +77,8 @@ class MoE:
         if prefix + "shared.down" in src or prefix + "shared.gate_up" in src:  # a gated shared expert
             shared = GatedMLP.load(src, prefix + "shared.", act)
             shared_gate = src.float_tensor(prefix + "shared_gate")
-        return cls(router, experts, top_k, norm_topk_prob, bias, shared, shared_gate)
+        scale = src.pop(prefix + "expert_scale").float() if prefix + "expert_scale" in src else None
+        return cls(router, experts, top_k, norm_topk_prob, bias, shared, shared_gate, scale)
 
     def linear_slots(self, prefix: str):
         for e, expert in enumerate(self.experts):
@@ -84,11 +86,15 @@ class MoE:
         if self.shared is not None:
             yield from self.shared.linear_slots(prefix + "shared.")
 
-    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        probs = torch.softmax(F.linear(x, self.router, self.router_bias), dim=-1, dtype=torch.float32)
+    def forward(self, x: torch.Tensor, ops: TorchOps, router_x: torch.Tensor | None = None) -> torch.Tensor:
+        """``router_x``: what the router reads, where not the experts' input (Gemma 4)."""
+        probs = torch.softmax(F.linear(x if router_x is None else router_x, self.router, self.router_bias), dim=-1,
+                              dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale.to(weights.device)[chosen]
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         for e in torch.unique(chosen).tolist():
@@ -98,5 +104,49 @@ class MoE:
         if self.shared is not None:
             out += torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, ops)
         return out
+
+    __call__ = forward
+
+
+class DenseAndExperts:
+    """Gemma 4's mixture-of-experts block (26B-A4B): a dense MLP and a mixture of experts side by side, both from
+    the residual stream after attention: the dense MLP on the layer's usual norm of it, its output normalised; the
+    experts on a second norm of it, routed from its weightless RMS norm times a learned scale and hidden^-0.5, their
+    output normalised; the two added (the layer's own output norm follows)."""
+
+    takes_residual = True  # forward reads the residual stream h as well as its normalised x
+
+    def __init__(self, dense: GatedMLP, moe: MoE, dense_norm: torch.Tensor, experts_in_norm: torch.Tensor,
+                 experts_norm: torch.Tensor, router_scale: torch.Tensor, eps: float) -> None:
+        self.dense, self.moe, self.eps = dense, moe, eps
+        self.dense_norm, self.experts_in_norm, self.experts_norm = dense_norm, experts_in_norm, experts_norm
+        self.router_scale = router_scale  # (H,) float32, times hidden^-0.5 as the reference applies it
+
+    @classmethod
+    def load(cls, src: WeightSource, prefix: str, act: str, num_experts: int, top_k: int,
+             eps: float) -> "DenseAndExperts":
+        """The dense MLP's ``gate``/``up``/``down``, the experts (``MoE.load``: ``router``, ``experts.{e}.``,
+        ``expert_scale``), ``router_scale`` and the norms ``dense_out_norm``, ``experts_in_norm``,
+        ``experts_out_norm``."""
+        scale = src.pop(prefix + "router_scale").float()
+        return cls(GatedMLP.load(src, prefix, act), MoE.load(src, prefix, act, num_experts, top_k, True),
+                   src.norm(prefix + "dense_out_norm"), src.norm(prefix + "experts_in_norm"),
+                   src.norm(prefix + "experts_out_norm"), scale, eps)
+
+    def linear_slots(self, prefix: str):
+        yield from self.dense.linear_slots(prefix)
+        yield from self.moe.linear_slots(prefix)
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        return {"dense_out_norm": self.dense_norm, "experts_in_norm": self.experts_in_norm,
+                "experts_out_norm": self.experts_norm}
+
+    def forward(self, x: torch.Tensor, ops: TorchOps, h: torch.Tensor) -> torch.Tensor:
+        dense = ops.rms_norm(self.dense(x, ops).contiguous(), self.dense_norm, self.eps)
+        hf = h.float()
+        routed = hf * torch.pow(hf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)  # weightless, in float32
+        routed = (routed.to(h.dtype) * self.router_scale.to(h.dtype) * h.shape[-1] ** -0.5).to(self.moe.router.dtype)
+        experts = self.moe(ops.rms_norm(h, self.experts_in_norm, self.eps), ops, routed)
+        return dense + ops.rms_norm(experts.contiguous(), self.experts_norm, self.eps)
 
     __call__ = forward

@@ -68,6 +68,7 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0  # > 0: a gated shared expert beside the routed ones (Qwen 3.5 MoE)
+    moe_beside_mlp: bool = False  # the experts beside a dense MLP of intermediate_size, each normalised (Gemma 4)
     rotary_dim: int = 0  # dimensions of each q/k head the rotary turns (the first ones; 0: all of head_dim)
     attn_output_gate: bool = False  # attention output times sigmoid(a per-channel gate from q's projection) (qwen3.5)
     # Gated DeltaNet ("linear" layers: Qwen 3.5, Qwen3-Next): key/value heads and sizes, the short convolution's

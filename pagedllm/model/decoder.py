@@ -19,7 +19,7 @@ from pagedllm.layers.decoder_layer import DecoderLayer
 from pagedllm.layers.gated_deltanet import GatedDeltaNet, StateMetadata
 from pagedllm.layers.short_conv import ShortConv
 from pagedllm.layers.linear import build_linear, tensor_bytes
-from pagedllm.layers.mlp import GatedMLP, MoE
+from pagedllm.layers.mlp import DenseAndExperts, GatedMLP, MoE
 from pagedllm.layers.ops import choose_ops
 from pagedllm.layers.per_layer_inputs import PerLayerInput, PerLayerInputs
 from pagedllm.layers.rotary import RotaryEmbedding, rope_attention_factor, rope_inv_freq
@@ -101,8 +101,13 @@ class CausalLM:
                                  if cfg.attn_sinks else None, cfg.attn_output_gate,
                                  torch.ones(head_dim, dtype=src.norm_dtype, device=device) if cfg.attn_v_norm else None,
                                  shared)
-            mlp = (MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-                   if cfg.num_experts else GatedMLP.load(src, p, cfg.hidden_act))
+            if cfg.moe_beside_mlp:  # Gemma 4's block: a dense MLP and the experts side by side
+                mlp = DenseAndExperts.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok,
+                                           cfg.rms_norm_eps)
+            elif cfg.num_experts:
+                mlp = MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            else:
+                mlp = GatedMLP.load(src, p, cfg.hidden_act)
             sandwich = cfg.sandwich_norm
             self.layers.append(DecoderLayer(
                 src.norm(p + "input_norm"), src.norm(p + "post_norm"), attn, mlp, cfg.rms_norm_eps,

@@ -1,9 +1,10 @@
 """Gemma 4 (text): tiny random models from transformers' own config, as HF directories and as GGUF files written
 the way llama.cpp's converter writes them (per-layer KV heads and feed-forward sizes, the sliding pattern, the full
 layers' ``rope_freqs`` factors for their proportional rotary); against transformers in float32 on both backends,
-alone, batched in 16-token chunks with prefix hits and preemption. Two shapes: the E2B kind (per-layer inputs, the
-last layers reading earlier layers' K/V, double-wide MLPs there, full layers with twice the head size, a layer
-scalar) and the 31B kind (full layers whose values are their keys' projection, with their own KV heads)."""
+alone, batched in 16-token chunks with prefix hits and preemption. Three shapes: the E2B kind (per-layer inputs,
+the last layers reading earlier layers' K/V, double-wide MLPs there, full layers with twice the head size, a layer
+scalar), the 31B kind (full layers whose values are their keys' projection, with their own KV heads) and the
+26B-A4B kind (the 31B's attention, experts beside the dense MLP)."""
 
 import gguf
 import numpy as np
@@ -30,9 +31,11 @@ def _hf_model(vocab: int, kind: str = "e2b", scale: float = 5.0):
         cfg = tf.Gemma4TextConfig(**common, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
                                   vocab_size_per_layer_input=vocab, use_double_wide_mlp=True,
                                   final_logit_softcapping=30.0)
-    else:  # 31B: values = keys on the full layers, which have 1 KV head of their own
+    else:  # 31B: values = keys on the full layers, which have 1 KV head of their own; "moe": 26B-A4B's experts
+        # (top 2 of 4) beside the dense MLP too
+        moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
         cfg = tf.Gemma4TextConfig(**common, attention_k_eq_v=True, num_global_key_value_heads=1,
-                                  hidden_size_per_layer_input=0)
+                                  hidden_size_per_layer_input=0, **(moe if kind == "moe" else {}))
     model = tf.Gemma4ForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():  # larger weights: confident greedy choices (x8: within the 8-bit blocks'
@@ -77,6 +80,10 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
     w.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input or 0)
     if c.final_logit_softcapping:
         w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if c.enable_moe_block:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.top_k_experts)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_vocab_size(c.vocab_size)
     for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
                     ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
@@ -90,9 +97,13 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
         if name == "lm_head.weight":
             continue  # tied
         base, _, suffix = name.rpartition(".")
-        if name.endswith("layer_scalar"):
+        if name.endswith(("layer_scalar", "experts.gate_up_proj", "experts.down_proj")):
             base, suffix = name, "weight"
-        out, t = f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(t.float().numpy(), dtype=np.float32)
+        out = f"{names.get_name(base)}.{suffix}"
+        if name.endswith(("router.scale", "router.per_expert_scale")):  # the converter's names for them
+            out = base.replace("model.layers.", "blk.").replace("router", "ffn_gate_inp" if suffix == "scale"
+                                                                else "ffn_down_exps") + ".scale"
+        t = np.ascontiguousarray(t.float().numpy(), dtype=np.float32)
         if q8 and t.ndim == 2 and t.shape[1] % 32 == 0:
             w.add_tensor(out, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -104,7 +115,7 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
     w.close()
 
 
-@pytest.fixture(scope="module", params=["e2b", "k_eq_v"])
+@pytest.fixture(scope="module", params=["e2b", "k_eq_v", "moe"])
 def tiny(request, tmp_path_factory, llm):
     """(kind, the HF model, its directory, the GGUF file)."""
     model = _hf_model(llm.engine.core.vocab_size, request.param)
@@ -130,6 +141,7 @@ def _check(path: str, model, kind: str) -> None:
         assert built.per_layer_inputs is not None and built.layers[4].mlp.down.in_features == 256
     else:
         assert built.layers[2].attn.num_kv_heads == 1 and built.layers[0].attn.num_kv_heads == 2
+    assert {type(la.mlp).__name__ for la in built.layers} == {"DenseAndExperts" if kind == "moe" else "GatedMLP"}
     refs = [_reference(model, p) for p in PROMPTS]
     fused = built.ops
     assert fused.fused
@@ -232,12 +244,10 @@ def test_served_through_the_openai_api(tmp_path_factory, llm):
 
 
 def test_what_gemma4_does_not_support_is_refused(tmp_path, llm):
-    """The mixture-of-experts block, bidirectional attention, tensor parallelism and the simulator: named."""
+    """Bidirectional attention and tensor parallelism: named."""
     from pagedllm.model.arch import config_from_hf, tp_layout
 
     base = _hf_model(llm.engine.core.vocab_size).config.to_dict()
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        config_from_hf(base | {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2})
     with pytest.raises(ValueError, match="bidirectional"):
         config_from_hf(base | {"use_bidirectional_attention": "all"})
     cfg = config_from_hf(base)

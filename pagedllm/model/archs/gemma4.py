@@ -4,12 +4,12 @@ RMS-normalised without a weight, full layers with their own head size (and, wher
 KV heads and values equal to their keys' projection), a ``proportional`` rotary on them (a quarter of the head's
 frequencies turn), the last ``num_kv_shared_layers`` layers attending over the K/V of the last earlier layer of
 their type (no K/V of their own; their MLPs twice as wide with ``use_double_wide_mlp``), per-layer inputs (PLE,
-``layers.per_layer_inputs``) and a scalar on each layer's output. The mixture-of-experts block (26B-A4B) is refused
-by name, as are bidirectional variants."""
+``layers.per_layer_inputs``), a scalar on each layer's output, and (26B-A4B) the experts beside the dense MLP
+(``layers.mlp.DenseAndExperts``). Bidirectional variants are refused by name."""
 
 import math
 
-from pagedllm.model.archs import Arch, GGUFMeta, hf_rope
+from pagedllm.model.archs import Arch, GGUFMeta, gguf_experts, hf_rope
 
 
 def _common(hidden: int) -> dict:
@@ -25,8 +25,6 @@ def _at(v, i: int) -> int:
 def from_gguf(meta: GGUFMeta) -> dict:
     layers = int(meta.kv("block_count"))
     sliding = [bool(x) for x in meta.kv("attention.sliding_window_pattern")]
-    if meta.kv("expert_count"):
-        raise ValueError("gemma4: the mixture-of-experts block (26B-A4B) is not supported yet")
     full = sliding.index(False)
     kv = meta.kv("attention.head_count_kv", meta.kv("attention.head_count"))
     out = _common(int(meta.kv("embedding_length"))) | {
@@ -41,6 +39,8 @@ def from_gguf(meta: GGUFMeta) -> dict:
         "rope_local_theta": float(meta.kv("rope.freq_base_swa", 10000.0)),
         "final_logit_softcap": meta.kv("final_logit_softcapping"),
     }
+    if meta.kv("expert_count"):  # 26B-A4B: the experts beside the dense MLP
+        out |= gguf_experts(meta) | {"moe_beside_mlp": True}
     if "rope_freqs.weight" in meta.tensor_names:  # the full layers' proportional rotary: 1e30 where none turns
         out["rope_scaling"] = {"rope_type": "factors",
                                "factors": [float(f) for f in meta.tensor("rope_freqs.weight")]}
@@ -63,8 +63,6 @@ def _full_layer_value(hf: dict, key: str, default):
 
 
 def from_hf(hf: dict) -> dict:
-    if hf.get("enable_moe_block"):
-        raise ValueError("gemma4: the mixture-of-experts block (26B-A4B) is not supported yet")
     if hf.get("use_bidirectional_attention") == "all":
         raise ValueError("gemma4: use_bidirectional_attention='all' is not supported")
     out = _common(hf["hidden_size"]) | {
@@ -75,6 +73,9 @@ def from_hf(hf: dict) -> dict:
         "per_layer_input_size": hf.get("hidden_size_per_layer_input") or 0,
         "final_logit_softcap": hf.get("final_logit_softcapping"),
     }
+    if hf.get("enable_moe_block"):
+        out |= {"num_experts": hf["num_experts"], "num_experts_per_tok": hf["top_k_experts"],
+                "moe_intermediate_size": hf["moe_intermediate_size"], "moe_beside_mlp": True}
     heads = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None
     out["global_num_kv_heads"] = _full_layer_value(hf, "num_key_value_heads", heads) or 0
     if out["per_layer_input_size"] and hf.get("vocab_size_per_layer_input", hf["vocab_size"]) != hf["vocab_size"]:
@@ -84,14 +85,29 @@ def from_hf(hf: dict) -> dict:
     return out
 
 
+def _split_hf(rest: str, t):
+    """transformers' stacked experts, (E, 2I, H) gate/up and (E, H, I) down: one tensor per expert."""
+    if rest not in ("experts.gate_up_proj", "experts.down_proj"):
+        return None
+    part = "gate_up" if rest.endswith("gate_up_proj") else "down"
+    return {f"experts.{e}.{part}": w for e, w in enumerate(t.unbind(0))}
+
+
 ARCH = Arch("gemma4", ("gemma4_text", "gemma4"), from_gguf, from_hf,
             gguf_names={"inp_gate.weight": "ple_gate", "proj.weight": "ple_out", "post_norm.weight": "ple_norm",
-                        "layer_output_scale.weight": "layer_scalar"},
+                        "layer_output_scale.weight": "layer_scalar", "ffn_gate_inp.scale": "router_scale",
+                        "ffn_down_exps.scale": "expert_scale", "post_ffw_norm_1.weight": "dense_out_norm",
+                        "pre_ffw_norm_2.weight": "experts_in_norm", "post_ffw_norm_2.weight": "experts_out_norm"},
             hf_names={"post_attention_layernorm.weight": "attn_out_norm",
                       "pre_feedforward_layernorm.weight": "post_norm",
                       "post_feedforward_layernorm.weight": "mlp_out_norm",
                       "per_layer_input_gate.weight": "ple_gate", "per_layer_projection.weight": "ple_out",
-                      "post_per_layer_input_norm.weight": "ple_norm", "layer_scalar": "layer_scalar"},
+                      "post_per_layer_input_norm.weight": "ple_norm", "layer_scalar": "layer_scalar",
+                      "router.proj.weight": "router", "router.scale": "router_scale",
+                      "router.per_expert_scale": "expert_scale", "post_feedforward_layernorm_1.weight": "dense_out_norm",
+                      "pre_feedforward_layernorm_2.weight": "experts_in_norm",
+                      "post_feedforward_layernorm_2.weight": "experts_out_norm"},
+            split_hf=_split_hf,
             gguf_global_names={"per_layer_token_embd.weight": "ple_embed", "per_layer_model_proj.weight": "ple_proj",
                                "per_layer_proj_norm.weight": "ple_norm"},
             hf_global_names={"model.embed_tokens_per_layer.weight": "ple_embed",
