@@ -19,14 +19,16 @@ class DecoderLayer:
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, attn: Attention,
                  mlp: GatedMLP | MoE | DenseAndExperts,
                  eps: float, attn_out_norm: torch.Tensor | None = None, mlp_out_norm: torch.Tensor | None = None,
-                 tp=None, per_layer: PerLayerInput | None = None, scalar: torch.Tensor | None = None) -> None:
+                 tp=None, per_layer: PerLayerInput | None = None, scalar: torch.Tensor | None = None,
+                 residual_scale: float = 1.0) -> None:
         """``post_norm``: the norm before the MLP; ``attn_out_norm`` / ``mlp_out_norm``: gemma's sandwich norms on
         each block's output; ``tp``: the tensor-parallel group that sums the row-parallel outputs (None: one
         rank); ``per_layer``: Gemma 4's per-layer input, mixed in after the MLP; ``scalar``: the residual stream
-        times it at the layer's end (Gemma 4)."""
+        times it at the layer's end (Gemma 4); ``residual_scale``: each block's output times it before its residual
+        add (Granite)."""
         self.input_norm, self.post_norm, self.attn, self.mlp, self.eps = input_norm, post_norm, attn, mlp, eps
         self.attn_out_norm, self.mlp_out_norm, self.tp = attn_out_norm, mlp_out_norm, tp
-        self.per_layer, self.scalar = per_layer, scalar
+        self.per_layer, self.scalar, self.residual_scale = per_layer, scalar, residual_scale
 
     def linear_slots(self, prefix: str):
         """(name, owner, attribute) of each linear: the names ``model.loader`` gives their weights."""
@@ -56,12 +58,16 @@ class DecoderLayer:
             o = tp.all_reduce(o)
         if self.attn_out_norm is not None:
             o = ops.rms_norm(o, self.attn_out_norm, self.eps)
+        if self.residual_scale != 1.0:
+            o = o * self.residual_scale
         x = ops.add_rms_norm(h, o, self.post_norm, self.eps)
         m = self.mlp(x, ops, h) if getattr(self.mlp, "takes_residual", False) else self.mlp(x, ops)
         if tp is not None:
             m = tp.all_reduce(m)
         if self.mlp_out_norm is not None:
             m = ops.rms_norm(m, self.mlp_out_norm, self.eps)
+        if self.residual_scale != 1.0:
+            m = m * self.residual_scale
         if self.per_layer is None and self.scalar is None:
             return ops.add_rms_norm(h, m, next_norm, self.eps)
         h.add_(m)

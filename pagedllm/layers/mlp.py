@@ -59,7 +59,7 @@ class MoE:
                  router_bias: torch.Tensor | None = None, shared: GatedMLP | None = None,
                  shared_gate: torch.Tensor | None = None, expert_scale: torch.Tensor | None = None) -> None:
         """``shared``: an expert every token goes through, its output times sigmoid(x . ``shared_gate``) (Qwen 3.5
-        MoE, Qwen3-Next); ``expert_scale``: each chosen expert's weight times its entry, after the renormalisation
+        MoE, Qwen3-Next; no gate: Granite); ``expert_scale``: each chosen expert's weight times its entry, after the renormalisation
         (Gemma 4)."""
         self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
         self.router_bias, self.expert_scale = router_bias, expert_scale
@@ -76,7 +76,7 @@ class MoE:
         shared = shared_gate = None
         if prefix + "shared.down" in src or prefix + "shared.gate_up" in src:  # a gated shared expert
             shared = GatedMLP.load(src, prefix + "shared.", act)
-            shared_gate = src.float_tensor(prefix + "shared_gate")
+            shared_gate = src.float_tensor(prefix + "shared_gate") if prefix + "shared_gate" in src else None
         scale = src.pop(prefix + "expert_scale").float() if prefix + "expert_scale" in src else None
         return cls(router, experts, top_k, norm_topk_prob, bias, shared, shared_gate, scale)
 
@@ -101,8 +101,9 @@ class MoE:
             slot, rows = torch.where((chosen == e).T)  # (k, T) order: by slot, then token, as the reference
             y = self.experts[e](x[rows].contiguous(), ops)
             out.index_add_(0, rows, y * weights[rows, slot, None])
-        if self.shared is not None:
-            out += torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, ops)
+        if self.shared is not None:  # (ungated: Granite's shared MLP)
+            shared = self.shared(x, ops)
+            out += shared if self.shared_gate is None else torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out
 
     __call__ = forward

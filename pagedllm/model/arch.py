@@ -12,7 +12,7 @@ from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos, hf_rope  # t
 
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
-STATE_LAYER_TYPES = ("linear", "conv")  # layers that keep a state per sequence instead of K/V
+STATE_LAYER_TYPES = ("linear", "conv", "mamba")  # layers that keep a state per sequence instead of K/V
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class ModelArchConfig:
     norm_float32: bool = False  # RMSNorm's weight multiplies the normalized x in float32, rounded once (gemma)
     attn_scale: float | None = None  # the query scale (None: head_dim ** -0.5)
     sliding_window: int | None = None  # keys a sliding layer sees, its own token included
-    # per layer "full", "sliding", "linear" (a Gated DeltaNet layer: recurrent state, no KV) or "conv" (LFM2's short
-    # convolution: its last inputs as state, no KV); empty: all "full"
+    # per layer "full", "sliding", "linear" (a Gated DeltaNet layer: recurrent state, no KV), "conv" (LFM2's short
+    # convolution: its last inputs as state, no KV) or "mamba" (a Mamba-2 layer: Granite 4.0-H); empty: all "full"
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # rotary base of the sliding layers, without scaling (gemma3)
     no_rope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE layers)
@@ -89,6 +89,15 @@ class ModelArchConfig:
     kv_shared_layers: int = 0
     attn_v_norm: bool = False
     per_layer_input_size: int = 0
+    # Mamba-2 ("mamba" layers: Granite 4.0-H): heads of head_dim inner values, B/C groups, the state size per head
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    # Granite's multipliers: each block's output times residual_scale before its residual add; logits divided by
+    # logit_scale
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -98,13 +107,16 @@ class ModelArchConfig:
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
         if set(self.layer_types) - {"full", "sliding", *STATE_LAYER_TYPES}:
-            raise ValueError(f"layer types must be 'full', 'sliding', 'linear' or 'conv', got "
+            raise ValueError(f"layer types must be 'full', 'sliding', 'linear', 'conv' or 'mamba', got "
                              f"{sorted(set(self.layer_types))}")
         if "linear" in self.layer_types and not (self.linear_num_k_heads and self.linear_num_v_heads and
                                                  self.linear_conv_kernel and
                                                  self.linear_num_v_heads % self.linear_num_k_heads == 0):
             raise ValueError("linear (Gated DeltaNet) layers need their head counts (value heads a multiple of key "
                              "heads) and convolution kernel")
+        if "mamba" in self.layer_types and not (self.mamba_heads and self.mamba_head_dim and self.mamba_state and
+                                                 self.mamba_groups and self.mamba_heads % self.mamba_groups == 0):
+            raise ValueError("mamba layers need their heads (a multiple of the groups), head size and state size")
         if "sliding" in self.layer_types and any(t in STATE_LAYER_TYPES for t in self.layer_types):
             raise ValueError("sliding-window layers beside recurrent-state layers are not supported yet")
         if self.layer_types and all(t in STATE_LAYER_TYPES for t in self.layer_types):
@@ -152,8 +164,8 @@ class ModelArchConfig:
         return max((j for j in range(first_shared) if self._type(j) == kind), default=-1)
 
     def has_state(self, layer: int) -> bool:
-        """A layer with a state per sequence instead of K/V: Gated DeltaNet ("linear") or LFM2's short convolution
-        ("conv")."""
+        """A layer with a state per sequence instead of K/V: Gated DeltaNet ("linear"), LFM2's short convolution
+        ("conv") or Mamba-2 ("mamba")."""
         return bool(self.layer_types) and self.layer_types[layer] in STATE_LAYER_TYPES
 
     @property

@@ -19,6 +19,7 @@ from pagedllm.layers.decoder_layer import DecoderLayer
 from pagedllm.layers.gated_deltanet import GatedDeltaNet, StateMetadata
 from pagedllm.layers.short_conv import ShortConv
 from pagedllm.layers.linear import build_linear, tensor_bytes
+from pagedllm.layers.mamba2 import Mamba2
 from pagedllm.layers.mlp import DenseAndExperts, GatedMLP, MoE
 from pagedllm.layers.ops import choose_ops
 from pagedllm.layers.per_layer_inputs import PerLayerInput, PerLayerInputs
@@ -86,7 +87,9 @@ class CausalLM:
             p = f"layers.{i}."
             window = cfg.window(i)
             if cfg.has_state(i):  # a state per sequence instead of K/V
-                attn = (GatedDeltaNet.load(src, p, cfg) if cfg.layer_types[i] == "linear" else ShortConv.load(src, p))
+                kind = cfg.layer_types[i]
+                attn = (GatedDeltaNet.load(src, p, cfg) if kind == "linear" else Mamba2.load(src, p, cfg)
+                        if kind == "mamba" else ShortConv.load(src, p))
             else:
                 shared = cfg.kv_source(i) != i  # attends over an earlier layer's K/V
                 head_dim = cfg.layer_head_dim(i)
@@ -106,14 +109,14 @@ class CausalLM:
                                            cfg.rms_norm_eps)
             elif cfg.num_experts:
                 mlp = MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-            else:
-                mlp = GatedMLP.load(src, p, cfg.hidden_act)
+            else:  # (Granite's dense MLP is its "shared" one)
+                mlp = GatedMLP.load(src, p + ("shared." if p + "shared.down" in src else ""), cfg.hidden_act)
             sandwich = cfg.sandwich_norm
             self.layers.append(DecoderLayer(
                 src.norm(p + "input_norm"), src.norm(p + "post_norm"), attn, mlp, cfg.rms_norm_eps,
                 src.norm(p + "attn_out_norm") if sandwich else None, src.norm(p + "mlp_out_norm") if sandwich else None,
                 tp, PerLayerInput.load(src, p, cfg.rms_norm_eps) if cfg.per_layer_input_size else None,
-                src.norm(p + "layer_scalar") if p + "layer_scalar" in src else None))
+                src.norm(p + "layer_scalar") if p + "layer_scalar" in src else None, cfg.residual_scale))
         self.per_layer_inputs = PerLayerInputs.load(src, cfg) if cfg.per_layer_input_size else None
         self.rotaries = list({id(la.attn.rotary): la.attn.rotary for la in self.layers
                               if la.attn.rotary is not None}.values())
@@ -210,5 +213,7 @@ class CausalLM:
         if self.tp is not None:
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.cfg.vocab_size]
         logits = logits.float()
+        if self.cfg.logit_scale != 1.0:  # Granite: logits / logits_scaling
+            logits = logits / self.cfg.logit_scale
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
