@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedllm.quant.formats import reorder_rows
+
 CHUNK = 64  # the chunked form's chunk length (transformers' and FLA's)
 
 
@@ -157,9 +159,21 @@ class GatedDeltaNet:
 
     @classmethod
     def load(cls, src, prefix: str, cfg) -> "GatedDeltaNet":
-        """``{prefix}in_proj`` (or ``qkv``, ``z``, ``beta``, ``alpha`` fused here), ``out``, ``conv``, ``ssm_a``
-        (A), ``dt_bias``, ``ssm_normw``."""
-        in_proj = src.linear(prefix + "in_proj", [prefix + p for p in ("qkv", "z", "beta", "alpha")], "attn")
+        """``{prefix}in_proj`` (or ``qkv``, ``z``, ``beta``, ``alpha`` fused here; Qwen3-Next's ``qkvz`` and
+        ``ba``, whose rows go per key head, [q, k, v, z] and [b, a], reordered into those), ``out``, ``conv``,
+        ``ssm_a`` (A), ``dt_bias``, ``ssm_normw``."""
+        nk, r = cfg.linear_num_k_heads, cfg.linear_num_v_heads // cfg.linear_num_k_heads
+        sizes = {"qkvz": [cfg.linear_k_head_dim] * 2 + [r * cfg.linear_v_head_dim] * 2, "ba": [r, r]}
+        for name, parts in sizes.items():
+            if prefix + name in src:
+                idx = torch.arange(nk * sum(parts)).view(nk, sum(parts)).split(parts, dim=1)
+                perm = torch.cat([i.reshape(-1) for i in idx])  # each part's rows of every key head, in turn
+                w = src.weights[prefix + name]
+                src.weights[prefix + name] = w[perm] if isinstance(w, torch.Tensor) else reorder_rows(
+                    w, lambda x, perm=perm: x[perm])
+        names = ["qkvz"] if prefix + "qkvz" in src else ["qkv", "z"]
+        names += ["ba"] if prefix + "ba" in src else ["beta", "alpha"]
+        in_proj = src.linear(prefix + "in_proj", [prefix + p for p in names], "attn")
         out = src.linear(prefix + "out", [prefix + "out"], "attn")
         conv = src.pop(prefix + "conv").to(src.device, src.dtype).reshape(
             cfg.linear_num_k_heads * cfg.linear_k_head_dim * 2 + cfg.linear_num_v_heads * cfg.linear_v_head_dim, -1)

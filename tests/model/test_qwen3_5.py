@@ -17,7 +17,7 @@ from test_architectures import MAX_TOKENS, PROMPTS, _reference
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _hf_model(vocab: int, moe: bool = False):
+def _hf_model(vocab: int, moe: bool = False, qwen3_next: bool = False):
     import transformers as tf
 
     torch.manual_seed(0)
@@ -27,7 +27,11 @@ def _hf_model(vocab: int, moe: bool = False):
                   head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   eos_token_id=2, bos_token_id=1, linear_num_key_heads=2, linear_num_value_heads=4,
                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
-    if moe:
+    if qwen3_next:  # Qwen 3.5 MoE's layers with the DeltaNet's projections interleaved per key head
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=32,
+                                                           shared_expert_intermediate_size=48))
+    elif moe:
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                                  moe_intermediate_size=32,
                                                                  shared_expert_intermediate_size=48))
@@ -53,7 +57,9 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
 
     src, c = GGUFFile(default_model_path()), model.config
     moe = hasattr(c, "num_experts")
-    w = gguf.GGUFWriter(path, "qwen35moe" if moe else "qwen35")
+    nxt = c.model_type == "qwen3_next"  # llama.cpp's qwen3next: value heads grouped, qkvz split, ba interleaved
+    arch = "qwen3next" if nxt else "qwen35moe" if moe else "qwen35"
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -83,7 +89,8 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
         fn(src.get(f"tokenizer.ggml.{key}"))
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    names = gguf.get_tensor_name_map({"qwen3next": gguf.MODEL_ARCH.QWEN3NEXT, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
+                                      "qwen35": gguf.MODEL_ARCH.QWEN35}[arch], c.num_hidden_layers)
     nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     r = nv // nk
     for name, t in model.state_dict().items():
@@ -106,7 +113,14 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
             t = t.reshape(t.shape[0], -1)
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             t = t + 1.0
-        if "linear_attn." in name:  # value heads tiled over the key heads
+        if "in_proj_qkvz" in name:  # per key head [q, k, v, z] -> attn_qkv [q..., k..., v...] and attn_gate [z...]
+            q, k, v, z = np.split(t.reshape(nk, -1, t.shape[1]), np.cumsum([dk, dk, r * dv])[:3], axis=1)
+            i = name.split(".")[2]
+            w.add_tensor(f"blk.{i}.attn_qkv.weight", np.ascontiguousarray(
+                np.concatenate([x.reshape(-1, t.shape[1]) for x in (q, k, v)]), dtype=np.float32))
+            w.add_tensor(f"blk.{i}.attn_gate.weight", np.ascontiguousarray(z.reshape(-1, t.shape[1]), np.float32))
+            continue
+        if "linear_attn." in name and not nxt:  # value heads tiled over the key heads
             if "in_proj_qkv" in name:
                 t = np.concatenate([t[:2 * nk * dk], _tiled(t[2 * nk * dk:], 0, nk, r, dv)])
             elif "conv1d" in name:
@@ -194,6 +208,20 @@ def test_moe_with_a_shared_expert_matches_transformers(tmp_path, llm):
     _write_gguf(path, model)
     for src in (str(d), path):
         _check(src, model, "qwen35moe")
+
+
+def test_qwen3_next_matches_transformers(tmp_path, llm):
+    """Qwen3-Next: the same layers with the DeltaNet's projections interleaved per key head (``in_proj_qkvz``,
+    ``in_proj_ba``), reordered at load; as an HF directory and as llama.cpp's GGUF (qkvz split by the converter,
+    ba still interleaved, value heads grouped)."""
+    model = _hf_model(llm.engine.core.vocab_size, qwen3_next=True)
+    d = tmp_path / "hf"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    path = str(tmp_path / "tiny-qwen3next.gguf")
+    _write_gguf(path, model)
+    for src in (str(d), path):
+        _check(src, model, "qwen3next")
 
 
 def test_hf_directory_matches_transformers(tiny):
