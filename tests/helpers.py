@@ -219,7 +219,7 @@ def encoder_gguf(path, folder, kind: str, dense: bool = True) -> None:
 ARCH_MODULES = {"llama": ("llama", "CausalLM"), "qwen2": ("qwen2", "CausalLM"), "qwen3": ("qwen3", "CausalLM"),
                 "qwen3moe": ("qwen3moe", "CausalLM"), "qwen35": ("qwen3_5", "CausalLM"),
                 "qwen35moe": ("qwen3_5_moe", "CausalLM"),
-                "qwen3next": ("qwen3_next", "CausalLM"), "lfm2": ("lfm2", "CausalLM"),
+                "qwen3next": ("qwen3_next", "CausalLM"), "lfm2": ("lfm2", "CausalLM"), "lfm2moe": ("lfm2_moe", "CausalLM"),
                 "granitehybrid": ("granite_hybrid", "CausalLM"), "gemma2": ("gemma2", "CausalLM"), "gemma3": ("gemma3", "CausalLM"),
                 "gemma4": ("gemma4", "CausalLM"),
                 "phi3": ("phi3", "CausalLM"), "smollm3": ("smollm3", "CausalLM"),

@@ -57,17 +57,20 @@ class MoE:
 
     def __init__(self, router: torch.Tensor, experts: list[GatedMLP], top_k: int, norm_topk_prob: bool,
                  router_bias: torch.Tensor | None = None, shared: GatedMLP | None = None,
-                 shared_gate: torch.Tensor | None = None, expert_scale: torch.Tensor | None = None) -> None:
+                 shared_gate: torch.Tensor | None = None, expert_scale: torch.Tensor | None = None,
+                 scoring: str = "softmax", select_bias: torch.Tensor | None = None, routed_scale: float = 1.0) -> None:
         """``shared``: an expert every token goes through, its output times sigmoid(x . ``shared_gate``) (Qwen 3.5
         MoE, Qwen3-Next; no gate: Granite); ``expert_scale``: each chosen expert's weight times its entry, after the renormalisation
-        (Gemma 4)."""
+        (Gemma 4); ``scoring`` "sigmoid": each expert's score is sigmoid(logit), the top k chosen by score plus
+        ``select_bias`` (where given), their scores renormalised (+1e-6) and times ``routed_scale`` (LFM2-MoE)."""
         self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
+        self.scoring, self.select_bias, self.routed_scale = scoring, select_bias, routed_scale
         self.router_bias, self.expert_scale = router_bias, expert_scale
         self.shared, self.shared_gate = shared, shared_gate
 
     @classmethod
     def load(cls, src: WeightSource, prefix: str, act: str, num_experts: int, top_k: int,
-             norm_topk_prob: bool) -> "MoE":
+             norm_topk_prob: bool, scoring: str = "softmax", routed_scale: float = 1.0) -> "MoE":
         """``{prefix}router`` (float, small; dequantized if stored in blocks) and per expert ``{prefix}experts.{e}.``
         its gated MLP, without dense copies (an expert sees ~k/E of a step's rows, rarely enough to pay for one)."""
         router = src.float_tensor(prefix + "router")
@@ -78,7 +81,9 @@ class MoE:
             shared = GatedMLP.load(src, prefix + "shared.", act)
             shared_gate = src.float_tensor(prefix + "shared_gate") if prefix + "shared_gate" in src else None
         scale = src.pop(prefix + "expert_scale").float() if prefix + "expert_scale" in src else None
-        return cls(router, experts, top_k, norm_topk_prob, bias, shared, shared_gate, scale)
+        select = src.pop(prefix + "expert_bias").float() if prefix + "expert_bias" in src else None
+        return cls(router, experts, top_k, norm_topk_prob, bias, shared, shared_gate, scale, scoring, select,
+                   routed_scale)
 
     def linear_slots(self, prefix: str):
         for e, expert in enumerate(self.experts):
@@ -88,11 +93,20 @@ class MoE:
 
     def forward(self, x: torch.Tensor, ops: TorchOps, router_x: torch.Tensor | None = None) -> torch.Tensor:
         """``router_x``: what the router reads, where not the experts' input (Gemma 4)."""
-        probs = torch.softmax(F.linear(x if router_x is None else router_x, self.router, self.router_bias), dim=-1,
-                              dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = F.linear(x if router_x is None else router_x, self.router, self.router_bias)
+        if self.scoring == "sigmoid":
+            scores = logits.sigmoid()
+            pick = scores if self.select_bias is None else scores + self.select_bias.to(scores.device)
+            chosen = torch.topk(pick, self.top_k, dim=-1)[1]
+            weights = scores.gather(1, chosen)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+            weights = weights * self.routed_scale
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.expert_scale is not None:
             weights = weights * self.expert_scale.to(weights.device)[chosen]
         weights = weights.to(x.dtype)

@@ -69,6 +69,9 @@ class ModelArchConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0  # > 0: a gated shared expert beside the routed ones (Qwen 3.5 MoE)
     moe_beside_mlp: bool = False  # the experts beside a dense MLP of intermediate_size, each normalised (Gemma 4)
+    moe_scoring: str = "softmax"  # "sigmoid": sigmoid scores, chosen with an expert bias (LFM2-MoE)
+    moe_routed_scale: float = 1.0  # the chosen experts' weights times this
+    first_dense_layers: int = 0  # the first layers' MLPs are dense ones of intermediate_size (LFM2-MoE)
     rotary_dim: int = 0  # dimensions of each q/k head the rotary turns (the first ones; 0: all of head_dim)
     attn_output_gate: bool = False  # attention output times sigmoid(a per-channel gate from q's projection) (qwen3.5)
     # Gated DeltaNet ("linear" layers: Qwen 3.5, Qwen3-Next): key/value heads and sizes, the short convolution's

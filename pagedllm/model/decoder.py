@@ -107,8 +107,9 @@ class CausalLM:
             if cfg.moe_beside_mlp:  # Gemma 4's block: a dense MLP and the experts side by side
                 mlp = DenseAndExperts.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok,
                                            cfg.rms_norm_eps)
-            elif cfg.num_experts:
-                mlp = MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            elif cfg.num_experts and i >= cfg.first_dense_layers:
+                mlp = MoE.load(src, p, cfg.hidden_act, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                               cfg.moe_scoring, cfg.moe_routed_scale)
             else:  # (Granite's dense MLP is its "shared" one)
                 mlp = GatedMLP.load(src, p + ("shared." if p + "shared.down" in src else ""), cfg.hidden_act)
             sandwich = cfg.sandwich_norm

@@ -146,11 +146,14 @@ HF_LAYER_NAMES = {
     "mlp.shared_expert.down_proj.weight": "shared.down",
     "mlp.shared_expert_gate.weight": "shared_gate",
 }
-# one expert's projection (qwen3moe: mlp.experts.E.gate_proj; mixtral: block_sparse_moe.experts.E.w1 / w3 / w2)
-HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+# one expert's projection (qwen3moe: mlp.experts.E.gate_proj; mixtral: block_sparse_moe.experts.E.w1 / w3 / w2;
+# LFM2-MoE: feed_forward.experts.E.w1 / w3 / w2)
+HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+                       r"\.weight")
 HF_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 # experts stacked in 3-D tensors (transformers' in-memory layout): (E, 2I, H) and (E, H, I)
-HF_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "gate_up", "mlp.experts.down_proj": "down"}
+HF_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "gate_up", "mlp.experts.down_proj": "down",
+                      "feed_forward.experts.gate_up_proj": "gate_up", "feed_forward.experts.down_proj": "down"}
 
 
 @dataclass

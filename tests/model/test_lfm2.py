@@ -13,10 +13,25 @@ from test_qwen3_5 import _check
 TYPES = ("conv", "conv", "full", "conv", "full")
 
 
-def _hf_model(vocab: int):
+def _hf_model(vocab: int, moe: bool = False):
     import transformers as tf
 
     torch.manual_seed(0)
+    if moe:  # LFM2-MoE: layer 0's MLP dense, the others 4 experts of 32, 2 per token, sigmoid-routed with a bias
+        cfg = tf.Lfm2MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=512, norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=2,
+                               bos_token_id=1, pad_token_id=0, conv_L_cache=3, num_experts=4, num_experts_per_tok=2,
+                               num_dense_layers=1, routed_scaling_factor=1.5,
+                               layer_types=["full_attention" if t == "full" else "conv" for t in TYPES])
+        model = tf.Lfm2MoeForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+            for layer in model.model.layers[1:]:  # a bias that changes which experts win
+                layer.feed_forward.expert_bias.copy_(torch.randn(4) * 0.3)
+        model.config._attn_implementation = "eager"
+        return model.eval()
     cfg = tf.Lfm2Config(vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=5,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, norm_eps=1e-5,
                         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0, conv_L_cache=3,
@@ -35,11 +50,20 @@ def _write_gguf(path: str, model) -> None:
     from pagedllm.gguf_file import GGUFFile
 
     src, c = GGUFFile(default_model_path()), model.config
-    w = gguf.GGUFWriter(path, "lfm2")
+    moe = c.model_type == "lfm2_moe"
+    w = gguf.GGUFWriter(path, "lfm2moe" if moe else "lfm2")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)
+    if moe:  # as llama.cpp's converter: the experts' sizes, sigmoid gating, the leading dense layers
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_leading_dense_block_count(c.num_dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv([c.num_key_value_heads if t == "full" else 0 for t in TYPES])
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
@@ -51,11 +75,23 @@ def _write_gguf(path: str, model) -> None:
         fn(src.get(f"tokenizer.ggml.{key}"))
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2MOE if moe else gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
         t = t.float().numpy()
+        i = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows then up rows
+            gate, up = np.split(t, 2, axis=1)
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if name.endswith("experts.down_proj"):
+            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", np.ascontiguousarray(t))
+            continue
+        if name.endswith("expert_bias"):
+            w.add_tensor(f"blk.{i}.exp_probs_b.bias", np.ascontiguousarray(t))
+            continue
         if "conv.conv" in name:
             t = t.reshape(t.shape[0], -1)
         base, _, suffix = name.rpartition(".")
@@ -75,3 +111,17 @@ def test_hf_directory_and_gguf_match_transformers(tmp_path, llm):
     _write_gguf(path, model)
     for src in (str(d), path):
         _check(src, model, "lfm2", TYPES, ("ShortConv", "Attention"))
+
+
+def test_moe_matches_transformers(tmp_path, llm):
+    """LFM2-MoE: the same layers, the first MLP dense and the others sigmoid-routed experts (the top 2 of 4 by score
+    plus a bias, renormalised, times 1.5); as an HF directory (experts one tensor each, as the checkpoints store
+    them) and as llama.cpp's GGUF (stacked experts, ``exp_probs_b``)."""
+    model = _hf_model(llm.engine.core.vocab_size, moe=True)
+    d = tmp_path / "hf"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    path = str(tmp_path / "tiny-lfm2moe.gguf")
+    _write_gguf(path, model)
+    for src in (str(d), path):
+        _check(src, model, "lfm2moe", TYPES, ("ShortConv", "Attention"))

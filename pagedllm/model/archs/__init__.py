@@ -111,7 +111,7 @@ def hf_eos(hf: dict) -> tuple[int | None, tuple[int, ...]]:
 
 
 _MODULES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma2", "gemma3", "gemma4", "phi3", "smollm3", "ministral3",
-            "gpt_oss", "lfm2", "granite_hybrid", "bert", "gemma_embedding")
+            "gpt_oss", "lfm2", "lfm2_moe", "granite_hybrid", "bert", "gemma_embedding")
 ARCHS: dict[str, Arch] = {}
 for _m in _MODULES:
     _a = importlib.import_module(f"{__name__}.{_m}").ARCH
