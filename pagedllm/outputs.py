@@ -58,10 +58,17 @@ class SchedulerOutput:
     # KV block copies done before the forward pass, swap-outs first: (device block, host block) pairs
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # a hybrid model's recurrent states, likewise: (device slot, host slot) out, (host slot, device slot) in
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.state_swap_out or self.state_swap_in)
 
 
 # ---------------------------------------------------------------- worker -> scheduler

@@ -80,6 +80,7 @@ class Request:
         self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (not in all_token_ids)
         self.prompt_logprobs: list = []  # SampledTokenLogprobs of prompt tokens 1.. computed so far
         self.host_block_ids: list[int] | None = None  # where its KV waits while swapped out
+        self.host_state_slot: int | None = None  # where its recurrent state waits (a hybrid model)
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, in tokens (-1: not yet known)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

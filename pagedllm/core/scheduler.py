@@ -46,6 +46,7 @@ class Scheduler:
         num_lookahead_slots: int = 0,
         spec_disable_by_batch_size: int | None = None,
         num_host_blocks: int = 0,
+        num_host_state_slots: int = 0,
         budget_controller: BudgetController | None = None,
     ) -> None:
         if kv_cache_manager.block_size != cache_config.block_size:
@@ -64,6 +65,11 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._host_release: list[int] = []  # host blocks read by the last step's swap-ins: free from the next
+        # a hybrid model's recurrent states swap with their KV: host slots, and the slot copies of this step
+        self.host_states = HostBlockPool(num_host_state_slots)
+        self._state_swap_out: list[tuple[int, int]] = []
+        self._state_swap_in: list[tuple[int, int]] = []
+        self._host_state_release: list[int] = []
         self._rejected: list[EngineCoreOutput] = []  # requests dropped for waiting too long, reported next update
         self.num_lookahead_slots = num_lookahead_slots  # > 0 when speculative decoding is on
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
@@ -80,13 +86,13 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                    num_host_blocks: int = 0) -> "Scheduler":
+                    num_host_blocks: int = 0, num_host_state_slots: int = 0) -> "Scheduler":
         """The engine's scheduler: speculative decoding's lookahead from ``config.speculative``."""
         spec = config.speculative
         return cls(config.scheduler, config.cache, kv_cache_manager, max_model_len,
                    num_lookahead_slots=spec.num_lookahead_slots if spec else 0,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-                   num_host_blocks=num_host_blocks)
+                   num_host_blocks=num_host_blocks, num_host_state_slots=num_host_state_slots)
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, request: Request) -> None:
@@ -121,6 +127,9 @@ class Scheduler:
         if req.host_block_ids is not None:  # aborted while swapped out (its swap-out copy already ran)
             self.host_pool.release(req.host_block_ids)
             req.host_block_ids = None
+        if req.host_state_slot is not None:
+            self.host_states.release([req.host_state_slot])
+            req.host_state_slot = None
         self.kv.free(req)
         self.kv.forget(req)
         del self.requests[req.request_id]
@@ -218,6 +227,9 @@ class Scheduler:
         if self._host_release:
             self.host_pool.release(self._host_release)
             self._host_release = []
+        if self._host_state_release:
+            self.host_states.release(self._host_state_release)
+            self._host_state_release = []
         if self.kv.states is not None:
             self.kv.commit_snapshots()  # the last step's state snapshots are written now
         if self.waiting:
@@ -306,6 +318,8 @@ class Scheduler:
         out.speculate = speculate
         out.swap_out, out.swap_in = self._swap_out, self._swap_in
         self._swap_out, self._swap_in = [], []
+        out.state_swap_out, out.state_swap_in = self._state_swap_out, self._state_swap_in
+        self._state_swap_out, self._state_swap_in = [], []
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = []
         self.last_step_tokens = out.num_batched_tokens
@@ -338,6 +352,10 @@ class Scheduler:
             self._swap_in.extend(zip(host, dev))
             self._host_release.extend(host)
             req.host_block_ids = None
+            if req.host_state_slot is not None:  # its recurrent state back into the slot it was just given
+                self._state_swap_in.append((req.host_state_slot, self.kv.states.owner[req.request_id]))
+                self._host_state_release.append(req.host_state_slot)
+                req.host_state_slot = None
             self.counters.num_swap_ins += 1
             self.counters.swap_in_blocks += len(host)
         else:
@@ -355,8 +373,14 @@ class Scheduler:
         computed = self.kv.computed_block_ids(req.request_id, req.num_computed_tokens)
         n_blocks = len(computed)
         c = self.counters
-        if self.swap_on_preempt and 0 < n_blocks <= self.host_pool.num_free:
+        states = self.kv.states
+        slot = states.owner.get(req.request_id) if states is not None else None
+        if self.swap_on_preempt and 0 < n_blocks <= self.host_pool.num_free and (
+                slot is None or self.host_states.num_free):
             # the copies run before this step's forward pass, so the freed device blocks can be reused at once
+            if slot is not None:  # a hybrid model: the recurrent state goes with the KV
+                req.host_state_slot = self.host_states.take(1)[0]
+                self._state_swap_out.append((slot, req.host_state_slot))
             host = self.host_pool.take(n_blocks)
             self._swap_out.extend(zip(computed, host))
             req.host_block_ids = host
@@ -476,6 +500,8 @@ class Scheduler:
                 assert pool.num_free_blocks == pool.num_blocks, (
                     f"no request holds blocks but {pool.num_blocks - pool.num_free_blocks} are not free")
             if not self.num_swapped:
+                assert self.host_states.num_free == self.host_states.num_blocks or self._host_state_release, (
+                    "no request is swapped out but host state slots are taken")
                 assert self.host_pool.num_free == self.host_pool.num_blocks or self._host_release, (
                     "no request is swapped out but host blocks are taken")
         except AssertionError as e:

@@ -40,7 +40,8 @@ class EngineCore:
             state_live_slots=config.scheduler.max_num_seqs,
         )
         self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.max_model_len,
-                                               num_host_blocks=runner.num_host_blocks)
+                                               num_host_blocks=runner.num_host_blocks,
+                                               num_host_state_slots=getattr(runner, "num_host_state_slots", 0))
         sc = self.scheduler.config  # the step budget set when it was left to the default
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

@@ -68,6 +68,8 @@ class KVCache:
                                         for pools in self.state_shapes for shape, f32 in pools)
         self.num_state_slots = 0
         self.state_caches: list[tuple[torch.Tensor, ...]] = []  # per state layer: its pools, a row per slot
+        self.num_host_state_slots = 0  # with swap preemption: host rows a swapped-out sequence's states wait in
+        self.host_state_caches: list[tuple[torch.Tensor, ...]] = []
         elem = dtype.itemsize
         # KV bytes of one block across its layers (the draft model's layers included)
         self.bytes_per_block = sum(2 * self._slots(m) * self.block_size * self._width(m) * elem for m in models)
@@ -111,9 +113,6 @@ class KVCache:
         c = self.config
         self.num_blocks = num_blocks
         if self.state_layers:
-            if c.preemption_mode == "swap":
-                raise ValueError("preemption_mode='swap' with linear-attention (recurrent state) layers is not "
-                                 "supported yet: use recompute")
             self.num_state_slots = num_state_slots
             dt, dev = self.state_dtype, self.device
             # lazily committed like the KV blocks: a slot's pages are resident once a sequence uses it
@@ -149,6 +148,14 @@ class KVCache:
                       for _ in range(2))
                 for _ in range(self.groups.slots)
             ]
+            if self.state_layers:  # a swapped-out sequence's states too: up to one per live slot, within the space
+                self.num_host_state_slots = min(num_state_slots, int(c.swap_space * 2**30 // self.state_bytes_per_slot))
+                if self.num_host_state_slots < 1:
+                    raise ValueError(f"swap_space {c.swap_space} GiB holds no recurrent state "
+                                     f"({self.state_bytes_per_slot} bytes each)")
+                self.host_state_caches = [  # committed as swap-outs write them
+                    tuple(zeros((self.num_host_state_slots, *shape), torch.float32 if f32 else self.state_dtype,
+                                torch.device("cpu"))[0] for shape, f32 in pools) for pools in self.state_shapes]
         if self.draft_model is not None:
             self.draft_kv_caches = self._slot_pairs(self.draft_model)
 
@@ -182,9 +189,19 @@ class KVCache:
         shape = (model.num_kv_heads, model.cfg.head_dim)
         return [(t[2 * j].unflatten(-1, shape), t[2 * j + 1].unflatten(-1, shape)) for j in range(n)]
 
-    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+             state_out: list[tuple[int, int]] = (), state_in: list[tuple[int, int]] = ()) -> None:
         """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),
-        then host -> device."""
+        then host -> device; a hybrid model's recurrent states likewise, by slot (before the step zeroes or
+        restores any slot)."""
+        for pairs, src_of, dst_of in ((state_out, lambda i: self.state_caches[i], lambda i: self.host_state_caches[i]),
+                                      (state_in, lambda i: self.host_state_caches[i], lambda i: self.state_caches[i])):
+            if pairs:
+                for i in range(len(self.state_caches)):
+                    for s, d in zip(src_of(i), dst_of(i)):
+                        src = torch.tensor([p[0] for p in pairs], device=s.device)
+                        dst = torch.tensor([p[1] for p in pairs], device=d.device)
+                        d.index_copy_(0, dst, s.index_select(0, src).to(d.device))
         if swap_out:
             dev = torch.tensor([d for d, _ in swap_out], device=self.device)
             host = torch.tensor([h for _, h in swap_out])

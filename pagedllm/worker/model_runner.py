@@ -235,6 +235,10 @@ class ModelRunner:
     def num_host_blocks(self) -> int:
         return self.kv.num_host_blocks
 
+    @property
+    def num_host_state_slots(self) -> int:
+        return self.kv.num_host_state_slots
+
     # ------------------------------------------------------------------ tensor parallelism
     def _start_tensor_parallel(self, arch: ModelArchConfig, weights: dict, store) -> dict:
         """Check the model splits (before any worker starts), join the ranks, and keep this rank's shard."""
@@ -300,7 +304,7 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(sp.seed % (2**63))
             self.requests[nr.req_id] = CachedRequestState(nr.req_id, nr.prompt_token_ids, sp, gen)
-        if so.is_empty and not (so.swap_out or so.swap_in):
+        if so.is_empty and not so.has_swaps:
             return ModelRunnerOutput()
 
         step, groups = StepInputs.from_scheduler_output(so, self.block_size)
@@ -373,8 +377,8 @@ class ModelRunner:
     def _forward_step(self, step: StepInputs, prompt_targets=None) -> _Forward | None:
         """What every rank runs for a step: KV block swaps, the forward pass, the logits of the rows to sample
         and of the prompt rows (rank 0, which has ``prompt_targets``, turns those into prompt logprobs)."""
-        if step.swap_out or step.swap_in:
-            self.kv.swap(step.swap_out, step.swap_in)
+        if step.swap_out or step.swap_in or step.state_swap_out or step.state_swap_in:
+            self.kv.swap(step.swap_out, step.swap_in, step.state_swap_out, step.state_swap_in)
         if not step.input_ids:
             return None
         if self.arch.encoder:  # whole texts, nothing cached: each prompt is a span of the flat batch

@@ -19,7 +19,8 @@ from pagedllm.outputs import SchedulerOutput
 
 _FLAT = ("input_ids", "positions", "slots", "decode_rows", "decode_lens", "logit_rows", "prompt_rows",
          "decode_states", "prefill_states", "prefill_save_rows", "prefill_save_slots", "fresh_states")
-_NESTED = ("decode_tables", "prefills", "prefill_tables", "swap_out", "swap_in", "state_copies")
+_NESTED = ("decode_tables", "prefills", "prefill_tables", "swap_out", "swap_in", "state_copies", "state_swap_out",
+           "state_swap_in")
 
 
 class StepGroups(NamedTuple):
@@ -55,12 +56,15 @@ class StepInputs:
     prefill_save_slots: list[int] = field(default_factory=list)
     fresh_states: list[int] = field(default_factory=list)
     state_copies: list[list[int]] = field(default_factory=list)
+    state_swap_out: list[list[int]] = field(default_factory=list)  # [device slot, host slot], with the KV swaps
+    state_swap_in: list[list[int]] = field(default_factory=list)  # [host slot, device slot]
 
     @classmethod
     def from_scheduler_output(cls, so: SchedulerOutput, block_size: int) -> tuple["StepInputs", StepGroups]:
         """The step's inputs, and what rank 0 does with the rows it computes (``StepGroups``)."""
         bs = block_size
-        st = cls(swap_out=[list(p) for p in so.swap_out], swap_in=[list(p) for p in so.swap_in])
+        st = cls(swap_out=[list(p) for p in so.swap_out], swap_in=[list(p) for p in so.swap_in],
+                 state_swap_out=[list(p) for p in so.state_swap_out], state_swap_in=[list(p) for p in so.state_swap_in])
         groups = StepGroups([], [], [])
         num_groups = len(so.scheduled[0].block_ids) if so.scheduled else 1
         slots = [[] for _ in range(num_groups)]
