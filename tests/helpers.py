@@ -226,3 +226,28 @@ ARCH_MODULES = {"llama": ("llama", "CausalLM"), "qwen2": ("qwen2", "CausalLM"), 
                 "mistral3": ("ministral3", "CausalLM"), "gpt-oss": ("gpt_oss", "CausalLM"),
                 "bert": ("bert", "BertEncoder"),
                 "gemma-embedding": ("gemma_embedding", "BidirectionalLM")}
+
+
+def add_default_vocab(w, bos: int, eos: int) -> None:
+    """The default model's (SmolLM2's) vocabulary into a ``gguf.GGUFWriter``, with these bos / eos ids: what the
+    tiny test models' GGUF files tokenize with."""
+    from pagedllm.config import default_model_path
+    from pagedllm.gguf_file import GGUFFile
+
+    src = GGUFFile(default_model_path())
+    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
+                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
+        fn(src.get(f"tokenizer.ggml.{key}"))
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+
+
+def save_hf_and_gguf(folder, llm, model, write_gguf, name: str) -> tuple[str, str]:
+    """A tiny HF model as an HF directory (``folder``/hf, the default model's tokenizer beside it) and as the GGUF
+    file ``write_gguf(path, model)`` writes (``folder``/``name``.gguf): (directory, file)."""
+    d = folder / "hf"
+    model.save_pretrained(d, safe_serialization=True)
+    llm.get_tokenizer().save_pretrained(d)
+    path = str(folder / f"{name}.gguf")
+    write_gguf(path, model)
+    return str(d), path

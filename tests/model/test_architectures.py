@@ -93,6 +93,24 @@ def _reference(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return full[0, len(prompt):].tolist(), torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
 
 
+def assert_both_backends_match(llm, model, tag=None) -> None:
+    """``llm`` (float32, alone) on the fused CPU kernels and on torch's operations (CUDA's path): PROMPTS' greedy
+    tokens equal to transformers' on ``model`` and their logprobs within 1e-4."""
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    built = model_of(llm)
+    fused = built.ops
+    assert fused.fused
+    refs = [_reference(model, p) for p in PROMPTS]
+    for ops in (fused, TorchOps()):
+        built.ops = ops
+        for p, (want, ref_lp) in zip(PROMPTS, refs):
+            got = llm.generate([p], sp, use_tqdm=False)[0].outputs[0]
+            assert got.token_ids == want, (tag, p, type(ops).__name__)
+            for i, lp in enumerate(got.logprobs):
+                assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (tag, p, i, type(ops).__name__)
+    built.ops = fused
+
+
 def test_each_architecture_is_one_archs_module():
     import importlib
 
@@ -114,16 +132,7 @@ def _check(path: str, model, arch: str):
     assert type(built).__name__ == ARCH_MODULES[arch][1]
     mlp = "MoE" if built.cfg.num_experts else "GatedMLP"
     assert _layer_classes(built) == {"DecoderLayer", "Attention", mlp}
-    fused = built.ops
-    assert fused.fused
-    refs = [_reference(model, p) for p in PROMPTS]
-    for ops in (fused, TorchOps()):  # both backends: the fused CPU kernels, torch's operations (CUDA's path)
-        built.ops = ops
-        for p, (want, ref_lp) in zip(PROMPTS, refs):
-            got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
-            assert got.token_ids == want, (arch, p, type(ops).__name__)
-            for i, lp in enumerate(got.logprobs):
-                assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (arch, p, i, type(ops).__name__)
+    assert_both_backends_match(alone, model, arch)
     del alone
     # batched, prompts in chunks of 16 tokens, a shared prefix (cache hits) and a KV cache too small for all of
     # them at once (preemption): the same tokens
@@ -483,19 +492,24 @@ def test_generation_config_eos_ids_stop_too(tmp_path, llm):
 def test_gpt_oss_serves_through_the_openai_api(tmp_path_factory, llm):
     """gpt-oss as llama.cpp writes it (MXFP4 experts) behind the server with its defaults: /v1/completions' greedy
     text, whole and streamed, is the text of transformers' tokens on the file's numbers."""
-    import openai
-
-    from helpers import start_server
-
     model = _hf_model("gpt_oss", llm.engine.core.vocab_size, gguf_conventions=True)
     _mxfp4_experts(model)
     path = str(tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss.gguf")
     _write_gguf(path, "gpt_oss", model, mxfp4_experts=True)
-    want = llm.get_tokenizer().decode(_reference(model, PROMPTS[1])[0])
-    proc, base, _ = start_server(tmp_path_factory, "--model", path, "--served-model-name", "gpt-oss")
+    assert_served_greedy_text(tmp_path_factory, path, llm.get_tokenizer().decode(_reference(model, PROMPTS[1])[0]))
+
+
+def assert_served_greedy_text(tmp_path_factory, path: str, want: str) -> None:
+    """``path`` behind ``pagedllm serve`` with its defaults: /v1/completions' greedy text of PROMPTS[1], whole and
+    streamed, is ``want``."""
+    import openai
+
+    from helpers import start_server
+
+    proc, base, _ = start_server(tmp_path_factory, "--model", path, "--served-model-name", "tiny")
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-        kw = dict(model="gpt-oss", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+        kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
                   extra_body={"ignore_eos": True})
         assert client.completions.create(**kw).choices[0].text == want
         assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == want

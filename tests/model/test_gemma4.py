@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.ops import TorchOps
-from helpers import model_of, start_server
-from test_architectures import MAX_TOKENS, PROMPTS, WINDOW, _reference
+from helpers import add_default_vocab, model_of, save_hf_and_gguf
+from test_architectures import (MAX_TOKENS, PROMPTS, WINDOW, _reference, assert_both_backends_match,
+                                assert_served_greedy_text)
 
 TYPES = ("sliding", "sliding", "full", "sliding", "sliding", "full")
 
@@ -48,10 +48,7 @@ def _hf_model(vocab: int, kind: str = "e2b", scale: float = 5.0):
 
 
 def _write_gguf(path: str, model, q8: bool = False) -> None:
-    from pagedllm.config import default_model_path
-    from pagedllm.gguf_file import GGUFFile
-
-    src, c = GGUFFile(default_model_path()), model.config
+    c = model.config
     n = c.num_hidden_layers
     swa = [t == "sliding_attention" for t in c.layer_types]
     full_dim, full_kv = (getattr(c.per_layer_config[TYPES.index("full")], k) for k in ("head_dim", "num_key_value_heads"))
@@ -85,11 +82,7 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
         w.add_expert_used_count(c.top_k_experts)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_vocab_size(c.vocab_size)
-    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
-                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
-        fn(src.get(f"tokenizer.ggml.{key}"))
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    add_default_vocab(w, c.bos_token_id, c.eos_token_id)
     turned = int(full_dim * c.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
     w.add_tensor("rope_freqs.weight", np.array([1.0] * turned + [1e30] * (full_dim // 2 - turned), np.float32))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n)
@@ -119,11 +112,7 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
 def tiny(request, tmp_path_factory, llm):
     """(kind, the HF model, its directory, the GGUF file)."""
     model = _hf_model(llm.engine.core.vocab_size, request.param)
-    d = tmp_path_factory.mktemp(f"gemma4_{request.param}") / "hf"
-    model.save_pretrained(d, safe_serialization=True)
-    llm.get_tokenizer().save_pretrained(d)
-    path = str(d.parent / "tiny-gemma4.gguf")
-    _write_gguf(path, model)
+    d, path = save_hf_and_gguf(tmp_path_factory.mktemp(f"gemma4_{request.param}"), llm, model, _write_gguf, "tiny-gemma4")
     return request.param, model, str(d), path
 
 
@@ -142,16 +131,7 @@ def _check(path: str, model, kind: str) -> None:
     else:
         assert built.layers[2].attn.num_kv_heads == 1 and built.layers[0].attn.num_kv_heads == 2
     assert {type(la.mlp).__name__ for la in built.layers} == {"DenseAndExperts" if kind == "moe" else "GatedMLP"}
-    refs = [_reference(model, p) for p in PROMPTS]
-    fused = built.ops
-    assert fused.fused
-    for ops in (fused, TorchOps()):  # both backends
-        built.ops = ops
-        for p, (want, ref_lp) in zip(PROMPTS, refs):
-            got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
-            assert got.token_ids == want, (p, type(ops).__name__)
-            for i, lp in enumerate(got.logprobs):
-                assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (p, i, type(ops).__name__)
+    assert_both_backends_match(alone, model)
     bytes_per_block = alone.engine.core.runner.kv.bytes_per_block
     del alone
     # batched, 16-token chunks, a shared prefix and a KV cache too small for all at once (preemption)
@@ -225,22 +205,10 @@ def test_quantized_file_runs_from_its_blocks(tmp_path, llm):
 def test_served_through_the_openai_api(tmp_path_factory, llm):
     """The GGUF behind ``pagedllm serve`` with its defaults: /v1/completions' greedy text, whole and streamed, is
     the text of transformers' tokens."""
-    import openai
-
     model = _hf_model(llm.engine.core.vocab_size)
     path = str(tmp_path_factory.mktemp("gemma4_served") / "tiny-gemma4.gguf")
     _write_gguf(path, model)
-    want = llm.get_tokenizer().decode(_reference(model, PROMPTS[1])[0])
-    proc, base, _ = start_server(tmp_path_factory, "--model", path, "--served-model-name", "gemma4")
-    try:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-        kw = dict(model="gemma4", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
-                  extra_body={"ignore_eos": True})
-        assert client.completions.create(**kw).choices[0].text == want
-        assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == want
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    assert_served_greedy_text(tmp_path_factory, path, llm.get_tokenizer().decode(_reference(model, PROMPTS[1])[0]))
 
 
 def test_what_gemma4_does_not_support_is_refused(tmp_path, llm):

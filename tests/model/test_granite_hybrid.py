@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import add_default_vocab, save_hf_and_gguf
 from test_qwen3_5 import _check
 
 TYPES = ("mamba", "full", "mamba", "mamba", "full")
@@ -45,10 +46,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _write_gguf(path: str, model) -> None:
-    from pagedllm.config import default_model_path
-    from pagedllm.gguf_file import GGUFFile
-
-    src, c = GGUFFile(default_model_path()), model.config
+    c = model.config
     moe = bool(c.num_local_experts)
     w = gguf.GGUFWriter(path, "granitehybrid")
     w.add_block_count(c.num_hidden_layers)
@@ -74,11 +72,7 @@ def _write_gguf(path: str, model) -> None:
         w.add_expert_feed_forward_length(c.intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
     w.add_vocab_size(c.vocab_size)
-    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
-                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
-        fn(src.get(f"tokenizer.ggml.{key}"))
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    add_default_vocab(w, c.bos_token_id, c.eos_token_id)
     groups, inner = c.mamba_n_groups, c.mamba_expand * c.hidden_size
     sd = {k: v.float().numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
     tensors = {"token_embd.weight": sd.pop("model.embed_tokens.weight"), "output_norm.weight": sd.pop("model.norm.weight")}
@@ -122,11 +116,7 @@ def _write_gguf(path: str, model) -> None:
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_hf_directory_and_gguf_match_transformers(tmp_path, llm, moe):
     model = _hf_model(llm.engine.core.vocab_size, moe)
-    d = tmp_path / "hf"
-    model.save_pretrained(d, safe_serialization=True)
-    llm.get_tokenizer().save_pretrained(d)
-    path = str(tmp_path / "tiny-granite.gguf")
-    _write_gguf(path, model)
+    d, path = save_hf_and_gguf(tmp_path, llm, model, _write_gguf, "tiny-granite")
     for src in (str(d), path):
         _check(src, model, "granitehybrid", TYPES, ("Mamba2", "Attention"))
 

@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import torch
 
+from helpers import add_default_vocab, save_hf_and_gguf
 from test_qwen3_5 import _check
 
 TYPES = ("conv", "conv", "full", "conv", "full")
@@ -46,10 +47,7 @@ def _hf_model(vocab: int, moe: bool = False):
 
 
 def _write_gguf(path: str, model) -> None:
-    from pagedllm.config import default_model_path
-    from pagedllm.gguf_file import GGUFFile
-
-    src, c = GGUFFile(default_model_path()), model.config
+    c = model.config
     moe = c.model_type == "lfm2_moe"
     w = gguf.GGUFWriter(path, "lfm2moe" if moe else "lfm2")
     w.add_block_count(c.num_hidden_layers)
@@ -70,11 +68,7 @@ def _write_gguf(path: str, model) -> None:
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_shortconv_l_cache(c.conv_L_cache)
     w.add_vocab_size(c.vocab_size)
-    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
-                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
-        fn(src.get(f"tokenizer.ggml.{key}"))
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    add_default_vocab(w, c.bos_token_id, c.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2MOE if moe else gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":
@@ -104,11 +98,7 @@ def _write_gguf(path: str, model) -> None:
 
 def test_hf_directory_and_gguf_match_transformers(tmp_path, llm):
     model = _hf_model(llm.engine.core.vocab_size)
-    d = tmp_path / "hf"
-    model.save_pretrained(d, safe_serialization=True)
-    llm.get_tokenizer().save_pretrained(d)
-    path = str(tmp_path / "tiny-lfm2.gguf")
-    _write_gguf(path, model)
+    d, path = save_hf_and_gguf(tmp_path, llm, model, _write_gguf, "tiny-lfm2")
     for src in (str(d), path):
         _check(src, model, "lfm2", TYPES, ("ShortConv", "Attention"))
 
@@ -118,10 +108,6 @@ def test_moe_matches_transformers(tmp_path, llm):
     plus a bias, renormalised, times 1.5); as an HF directory (experts one tensor each, as the checkpoints store
     them) and as llama.cpp's GGUF (stacked experts, ``exp_probs_b``)."""
     model = _hf_model(llm.engine.core.vocab_size, moe=True)
-    d = tmp_path / "hf"
-    model.save_pretrained(d, safe_serialization=True)
-    llm.get_tokenizer().save_pretrained(d)
-    path = str(tmp_path / "tiny-lfm2moe.gguf")
-    _write_gguf(path, model)
+    d, path = save_hf_and_gguf(tmp_path, llm, model, _write_gguf, "tiny-lfm2moe")
     for src in (str(d), path):
         _check(src, model, "lfm2moe", TYPES, ("ShortConv", "Attention"))

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.ops import TorchOps
-from helpers import model_of
-from test_architectures import MAX_TOKENS, PROMPTS, _reference
+from helpers import add_default_vocab, model_of, save_hf_and_gguf
+from test_architectures import MAX_TOKENS, PROMPTS, assert_both_backends_match, _reference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -52,10 +51,7 @@ def _tiled(t: np.ndarray, axis: int, nk: int, r: int, d: int) -> np.ndarray:
 
 
 def _write_gguf(path: str, model, q8: bool = False) -> None:
-    from pagedllm.config import default_model_path
-    from pagedllm.gguf_file import GGUFFile
-
-    src, c = GGUFFile(default_model_path()), model.config
+    c = model.config
     moe = hasattr(c, "num_experts")
     nxt = c.model_type == "qwen3_next"  # llama.cpp's qwen3next: value heads grouped, qkvz split, ba interleaved
     arch = "qwen3next" if nxt else "qwen35moe" if moe else "qwen35"
@@ -84,11 +80,7 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
     w.add_ssm_time_step_rank(c.linear_num_value_heads)
     w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
     w.add_full_attention_interval(4)  # (layer types linear, linear, linear, full)
-    for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
-                    ("token_type", w.add_token_types), ("merges", w.add_token_merges)):
-        fn(src.get(f"tokenizer.ggml.{key}"))
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    add_default_vocab(w, c.bos_token_id, c.eos_token_id)
     names = gguf.get_tensor_name_map({"qwen3next": gguf.MODEL_ARCH.QWEN3NEXT, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
                                       "qwen35": gguf.MODEL_ARCH.QWEN35}[arch], c.num_hidden_layers)
     nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -148,31 +140,17 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
 def tiny(tmp_path_factory, llm):
     """(the HF model, its directory, the GGUF file)."""
     model = _hf_model(llm.engine.core.vocab_size)
-    d = tmp_path_factory.mktemp("qwen3_5") / "hf"
-    model.save_pretrained(d, safe_serialization=True)
-    llm.get_tokenizer().save_pretrained(d)
-    path = str(d.parent / "tiny-qwen35.gguf")
-    _write_gguf(path, model)
+    d, path = save_hf_and_gguf(tmp_path_factory.mktemp("qwen3_5"), llm, model, _write_gguf, "tiny-qwen35")
     return model, str(d), path
 
 
 def _check(path: str, model, arch: str = "qwen35", types=("linear",) * 3 + ("full",),
            mixers=("GatedDeltaNet", "Attention")):
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     alone = LLM(model=path, max_model_len=512, dtype="float32", enable_prefix_caching=False)
     built = model_of(alone)
     assert built.cfg.arch == arch and built.cfg.layer_types == types
     assert {type(la.attn).__name__ for la in built.layers} == set(mixers)
-    refs = [_reference(model, p) for p in PROMPTS]
-    fused = built.ops
-    assert fused.fused
-    for ops in (fused, TorchOps()):  # both backends
-        built.ops = ops
-        for p, (want, ref_lp) in zip(PROMPTS, refs):
-            got = alone.generate([p], sp, use_tqdm=False)[0].outputs[0]
-            assert got.token_ids == want, (p, type(ops).__name__)
-            for i, lp in enumerate(got.logprobs):
-                assert abs(lp.logprob - ref_lp[i, want[i]].item()) < 1e-4, (p, i, type(ops).__name__)
+    assert_both_backends_match(alone, model)
     del alone
     # batched, 16-token chunks, a shared prefix and a KV cache too small for all at once (preemption): same tokens
     c = model.config
@@ -201,11 +179,7 @@ def test_moe_with_a_shared_expert_matches_transformers(tmp_path, llm):
     """Qwen 3.5 MoE: the same hybrid layers, experts (top 2 of 4) and a gated shared expert in every layer; as an
     HF directory and as llama.cpp's GGUF (experts stacked, the shared expert's ``_shexp`` tensors)."""
     model = _hf_model(llm.engine.core.vocab_size, moe=True)
-    d = tmp_path / "hf"
-    model.save_pretrained(d, safe_serialization=True)
-    llm.get_tokenizer().save_pretrained(d)
-    path = str(tmp_path / "tiny-qwen35moe.gguf")
-    _write_gguf(path, model)
+    d, path = save_hf_and_gguf(tmp_path, llm, model, _write_gguf, "tiny-qwen35moe")
     for src in (str(d), path):
         _check(src, model, "qwen35moe")
 
@@ -215,11 +189,7 @@ def test_qwen3_next_matches_transformers(tmp_path, llm):
     ``in_proj_ba``), reordered at load; as an HF directory and as llama.cpp's GGUF (qkvz split by the converter,
     ba still interleaved, value heads grouped)."""
     model = _hf_model(llm.engine.core.vocab_size, qwen3_next=True)
-    d = tmp_path / "hf"
-    model.save_pretrained(d, safe_serialization=True)
-    llm.get_tokenizer().save_pretrained(d)
-    path = str(tmp_path / "tiny-qwen3next.gguf")
-    _write_gguf(path, model)
+    d, path = save_hf_and_gguf(tmp_path, llm, model, _write_gguf, "tiny-qwen3next")
     for src in (str(d), path):
         _check(src, model, "qwen3next")
 
