@@ -19,9 +19,11 @@ def sequence_hidden(model, token_ids: list[int]) -> torch.Tensor:
     cfg, dev = model.cfg, model.device
     n = len(token_ids)
     nb = math.ceil(n / BLOCK)
-    shape = (nb, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    caches = [tuple(torch.zeros(shape, dtype=model.kv_dtype, device=dev) for _ in range(2))
-              for _ in range(cfg.num_layers)]
+    caches = []  # per layer its own (K, V), or the layer's whose K/V it reads (Gemma 4's last layers)
+    for i in range(cfg.num_layers):
+        shape = (nb, BLOCK, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
+        caches.append(caches[cfg.kv_source(i)] if cfg.kv_source(i) != i else
+                      tuple(torch.zeros(shape, dtype=model.kv_dtype, device=dev) for _ in range(2)))
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), decode_rows=None, decode_block_tables=None,
                              decode_mask=None, num_decodes=0,
                              prefills=[PrefillSeq(0, n, n, torch.arange(nb, device=dev))])

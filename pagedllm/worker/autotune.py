@@ -85,9 +85,10 @@ def _time_ms(fn, x: torch.Tensor, min_s: float = 0.03, max_reps: int = 50) -> fl
 
 
 # a layer's linears as checkpoints store them: attention (fused or not: phi3), the MLP (gate and up fused or not),
-# a Gated DeltaNet's projections (qkv, z, beta, alpha in, out), a shared expert's, a short convolution's (in_proj, out)
-LAYER_LINEARS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "z", "beta", "alpha", "out",
-                 "shared.gate", "shared.up", "shared.down", "in_proj")
+# a Gated DeltaNet's projections (qkv, z, beta, alpha in, out; Qwen3-Next's qkvz, ba), a shared expert's, a short
+# convolution's or Mamba-2's (in_proj, out), Gemma 4's per-layer input (ple_gate, ple_out)
+LAYER_LINEARS = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "z", "beta", "alpha", "out", "qkvz",
+                 "ba", "shared.gate", "shared.up", "shared.down", "shared.gate_up", "in_proj", "ple_gate", "ple_out")
 
 
 def _linear_names(weights: dict, num_layers: int) -> tuple[list[str], str]:

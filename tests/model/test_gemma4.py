@@ -164,6 +164,24 @@ def test_gguf_file_matches_transformers(tiny):
     _check(path, model, kind)
 
 
+def test_offline_scoring_reads_the_shared_kv(tiny):
+    """The offline tools' whole-sequence pass (``model.scoring``: perplexity, calibration) gives each layer its own
+    head shape and the sharing layers their source's K/V: its log-probabilities are transformers' (the text's own
+    next tokens within 1e-4; over the whole vocabulary float32's rounding through these large random weights
+    reaches 2e-4 at a few entries, so the mean is held to 2e-5: a layer reading the wrong K/V moves it by ~1)."""
+    from pagedllm.model.scoring import sequence_logprobs
+
+    _, model, d, _ = tiny
+    built = model_of(LLM(model=d, max_model_len=128, dtype="float32"))
+    ids = PROMPTS[1] + PROMPTS[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = sequence_logprobs(built, ids)
+    nxt = torch.tensor(ids[1:])
+    assert (got[:-1].gather(1, nxt[:, None]) - ref[:-1].gather(1, nxt[:, None])).abs().max() < 1e-4
+    assert (got - ref).abs().mean() < 2e-5
+
+
 def test_cache_rows_hold_the_widest_layer(tiny):
     """One cache tensor per slot serves the sliding layers (2 heads x 16) and the full ones (2 x 32, or 1 x 32 with
     k = v): a token's row is the widest layer's, the narrower layers use its first values; blocks hold only the
