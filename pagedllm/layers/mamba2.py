@@ -6,12 +6,13 @@ x, then B and C of every group; the model's dtype) and a (heads, head_dim, d_sta
 token: one projection gives the gate z, the convolved [x, B, C] (causal depthwise convolution with its bias, SiLU)
 and dt; dt = softplus(dt + dt_bias); S = exp(dt A) S + dt x B^T; y = S C + D x per head (head h reads group h //
 (heads / groups)); y times SiLU(z) is RMS-normalised per group, times the norm weight, and projected back. Decode
-rows run that recurrence, batched over sequences; a prefill chunk runs the chunked form (within a chunk of 64
+rows run that recurrence, batched over sequences (on the fused kernels one C++ pass over each state,
+``mamba2_step``); a prefill chunk runs the chunked form (within a chunk of 64
 rows the decays between every pair of rows, across chunks the state carried), transformers' float32 steps.
 
 The states live in the worker's pools (``worker.kv_cache``) at each sequence's slot, read and written through
 ``StateMetadata`` as Gated DeltaNet's (``layers.gated_deltanet``), prefix snapshots included. Both ops backends run
-these torch operations (no fused kernel yet)."""
+these torch operations, but for the decode rows' recurrence."""
 
 from __future__ import annotations
 
@@ -114,11 +115,15 @@ class Mamba2:
             conv = self._conv_out(decode_conv(conv_pool, slots, xbc if rows is None else xbc[rows], self.conv))
             xs, b, c = self._split(conv.to(x.dtype))
             dtd = dt if rows is None else dt[rows]
-            st = ssm_pool[slots]  # (B, H, P, N)
-            st.mul_((dtd * self.a_neg).exp()[..., None, None]).add_((xs * dtd.unsqueeze(-1)).unsqueeze(-1) *
-                                                                    b.unsqueeze(-2))
-            ssm_pool[slots] = st
-            yd = (st * c.unsqueeze(-2)).sum(-1) + xs * self.d_skip[:, None]
+            if ops.fused:  # one pass over each state, in place in the pool
+                yd = ops.kernels.mamba2_step(xs.contiguous(), dtd.contiguous(), b, c, self.a_neg, self.d_skip,
+                                             ssm_pool, slots)
+            else:
+                st = ssm_pool[slots]  # (B, H, P, N)
+                st.mul_((dtd * self.a_neg).exp()[..., None, None]).add_((xs * dtd.unsqueeze(-1)).unsqueeze(-1) *
+                                                                        b.unsqueeze(-2))
+                ssm_pool[slots] = st
+                yd = (st * c.unsqueeze(-2)).sum(-1) + xs * self.d_skip[:, None]
             if rows is None:
                 return self.out(self._gated_norm(yd, z))
             y[rows] = yd

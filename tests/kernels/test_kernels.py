@@ -105,6 +105,28 @@ def test_decode_attention_strided_query_and_bad_input(ops):
             ops.decode_attention(q, kc, vc, tables, lens, 0.125, 0, 0.0, sinks)
 
 
+def test_mamba2_step_updates_the_states_in_place(ops):
+    """Mamba-2's decode recurrence (``layers.mamba2``): the kernel's states and outputs are the torch path's, the
+    states written at their slots only."""
+    torch.manual_seed(3)
+    bsz, h, p, n, slots_n = 3, 4, 16, 32, 6
+    pool = torch.randn(slots_n, h, p, n)
+    slots = torch.tensor([4, 0, 2])
+    x, dt = torch.randn(bsz, h, p), torch.rand(bsz, h) * 2
+    b, c = torch.randn(bsz, h, n), torch.randn(bsz, h, n)
+    a, d = -torch.rand(h) * 4, torch.randn(h)
+    want = pool.clone()
+    st = want[slots]
+    st.mul_((dt * a).exp()[..., None, None]).add_((x * dt.unsqueeze(-1)).unsqueeze(-1) * b.unsqueeze(-2))
+    want[slots] = st
+    y_want = (st * c.unsqueeze(-2)).sum(-1) + x * d[:, None]
+    y = ops.mamba2_step(x, dt, b, c, a, d, pool, slots)
+    torch.testing.assert_close(y, y_want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="outside the pool or repeated"):
+        ops.mamba2_step(x, dt, b, c, a, d, pool, torch.tensor([4, 4, 2]))
+
+
 @pytest.mark.parametrize("hkv,d,width", [(1, 256, 512), (2, 64, 256), (2, 16, 64)])
 def test_caches_viewed_in_wider_rows(ops, hkv, d, width):
     """Gemma 4's layers of different head shapes share cache tensors whose token rows are the widest layer's

@@ -1,7 +1,8 @@
 """A random-weight GGUF file at real layer shapes of a 2026 architecture, written as llama.cpp's converter writes it,
 for speed comparisons (no package on the index ships these weights): Qwen 3.5 at the 0.8B's shapes (``qwen35``),
-LFM2 at the 350M's (``lfm2``) or Gemma 4 at the E2B's (``gemma4``: 35 layers, a full one every 5th, the last 20
-reading the K/V of layers 13 / 14, per-layer inputs of 256).
+LFM2 at the 350M's (``lfm2``), Gemma 4 at the E2B's (``gemma4``: 35 layers, a full one every 5th, the last 20
+reading the K/V of layers 13 / 14, per-layer inputs of 256) or Granite 4.0-H at a Micro-like shape
+(``granitehybrid``: 40 layers, 4 of them attention, Mamba-2 with 64 heads of 64 and a state of 128).
 
     python tools/scripts/random_hybrid_gguf.py /tmp/q35-0.8b-f16.gguf --shape qwen35-0.8b
     llama-quantize /tmp/q35-0.8b-f16.gguf /tmp/q35-0.8b-q4km.gguf Q4_K_M
@@ -26,6 +27,9 @@ SHAPES = {
     # LFM2-350M: attention on layers 2, 5, 8, 10, 12 and 14, short convolutions (kernel 3) elsewhere
     "lfm2-350m": dict(arch="lfm2", hidden=1024, layers=16, inter=4608, heads=16, kv_heads=8, head_dim=64, conv=3,
                       attention=(2, 5, 8, 10, 12, 14)),
+    # Granite 4.0-H Micro-like: 40 layers, attention (16 / 4 heads of 128, no rotary) on 4 of them, Mamba-2 elsewhere
+    "granite-4.0-h-micro": dict(arch="granitehybrid", hidden=2048, layers=40, inter=8192, heads=16, kv_heads=4,
+                                head_dim=128, m_heads=64, m_state=128, m_groups=1, conv=4, attention=(9, 19, 29, 39)),
     "gemma4-e2b": dict(arch="gemma4", hidden=1536, layers=35, inter=6144, heads=8, kv_heads=1, head_dim=256,
                        global_head_dim=512, window=512, shared=20, per_layer=256),
 }
@@ -45,6 +49,9 @@ def main() -> None:
     w = gguf.GGUFWriter(a.out, s["arch"])
     if s["arch"] == "gemma4":
         _gemma4(w, s, rng, src)
+        return
+    if s["arch"] == "granitehybrid":
+        _granite(w, s, rng, src)
         return
     w.add_block_count(s["layers"])
     w.add_context_length(32768)
@@ -135,6 +142,58 @@ def _close(w) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _granite(w, s: dict, rng, src) -> None:
+    """Granite 4.0-H as llama.cpp's converter writes it: per-layer KV heads (0 on the Mamba layers), A as
+    -exp(A_log), the norm per group, the dense MLP as ffn_gate / ffn_up / ffn_down, no rotary."""
+    n, h, inner = s["layers"], s["hidden"], 2 * s["hidden"]
+    mh, ns, g = s["m_heads"], s["m_state"], s["m_groups"]
+    conv_dim = inner + 2 * g * ns
+    w.add_block_count(n)
+    w.add_context_length(32768)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(s["inter"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv([s["kv_heads"] if i in s["attention"] else 0 for i in range(n)])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_ssm_conv_kernel(s["conv"])
+    w.add_ssm_state_size(ns)
+    w.add_ssm_group_count(g)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(mh)
+    w.add_rope_scaling_finetuned(False)
+    w.add_embedding_scale(12.0)
+    w.add_residual_scale(0.22)
+    w.add_attention_scale(0.0078125)
+    w.add_logit_scale(8.0)
+    lin, vec = _writers(w, rng, src)
+    lin("token_embd.weight", len(src.get("tokenizer.ggml.tokens")), h)
+    vec("output_norm.weight", np.ones(h))
+    for i in range(n):
+        p = f"blk.{i}."
+        vec(p + "attn_norm.weight", np.ones(h))
+        vec(p + "ffn_norm.weight", np.ones(h))
+        if i in s["attention"]:
+            lin(p + "attn_q.weight", s["heads"] * s["head_dim"], h)
+            lin(p + "attn_k.weight", s["kv_heads"] * s["head_dim"], h)
+            lin(p + "attn_v.weight", s["kv_heads"] * s["head_dim"], h)
+            lin(p + "attn_output.weight", h, s["heads"] * s["head_dim"])
+        else:
+            lin(p + "ssm_in.weight", inner + conv_dim + mh, h)
+            vec(p + "ssm_conv1d.weight", rng.standard_normal((conv_dim, s["conv"])) * 0.2)
+            vec(p + "ssm_conv1d.bias", np.zeros(conv_dim))
+            vec(p + "ssm_dt.bias", np.ones(mh))
+            vec(p + "ssm_a", -rng.uniform(1, 16, (mh, 1)))
+            vec(p + "ssm_d", np.ones((mh, 1)))
+            vec(p + "ssm_norm.weight", np.ones((g, inner // g)))
+            lin(p + "ssm_out.weight", h, inner)
+        lin(p + "ffn_gate.weight", s["inter"], h)
+        lin(p + "ffn_up.weight", s["inter"], h)
+        lin(p + "ffn_down.weight", h, s["inter"])
+    _close(w)
 
 
 def _gemma4(w, s: dict, rng, src) -> None:

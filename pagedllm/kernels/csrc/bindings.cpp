@@ -46,6 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seqs"), py::arg("conv_pool"), py::arg("rec_pool"), py::arg("conv_w"), py::arg("a_neg"),
         py::arg("dt_bias"), py::arg("norm_w"), py::arg("nk"), py::arg("dk"), py::arg("dv"), py::arg("v_tiled"),
         py::arg("eps"), nogil);
+  m.def("mamba2_step", &mamba2_step, "Mamba-2's recurrence for one row per sequence (x (B, H, P), dt (B, H), B and "
+        "C (B, H, N) float32), the states updated in place in the pool (S, H, P, N) at the slots; returns y "
+        "(B, H, P) with the D skip", py::arg("x"), py::arg("dt"), py::arg("b"), py::arg("c"), py::arg("a_neg"),
+        py::arg("d"), py::arg("pool"), py::arg("slots"), nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
   m.def("qk_norm", &qk_norm, "RMSNorm of each q head and each k head of qkv's rows, in place", nogil);

@@ -268,4 +268,57 @@ at::Tensor gated_delta_rows(const at::Tensor& proj, const at::Tensor& seqs, at::
   return out;
 }
 
+// Mamba-2's recurrence (layers/mamba2.py) for one row per sequence, each state updated in place in the pool at its
+// slot, one pass over it: per (sequence, head) and state row p, S[p, :] = exp(dt A) S[p, :] + (dt x[p]) B and
+// y[p] = S[p, :] . C + D x[p]. The torch path gathers the states, updates and scatters them, ~5 passes over the
+// (heads, head_dim, d_state) float32 state of every sequence (2 MiB at 64 x 64 x 128).
+at::Tensor mamba2_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& b, const at::Tensor& c,
+                       const at::Tensor& a_neg, const at::Tensor& d, at::Tensor pool, const at::Tensor& slots) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &dt, &b, &c, &a_neg, &d, &pool}) {
+    check_cpu(*t, "mamba2_step's tensors");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "mamba2_step takes contiguous float32 tensors");
+  }
+  TORCH_CHECK(x.dim() == 3 && pool.dim() == 4, "x must be (B, H, P) and the pool (S, H, P, N)");
+  const int64_t Bn = x.size(0), H = x.size(1), P = x.size(2), S = pool.size(0), N = pool.size(3);
+  TORCH_CHECK(pool.size(1) == H && pool.size(2) == P && dt.numel() == Bn * H && b.numel() == Bn * H * N &&
+                  c.numel() == Bn * H * N && a_neg.numel() == H && d.numel() == H,
+              "dt (B, H), B and C (B, H, N), A and D (H,) must match x and the pool");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == Bn,
+              "slots must be contiguous int64 (B,)");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  std::vector<char> seen(S, 0);
+  for (int64_t i = 0; i < Bn; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < S && !seen[sl[i]], "state slot ", sl[i], " outside the pool or repeated");
+    seen[sl[i]] = 1;
+  }
+  auto out = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *bp = b.data_ptr<float>();
+  const float *cp = c.data_ptr<float>(), *ap = a_neg.data_ptr<float>(), *dp = d.data_ptr<float>();
+  float* st = pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, Bn * H, 1, [&](int64_t i0, int64_t i1) {
+    const FlushDenormals ftz;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bi = i / H, h = i % H;
+      const float dtv = dtp[i], decay = std::exp(dtv * ap[h]);
+      const float* bb = bp + i * N;
+      const float* cc = cp + i * N;
+      float* state = st + (sl[bi] * H + h) * P * N;
+      for (int64_t p = 0; p < P; ++p) {
+        const float xv = xp[i * P + p], xd = xv * dtv;
+        float* row = state + p * N;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = row[n] * decay + xd * bb[n];
+          row[n] = v;
+          acc += v * cc[n];
+        }
+        op[i * P + p] = acc + dp[h] * xv;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace pagedllm

@@ -27,6 +27,8 @@ at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor gated_delta_rows(const at::Tensor& proj, const at::Tensor& seqs, at::Tensor conv_pool, at::Tensor rec_pool,
                             const at::Tensor& conv_w, const at::Tensor& a_neg, const at::Tensor& dt_bias,
                             const at::Tensor& norm_w, int64_t nk, int64_t dk, int64_t dv, bool v_tiled, double eps);
+at::Tensor mamba2_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& b, const at::Tensor& c,
+                       const at::Tensor& a_neg, const at::Tensor& d, at::Tensor pool, const at::Tensor& slots);
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                    int64_t N, int64_t levels = 2, const std::optional<at::Tensor>& table = std::nullopt,
                    int64_t table_zero = 0);
