@@ -31,10 +31,12 @@ class StatePool:
         return len(self._by_hash)
 
     def take(self) -> int | None:
-        """A free slot: an empty one if any, else the least recently used snapshot's (dropped); None: none free."""
+        """A free slot: an empty one if any (the most recently released: its pages are resident already, so the
+        pools' resident memory follows the peak of concurrent sequences rather than every slot in turn), else the
+        least recently used snapshot's (dropped); None: none free."""
         if not self._free:
             return None
-        slot = next((s for s, k in self._free.items() if k is None), None)
+        slot = next((s for s, k in reversed(self._free.items()) if k is None), None)
         if slot is None:
             slot, key = self._free.popitem(last=False)
             del self._by_hash[key]

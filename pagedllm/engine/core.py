@@ -37,7 +37,7 @@ class EngineCore:
             windows=getattr(runner, "kv_group_windows", (0,)),  # a test's fake runner: one full-attention group
             record_events=config.cache.enable_kv_cache_events,
             num_state_slots=getattr(runner, "num_state_slots", 0),  # a hybrid model's recurrent-state slots
-            state_live_slots=config.scheduler.max_num_seqs,
+            state_live_slots=getattr(runner, "state_live_slots", 0) or config.scheduler.max_num_seqs,
         )
         self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.max_model_len,
                                                num_host_blocks=runner.num_host_blocks,

@@ -44,6 +44,9 @@ from pagedllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
+# the recurrent-state pools' ceiling (a hybrid model's slots: min(what the batch wants, this / a slot's bytes))
+STATE_POOL_BYTES = 4 << 30
+
 # prefill chunks with at most this much context run through the fused row kernel (see ``_step_tensors``)
 # (up to this context the row kernel is at least as fast as the tiled matmuls, and much faster for many short
 # prompts, which it takes without a per-sequence gather: docs/history.md)
@@ -144,10 +147,15 @@ class ModelRunner:
                              "not supported yet (a rejected draft would have advanced the state)")
         self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
         # a hybrid model: a recurrent state per running sequence, and (prefix caching) a quarter more that keep
-        # prefix snapshots while free; on CPU beside the KV budget, committed as they are used
+        # prefix snapshots while free; on CPU beside the KV budget, committed as they are used, and at most
+        # STATE_POOL_BYTES of them (Granite 4.0-H Micro keeps 72 MiB a sequence: 320 slots would be 23 GiB once
+        # snapshots filled them); beyond the slots, requests wait for one
         seqs = config.scheduler.max_num_seqs
-        self.num_state_slots = (seqs + (max(2, seqs // 4) if config.cache.enable_prefix_caching else 0)
-                                if arch.hybrid_state else 0)
+        self.num_state_slots = self.state_live_slots = 0  # (live: the slots running requests may claim)
+        if arch.hybrid_state:
+            snapshots = max(2, seqs // 4) if config.cache.enable_prefix_caching else 0
+            self.num_state_slots = min(seqs + snapshots, max(4, STATE_POOL_BYTES // self.kv.state_bytes_per_slot))
+            self.state_live_slots = self.num_state_slots - min(snapshots, max(2, self.num_state_slots // 5))
         num_blocks = self.kv.budget_blocks(self.num_state_slots * self.kv.state_bytes_per_slot)
         if self.tp is not None:
             num_blocks = self._tp_agree(num_blocks)
@@ -175,7 +183,8 @@ class ModelRunner:
         )
         if self.num_state_slots:
             logger.info("recurrent states (%d linear layers): %d slots x %.1f MiB, beside the KV cache, committed as "
-                        "used", len(self.kv.state_layers), self.num_state_slots, self.kv.state_bytes_per_slot / 2**20)
+                        "used (at most %d sequences at once)", len(self.kv.state_layers), self.num_state_slots,
+                        self.kv.state_bytes_per_slot / 2**20, self.num_state_slots)
         if plan.activation_bits is not None:
             logger.info("activations: %d-bit per block of 32 (%s)", plan.activation_bits,
                         plan.reasons["activation_bits"])

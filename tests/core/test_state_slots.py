@@ -129,3 +129,15 @@ def test_new_sequences_take_empty_slots_before_snapshots():
     assert pool.assign("w") == b
     assert pool.assign("v") == s2 and pool.snapshot(b"k2") is None and pool.snapshot(b"k1") == s1
     pool.check_integrity()
+
+
+def test_new_sequences_reuse_the_slots_last_released():
+    """Sequences one after another (at most two at once) keep to two slots: a slot's pages are committed when a
+    sequence first writes them, so taking untouched slots in turn would grow the resident pools to all of them."""
+    pool = StatePool(16)
+    used = set()
+    for i in range(40):
+        used.add(pool.assign(f"r{i}"))
+        if i:
+            pool.release(f"r{i - 1}")
+    assert len(used) == 2 and pool.num_free == 15
