@@ -344,3 +344,24 @@ def test_offline_scoring_runs_the_state_layers(tiny):
     with torch.inference_mode():
         ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
     assert (sequence_logprobs(built, ids) - ref).abs().max() < 1e-4
+
+
+def test_state_pools_are_capped_and_requests_wait_for_a_slot(tiny, monkeypatch):
+    """The state pools hold at most ``STATE_POOL_BYTES`` (here 5 slots' worth): more prompts than slots still all
+    finish with the reference's tokens, never more sequences running than slots, nothing leaked."""
+    from pagedllm.worker import model_runner
+
+    model, _, path = tiny
+    probe = LLM(model=path, max_model_len=128, dtype="float32")
+    per_slot = probe.engine.core.runner.kv.state_bytes_per_slot
+    del probe
+    monkeypatch.setattr(model_runner, "STATE_POOL_BYTES", 5 * per_slot)
+    capped = LLM(model=path, max_model_len=128, dtype="float32")
+    runner = capped.engine.core.runner
+    assert runner.num_state_slots == 5 and runner.state_live_slots == 3
+    prompts = [PROMPTS[1][i:] + [i + 7] for i in range(8)]  # (no 0: the reference reads it as padding)
+    outs = capped.generate(prompts, GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _reference(model, p)[0], p
+    slots = capped.engine.kv_state()["state_slots"]
+    assert slots["num_slots"] == 5 and slots["num_held"] == 0
