@@ -194,14 +194,13 @@ class KVCache:
         """Copy whole KV blocks device -> host (swap-outs first: their device blocks may be reused this step),
         then host -> device; a hybrid model's recurrent states likewise, by slot (before the step zeroes or
         restores any slot)."""
-        for pairs, src_of, dst_of in ((state_out, lambda i: self.state_caches[i], lambda i: self.host_state_caches[i]),
-                                      (state_in, lambda i: self.host_state_caches[i], lambda i: self.state_caches[i])):
+        for pairs, src_pools, dst_pools in ((state_out, self.state_caches, self.host_state_caches),
+                                            (state_in, self.host_state_caches, self.state_caches)):
             if pairs:
-                for i in range(len(self.state_caches)):
-                    for s, d in zip(src_of(i), dst_of(i)):
-                        src = torch.tensor([p[0] for p in pairs], device=s.device)
-                        dst = torch.tensor([p[1] for p in pairs], device=d.device)
-                        d.index_copy_(0, dst, s.index_select(0, src).to(d.device))
+                src = torch.tensor([p[0] for p in pairs], device=src_pools[0][0].device)
+                dst = torch.tensor([p[1] for p in pairs], device=dst_pools[0][0].device)
+                for s, d in zip((t for pools in src_pools for t in pools), (t for pools in dst_pools for t in pools)):
+                    d.index_copy_(0, dst, s.index_select(0, src).to(d.device))
         if swap_out:
             dev = torch.tensor([d for d, _ in swap_out], device=self.device)
             host = torch.tensor([h for _, h in swap_out])
