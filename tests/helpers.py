@@ -251,3 +251,40 @@ def save_hf_and_gguf(folder, llm, model, write_gguf, name: str) -> tuple[str, st
     path = str(folder / f"{name}.gguf")
     write_gguf(path, model)
     return str(d), path
+
+
+def gguf_add(w, name: str, t, q8: bool = False) -> None:
+    """A float32 tensor into a ``gguf.GGUFWriter``, or (``q8``) its Q8_0 blocks."""
+    import gguf
+    import numpy as np
+
+    t = np.ascontiguousarray(t, dtype=np.float32)
+    if q8:
+        w.add_tensor(name, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        w.add_tensor(name, t)
+
+
+def gguf_finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def gguf_stacked_experts(w, name: str, t) -> bool:
+    """transformers' stacked experts of layer ``name`` as llama.cpp's converter writes them: (E, 2I, H) gate_up
+    split into ffn_gate_exps and ffn_up_exps, (E, H, I) down as ffn_down_exps. False: not such a tensor."""
+    import numpy as np
+
+    if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return False
+    i = name.split(".")[2]
+    if name.endswith("experts.gate_up_proj"):
+        gate, up = np.split(t, 2, axis=1)
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+        return True
+    w.add_tensor(f"blk.{i}.ffn_down_exps.weight", np.ascontiguousarray(t))
+    return True

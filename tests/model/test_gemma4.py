@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from helpers import add_default_vocab, model_of, save_hf_and_gguf
+from helpers import add_default_vocab, gguf_add, gguf_finish, model_of, save_hf_and_gguf
 from test_architectures import (MAX_TOKENS, PROMPTS, WINDOW, _reference, assert_both_backends_match,
                                 assert_served_greedy_text)
 
@@ -96,16 +96,9 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
         if name.endswith(("router.scale", "router.per_expert_scale")):  # the converter's names for them
             out = base.replace("model.layers.", "blk.").replace("router", "ffn_gate_inp" if suffix == "scale"
                                                                 else "ffn_down_exps") + ".scale"
-        t = np.ascontiguousarray(t.float().numpy(), dtype=np.float32)
-        if q8 and t.ndim == 2 and t.shape[1] % 32 == 0:
-            w.add_tensor(out, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(out, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        t = t.float().numpy()
+        gguf_add(w, out, t, q8 and t.ndim == 2 and t.shape[1] % 32 == 0)
+    gguf_finish(w)
 
 
 @pytest.fixture(scope="module", params=["e2b", "k_eq_v", "moe"])

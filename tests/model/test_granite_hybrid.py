@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import add_default_vocab, save_hf_and_gguf
+from helpers import add_default_vocab, gguf_add, gguf_finish, save_hf_and_gguf
 from test_qwen3_5 import _check
 
 TYPES = ("mamba", "full", "mamba", "mamba", "full")
@@ -106,11 +106,8 @@ def _write_gguf(path: str, model) -> None:
                         b + "attn_output.weight": sd.pop(a + "o_proj.weight")}
     assert not sd, sorted(sd)  # every tensor written
     for name, t in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        gguf_add(w, name, t)
+    gguf_finish(w)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import torch
 
-from helpers import add_default_vocab, save_hf_and_gguf
+from helpers import add_default_vocab, gguf_finish, gguf_stacked_experts, save_hf_and_gguf
 from test_qwen3_5 import _check
 
 TYPES = ("conv", "conv", "full", "conv", "full")
@@ -74,26 +74,16 @@ def _write_gguf(path: str, model) -> None:
         if name == "lm_head.weight":
             continue  # tied
         t = t.float().numpy()
-        i = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("experts.gate_up_proj"):  # (E, 2I, H): gate rows then up rows
-            gate, up = np.split(t, 2, axis=1)
-            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
-            continue
-        if name.endswith("experts.down_proj"):
-            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", np.ascontiguousarray(t))
+        if gguf_stacked_experts(w, name, t):
             continue
         if name.endswith("expert_bias"):
-            w.add_tensor(f"blk.{i}.exp_probs_b.bias", np.ascontiguousarray(t))
+            w.add_tensor(f"blk.{name.split('.')[2]}.exp_probs_b.bias", np.ascontiguousarray(t))
             continue
         if "conv.conv" in name:
             t = t.reshape(t.shape[0], -1)
         base, _, suffix = name.rpartition(".")
         w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(t, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_finish(w)
 
 
 def test_hf_directory_and_gguf_match_transformers(tmp_path, llm):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from helpers import add_default_vocab, model_of, save_hf_and_gguf
+from helpers import add_default_vocab, gguf_add, gguf_finish, gguf_stacked_experts, model_of, save_hf_and_gguf
 from test_architectures import MAX_TOKENS, PROMPTS, assert_both_backends_match, _reference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -87,14 +87,7 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
     r = nv // nk
     for name, t in model.state_dict().items():
         t = t.float().numpy()
-        if name.endswith("mlp.experts.gate_up_proj"):  # (E, 2I, H): gate rows then up rows, split as llama.cpp
-            i = name.split(".")[2]
-            gate, up = np.split(t, 2, axis=1)
-            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
-            continue
-        if name.endswith("mlp.experts.down_proj"):
-            w.add_tensor(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", np.ascontiguousarray(t))
+        if gguf_stacked_experts(w, name, t):
             continue
         base, _, suffix = name.rpartition(".")
         if name.endswith(".A_log"):
@@ -124,16 +117,8 @@ def _write_gguf(path: str, model, q8: bool = False) -> None:
             elif "out_proj" in name:
                 t = _tiled(t, 1, nk, r, dv)
         out = names.get_name(base) + (f".{suffix}" if suffix else "")
-        t = np.ascontiguousarray(t, dtype=np.float32)
-        if q8 and t.ndim == 2 and "conv1d" not in name:
-            w.add_tensor(out, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(out, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        gguf_add(w, out, t, q8 and t.ndim == 2 and "conv1d" not in name)
+    gguf_finish(w)
 
 
 @pytest.fixture(scope="module")
