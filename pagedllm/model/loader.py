@@ -120,6 +120,8 @@ GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn
                 "ffn_gate_up_exps.weight": "gate_up",  # (fused by the converter's option: gate rows, then up)
                 "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
 GGUF_EXPERT_OLD = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # early Mixtral files: a tensor per expert
+# the llama-lineage HF names every decoder shares (attention, the gated MLP, their norms); an architecture's module
+# adds its own (``Arch.hf_names``: fused projections, routers, shared experts, ...) and says where its experts are
 HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 HF_LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
@@ -127,7 +129,6 @@ HF_LAYER_NAMES = {
     "self_attn.q_proj.weight": "q",
     "self_attn.k_proj.weight": "k",
     "self_attn.v_proj.weight": "v",
-    "self_attn.qkv_proj.weight": "qkv",
     "self_attn.q_proj.bias": "q_bias",
     "self_attn.k_proj.bias": "k_bias",
     "self_attn.v_proj.bias": "v_bias",
@@ -137,23 +138,13 @@ HF_LAYER_NAMES = {
     "self_attn.o_proj.bias": "o_bias",
     "mlp.gate_proj.weight": "gate",
     "mlp.up_proj.weight": "up",
-    "mlp.gate_up_proj.weight": "gate_up",
     "mlp.down_proj.weight": "down",
-    "mlp.gate.weight": "router",
-    "block_sparse_moe.gate.weight": "router",
-    "mlp.shared_expert.gate_proj.weight": "shared.gate",
-    "mlp.shared_expert.up_proj.weight": "shared.up",
-    "mlp.shared_expert.down_proj.weight": "shared.down",
-    "mlp.shared_expert_gate.weight": "shared_gate",
 }
-# one expert's projection (qwen3moe: mlp.experts.E.gate_proj; mixtral: block_sparse_moe.experts.E.w1 / w3 / w2;
-# LFM2-MoE: feed_forward.experts.E.w1 / w3 / w2)
-HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
-                       r"\.weight")
+# the parts of one expert (after ``Arch.hf_experts`` and its index): qwen's names, and Mixtral's / LFM2's w1 / w3 / w2
 HF_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-# experts stacked in 3-D tensors (transformers' in-memory layout): (E, 2I, H) and (E, H, I)
-HF_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "gate_up", "mlp.experts.down_proj": "down",
-                      "feed_forward.experts.gate_up_proj": "gate_up", "feed_forward.experts.down_proj": "down"}
+HF_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+# or all experts stacked in 3-D tensors (transformers' in-memory layout): (E, 2I, H) and (E, H, I)
+HF_STACKED_EXPERTS = {"gate_up_proj": "gate_up", "down_proj": "down"}
 
 
 @dataclass
@@ -305,11 +296,12 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
                     weights.update({f"layers.{idx}.{k}": (v.float() if v.is_floating_point() else v).contiguous()
                                     for k, v in parts.items()})
                     continue
-                if (m := HF_EXPERT.fullmatch(rest)) is not None:
+                experts = rest.removeprefix(spec.hf_experts) if spec.hf_experts else None
+                if experts is not None and (m := HF_EXPERT.fullmatch(experts)) is not None:
                     key = f"layers.{idx}.experts.{m[1]}.{HF_EXPERT_PART[m[2]]}"
-                elif rest in HF_STACKED_EXPERTS:
+                elif experts in HF_STACKED_EXPERTS:
                     for e, w in enumerate(t.float().unbind(0)):
-                        weights[f"layers.{idx}.experts.{e}.{HF_STACKED_EXPERTS[rest]}"] = w.contiguous()
+                        weights[f"layers.{idx}.experts.{e}.{HF_STACKED_EXPERTS[experts]}"] = w.contiguous()
                     continue
                 elif rest not in per_layer:
                     continue

@@ -54,6 +54,9 @@ class Arch:
     # a layer tensor of an HF checkpoint the architecture splits itself ((name after the layer prefix, tensor) ->
     # {layer-relative engine name: tensor}, or None: the common names apply), e.g. gpt-oss's stacked experts
     split_hf: Callable[[str, Any], dict | None] | None = None
+    # where a layer's experts are in an HF checkpoint (e.g. "mlp.experts."): one tensor per expert and part
+    # (``{hf_experts}{e}.gate_proj.weight``, or w1 / w3 / w2) or stacked (``{hf_experts}gate_up_proj``, ``down_proj``)
+    hf_experts: str = ""
 
 
 def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None]:

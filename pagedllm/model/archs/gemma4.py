@@ -85,14 +85,6 @@ def from_hf(hf: dict) -> dict:
     return out
 
 
-def _split_hf(rest: str, t):
-    """transformers' stacked experts, (E, 2I, H) gate/up and (E, H, I) down: one tensor per expert."""
-    if rest not in ("experts.gate_up_proj", "experts.down_proj"):
-        return None
-    part = "gate_up" if rest.endswith("gate_up_proj") else "down"
-    return {f"experts.{e}.{part}": w for e, w in enumerate(t.unbind(0))}
-
-
 ARCH = Arch("gemma4", ("gemma4_text", "gemma4"), from_gguf, from_hf,
             gguf_names={"inp_gate.weight": "ple_gate", "proj.weight": "ple_out", "post_norm.weight": "ple_norm",
                         "layer_output_scale.weight": "layer_scalar", "ffn_gate_inp.scale": "router_scale",
@@ -107,7 +99,7 @@ ARCH = Arch("gemma4", ("gemma4_text", "gemma4"), from_gguf, from_hf,
                       "router.per_expert_scale": "expert_scale", "post_feedforward_layernorm_1.weight": "dense_out_norm",
                       "pre_feedforward_layernorm_2.weight": "experts_in_norm",
                       "post_feedforward_layernorm_2.weight": "experts_out_norm"},
-            split_hf=_split_hf,
+            hf_experts="experts.",  # stacked: (E, 2I, H) gate/up and (E, H, I) down
             gguf_global_names={"per_layer_token_embd.weight": "ple_embed", "per_layer_model_proj.weight": "ple_proj",
                                "per_layer_proj_norm.weight": "ple_norm"},
             hf_global_names={"model.embed_tokens_per_layer.weight": "ple_embed",

@@ -59,9 +59,9 @@ def from_hf(hf: dict) -> dict:
     return out
 
 
-# the experts stacked (E, 2I, H) and (E, H, I): as the checkpoints store them, and transformers' in-memory names
-_STACKED = {"block_sparse_moe.input_linear.weight": "gate_up", "block_sparse_moe.output_linear.weight": "down",
-            "block_sparse_moe.experts.gate_up_proj": "gate_up", "block_sparse_moe.experts.down_proj": "down"}
+# the experts stacked (E, 2I, H) and (E, H, I) as the checkpoints store them (transformers' in-memory names:
+# ``hf_experts``)
+_STACKED = {"block_sparse_moe.input_linear.weight": "gate_up", "block_sparse_moe.output_linear.weight": "down"}
 
 
 def _split_hf(rest: str, t):
@@ -83,4 +83,4 @@ ARCH = Arch("granitehybrid", ("granitemoehybrid",), from_gguf, from_hf,
                       "mamba.norm.weight": "ssm_normw", "shared_mlp.input_linear.weight": "shared.gate_up",
                       "shared_mlp.output_linear.weight": "shared.down", "block_sparse_moe.router.weight": "router",
                       "block_sparse_moe.router.layer.weight": "router"},
-            gguf_permuted_qk=True, split_hf=_split_hf)
+            gguf_permuted_qk=True, split_hf=_split_hf, hf_experts="block_sparse_moe.experts.")

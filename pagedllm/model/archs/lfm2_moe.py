@@ -32,4 +32,4 @@ ARCH = Arch("lfm2moe", ("lfm2_moe",), from_gguf, from_hf,
             gguf_names=lfm2.ARCH.gguf_names | {"exp_probs_b.bias": "expert_bias"},
             gguf_global_names=lfm2.ARCH.gguf_global_names,
             hf_names=lfm2.ARCH.hf_names | {"feed_forward.gate.weight": "router", "feed_forward.expert_bias": "expert_bias"},
-            hf_global_names=lfm2.ARCH.hf_global_names)
+            hf_global_names=lfm2.ARCH.hf_global_names, hf_experts="feed_forward.experts.")

@@ -25,4 +25,6 @@ def from_hf(hf: dict) -> dict:
     return out
 
 
-ARCH = Arch("llama", ("llama", "mistral", "mixtral"), from_gguf, from_hf, gguf_permuted_qk=True)
+# Mixtral's router and experts (w1 / w3 / w2) under ``block_sparse_moe``
+ARCH = Arch("llama", ("llama", "mistral", "mixtral"), from_gguf, from_hf, gguf_permuted_qk=True,
+            hf_names={"block_sparse_moe.gate.weight": "router"}, hf_experts="block_sparse_moe.experts.")

@@ -14,4 +14,5 @@ def from_hf(hf: dict) -> dict:
     return sliding_everywhere(hf.get("sliding_window"), hf["num_hidden_layers"])
 
 
-ARCH = Arch("phi3", ("phi3",), from_gguf, from_hf, gguf_names={"ffn_up.weight": "gate_up"})
+ARCH = Arch("phi3", ("phi3",), from_gguf, from_hf, gguf_names={"ffn_up.weight": "gate_up"},
+            hf_names={"self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up"})

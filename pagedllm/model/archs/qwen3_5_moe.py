@@ -4,6 +4,7 @@ shared expert whose output is scaled by sigmoid(x . shared_expert_gate) (``layer
 
 from pagedllm.model.archs import Arch, GGUFMeta, gguf_experts
 from pagedllm.model.archs import qwen3_5 as dense
+from pagedllm.model.archs import qwen3moe
 
 
 def from_gguf(meta: GGUFMeta) -> dict:
@@ -20,5 +21,11 @@ def from_hf(hf: dict) -> dict:
                                 "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 0)}
 
 
+# the router, and the shared expert and its gate
+HF_MOE_NAMES = qwen3moe.HF_MOE_NAMES | {
+    "mlp.shared_expert.gate_proj.weight": "shared.gate", "mlp.shared_expert.up_proj.weight": "shared.up",
+    "mlp.shared_expert.down_proj.weight": "shared.down", "mlp.shared_expert_gate.weight": "shared_gate"}
+
 ARCH = Arch("qwen35moe", ("qwen3_5_moe", "qwen3_5_moe_text"), from_gguf, from_hf, gguf_names=dense.ARCH.gguf_names,
-            hf_names=dense.ARCH.hf_names, hf_norm_plus_one=True, split_hf=dense.split_hf)
+            hf_names=dense.ARCH.hf_names | HF_MOE_NAMES, hf_norm_plus_one=True, split_hf=dense.split_hf,
+            hf_experts=qwen3moe.HF_EXPERTS)

@@ -21,6 +21,6 @@ def from_hf(hf: dict) -> dict:
 
 ARCH = Arch("qwen3next", ("qwen3_next",), from_gguf, from_hf,
             gguf_names=qwen3_5.ARCH.gguf_names | {"ssm_ba.weight": "ba", "ssm_in.weight": "qkvz"},
-            hf_names=qwen3_5.ARCH.hf_names | {"linear_attn.in_proj_qkvz.weight": "qkvz",
-                                              "linear_attn.in_proj_ba.weight": "ba"},
-            hf_norm_plus_one=True, split_hf=qwen3_5.split_hf)
+            hf_names=qwen3_5.ARCH.hf_names | qwen3_5_moe.HF_MOE_NAMES | {"linear_attn.in_proj_qkvz.weight": "qkvz",
+                                                                      "linear_attn.in_proj_ba.weight": "ba"},
+            hf_norm_plus_one=True, split_hf=qwen3_5.split_hf, hf_experts=qwen3_5_moe.ARCH.hf_experts)

@@ -21,4 +21,8 @@ def from_hf(hf: dict) -> dict:
             "attention_bias": bool(hf.get("attention_bias", False))}
 
 
-ARCH = Arch("qwen3moe", ("qwen3_moe",), from_gguf, from_hf)
+# the router and experts of Qwen's mixtures (Qwen3-MoE, Qwen 3.5 MoE, Qwen3-Next)
+HF_MOE_NAMES = {"mlp.gate.weight": "router"}
+HF_EXPERTS = "mlp.experts."
+
+ARCH = Arch("qwen3moe", ("qwen3_moe",), from_gguf, from_hf, hf_names=HF_MOE_NAMES, hf_experts=HF_EXPERTS)
