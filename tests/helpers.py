@@ -215,7 +215,8 @@ def encoder_gguf(path, folder, kind: str, dense: bool = True) -> None:
 
 
 # Every registered architecture: its one ``model/archs/`` module and the model class it is built as (a decoder's
-# layers are ``layers/`` classes: DecoderLayer holding Attention and GatedMLP or MoE)
+# layers are ``layers/`` classes: DecoderLayer holding Attention and GatedMLP or MoE; BERT's PostNormLayer holding
+# Attention and MLP)
 ARCH_MODULES = {"llama": ("llama", "CausalLM"), "qwen2": ("qwen2", "CausalLM"), "qwen3": ("qwen3", "CausalLM"),
                 "qwen3moe": ("qwen3moe", "CausalLM"), "qwen35": ("qwen3_5", "CausalLM"),
                 "qwen35moe": ("qwen3_5_moe", "CausalLM"),

@@ -219,7 +219,8 @@ class Attention:
     paged KV cache (causal, within the layer's window, scores soft-capped where the model does) or, in an encoder,
     over each whole text (``causal`` False: nothing cached), and the output projection. ``num_heads`` /
     ``num_kv_heads``: this rank's heads (all of them without tensor parallelism); the output projection's partial
-    sums are reduced by the caller."""
+    sums are reduced by the caller. ``rotary`` None (an encoder only): no rotary, the positions being in the
+    embeddings (BERT)."""
 
     # how its weights split over tensor-parallel ranks (``distributed.sharding``): q/k/v rows (and biases) by head
     # (column-parallel), o's columns by query head (row-parallel: partial sums, reduced after it; its bias added by
@@ -303,8 +304,9 @@ class Attention:
         if self.v_norm is not None and own:
             ops.qk_norm(qkv[:, (nq + nkv) * d:], self.v_norm, self.v_norm, nkv, 0, self.eps)
         k_cache, v_cache = kv
-        ops.rope_write_kv(qkv, positions, rot[0], rot[1], meta.slot_mapping if self.causal else None, k_cache, v_cache,
-                          nq, own)
+        if self.rotary is not None:  # (none: an encoder with absolute positions in its embeddings, BERT)
+            ops.rope_write_kv(qkv, positions, rot[0], rot[1], meta.slot_mapping if self.causal else None, k_cache,
+                              v_cache, nq, own)
         q = qkv[:, : self.q_size].view(t, nq, d)  # rotated in place
         if self.temperature is not None:
             q.mul_(self.temperature(positions).to(q.dtype).view(t, 1, 1))

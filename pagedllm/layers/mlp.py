@@ -1,5 +1,5 @@
 """The feed-forward layers: a gated MLP (SwiGLU / GeGLU: down(act(gate) * up), gate and up one fused projection;
-gpt-oss's clamped SwiGLU with biases) and a mixture of experts of them behind a softmax router."""
+gpt-oss's clamped SwiGLU with biases), a mixture of experts of them behind a router, and BERT's ungated MLP."""
 
 from __future__ import annotations
 
@@ -45,6 +45,28 @@ class GatedMLP:
         if not rows or x.shape[0] <= rows or 0 < getattr(gate_up, "bf16_min_tokens", 0) <= rows:
             return down(act_and_mul(gate_up(x)))
         return torch.cat([down(act_and_mul(gate_up(x[i:i + rows]))) for i in range(0, x.shape[0], rows)])
+
+    __call__ = forward
+
+
+class MLP:
+    """down(act(up(x))) with biases (BERT's feed-forward block)."""
+
+    def __init__(self, up, down, act: str) -> None:
+        self.up, self.down, self.act = up, down, act
+
+    @classmethod
+    def load(cls, src: WeightSource, prefix: str, act: str) -> "MLP":
+        """``{prefix}up`` / ``{prefix}down`` and their biases ``up_bias`` / ``down_bias``."""
+        return cls(*(src.linear(prefix + n, [prefix + n], "mlp", src.pop(prefix + n + "_bias"), dense=False)
+                     for n in ("up", "down")), act)
+
+    def linear_slots(self, prefix: str):
+        yield prefix + "up", self, "up"
+        yield prefix + "down", self, "down"
+
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down(ops.act(self.act)(self.up(x)))
 
     __call__ = forward
 

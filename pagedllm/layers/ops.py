@@ -94,6 +94,14 @@ class TorchOps:
         """gate_up (T, 2I) -> act(gate) * up (T, I)."""
         return _ACT_AND_MUL[act]
 
+    def act(self, act: str):
+        """An ungated MLP's activation (BERT's GELU)."""
+        return ACTIVATIONS[act]
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """LayerNorm over the last dimension, with its bias (BERT's post-norm layers)."""
+        return F.layer_norm(x, weight.shape, weight, bias, eps)
+
 
 class FusedOps(TorchOps):
     """The fused CPU kernels (float32 / bfloat16 on CPU). The operations whose signature is the kernel's are the

@@ -115,7 +115,10 @@ def test_gguf_files_as_llama_cpp_writes_them(model, tmp_path):
     assert arch == {"bert": "bert", "gemma": "gemma-embedding"}[kind]
     built = llm.engine.core.runner.model
     assert type(built).__name__ == ARCH_MODULES[arch][1]
-    assert kind == "bert" or {la.attn.causal for la in built.layers} == {False}  # the decoder's layers, both ways
+    # the layers are ``layers/`` classes: BERT's post-norm layer, or the decoder's layers, both ways
+    assert {(type(la).__name__, type(la.attn).__name__, type(la.mlp).__name__, la.attn.causal)
+            for la in built.layers} == {("PostNormLayer", "Attention", "MLP", False) if kind == "bert" else
+                                        ("DecoderLayer", "Attention", "GatedMLP", False)}
     assert [llm.engine.encode_text(t) for t in TEXTS] == [st.tokenizer(t)["input_ids"] for t in TEXTS]
     got = np.array([o.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
     if kind == "bert":  # its Dense layer (bias, tanh) is a sentence-transformers module llama.cpp does not write
