@@ -8,59 +8,48 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from pagedllm.gguf_file import BLOCK_TYPES, GGUFFile
-from pagedllm.model.arch import KVGroups, ModelArchConfig, config_from_gguf, config_from_hf, kv_groups
+from pagedllm.model.arch import KVGroups, ModelArchConfig, config_from_gguf, config_from_hf
 from pagedllm.model.archs import GGUFMeta
 from pagedllm.sim.hardware import COMPUTE_DTYPES
 
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """The shapes that set a decoder-only transformer's FLOPs, weight bytes and KV bytes (Llama / Qwen2 style:
-    grouped-query attention, gated MLP)."""
+    """A model the simulator runs: the engine's own reading of its shapes (``ModelArchConfig``, from the same
+    parser the loader uses; its layer windows and KV layout included), a name, and the tensor formats of the GGUF
+    file it was read from. The cost model knows decoder-only transformers with one head shape, grouped-query
+    attention and a gated MLP (Llama / Qwen2 style), with sliding-window layers; ``_from_arch`` refuses the rest."""
 
     name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    head_dim: int = 0  # 0: hidden_size // num_heads
-    max_position: int = 8192
-    attention_bias: bool = False
+    arch: ModelArchConfig
     gguf_scheme: "QuantScheme | None" = None  # the tensor formats of the GGUF file this profile was read from
-    # per layer, the keys it attends to (0: all of the context; a sliding window in tokens), as the model's own
-    # ``ModelArchConfig.window`` gives it; empty: every layer full
-    layer_windows: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:
-        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
-                  "max_position"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"model {self.name}: {f} must be a positive integer, got {getattr(self, f)!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
-        if self.head_dim == 0:
-            if self.hidden_size % self.num_heads:
-                raise ValueError(f"model {self.name}: hidden_size not divisible by num_heads; give head_dim")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.head_dim < 1:
-            raise ValueError(f"model {self.name}: head_dim must be >= 1")
-        if self.layer_windows and len(self.layer_windows) != self.num_layers:
-            raise ValueError(f"model {self.name}: {len(self.layer_windows)} layer windows for {self.num_layers} layers")
+    num_layers = property(lambda self: self.arch.num_layers)
+    hidden_size = property(lambda self: self.arch.hidden_size)
+    num_heads = property(lambda self: self.arch.num_heads)
+    num_kv_heads = property(lambda self: self.arch.num_kv_heads)
+    head_dim = property(lambda self: self.arch.head_dim)
+    intermediate_size = property(lambda self: self.arch.intermediate_size)
+    vocab_size = property(lambda self: self.arch.vocab_size)
+    tie_word_embeddings = property(lambda self: self.arch.tie_word_embeddings)
+    max_position = property(lambda self: self.arch.max_position)
+    attention_bias = property(lambda self: self.arch.attention_bias)
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer, the keys it attends to (0: all of the context; a sliding window in tokens)."""
+        return tuple(self.arch.window(i) for i in range(self.num_layers))
 
     @property
     def kv_layout(self) -> KVGroups:
-        """How the layers share the paged KV cache: the engine's own grouping (``model.arch.kv_groups``), sliding
-        groups freeing the blocks that fell out of their window."""
-        return kv_groups(list(self.layer_windows) or [0] * self.num_layers)
+        """How the layers share the paged KV cache: the engine's own grouping (``ModelArchConfig.kv_groups``),
+        sliding groups freeing the blocks that fell out of their window."""
+        return self.arch.kv_groups()
 
     def kv_token_layers(self, seq_len: int) -> int:
         """Layer-tokens of K/V a sequence of ``seq_len`` tokens keeps: all of them in a full layer, at most its
         window in a sliding one."""
-        return sum(min(seq_len, w) if w else seq_len for w in (self.layer_windows or [0] * self.num_layers))
+        return sum(min(seq_len, w) if w else seq_len for w in self.layer_windows)
 
     @property
     def q_dim(self) -> int:
@@ -196,20 +185,23 @@ def get_scheme(name: str, model: ModelProfile | None = None) -> QuantScheme:
 
 
 # ------------------------------------------------------------------ presets (published configs)
+def _preset(name: str, arch: str, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
+            vocab: int, tied: bool, max_position: int, bias: bool = False,
+            scheme: "QuantScheme | None" = None) -> ModelProfile:
+    return ModelProfile(name, ModelArchConfig(
+        arch=arch, vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=hidden // heads, intermediate_size=intermediate, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position=max_position, tie_word_embeddings=tied, attention_bias=bias, bos_token_id=None,
+        eos_token_id=None), scheme)
+
+
 _PRESETS = (
-    ModelProfile("llama-3-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
-                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, max_position=8192),
-    ModelProfile("llama-3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
-                 intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False, max_position=8192),
-    ModelProfile("qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4,
-                 intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, max_position=32768,
-                 attention_bias=True),
-    ModelProfile("qwen2.5-72b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
-                 intermediate_size=29568, vocab_size=152064, tie_word_embeddings=False, max_position=32768,
-                 attention_bias=True),
-    ModelProfile("smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3,
-                 intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position=8192,
-                 gguf_scheme=SCHEMES["q4_1"]),  # the embedded default model: SmolLM2-135M-Instruct.Q4_1.gguf
+    _preset("llama-3-8b", "llama", 32, 4096, 32, 8, 14336, 128256, False, 8192),
+    _preset("llama-3-70b", "llama", 80, 8192, 64, 8, 28672, 128256, False, 8192),
+    _preset("qwen2.5-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, False, 32768, bias=True),
+    _preset("qwen2.5-72b", "qwen2", 80, 8192, 64, 8, 29568, 152064, False, 32768, bias=True),
+    # the embedded default model: SmolLM2-135M-Instruct.Q4_1.gguf
+    _preset("smollm2-135m", "llama", 30, 576, 9, 3, 1536, 49152, True, 8192, scheme=SCHEMES["q4_1"]),
 )
 PRESETS = MappingProxyType({p.name: p for p in _PRESETS})
 
@@ -225,13 +217,7 @@ def _from_arch(cfg: ModelArchConfig, name: str, path: str, scheme: "QuantScheme 
     if cfg.global_head_dim or cfg.global_num_kv_heads or cfg.kv_shared_layers or cfg.per_layer_input_size:
         raise ValueError(f"{path}: per-layer head shapes, shared K/V and per-layer inputs (Gemma 4) are not simulated "
                          "yet (the cost model assumes one head shape and K/V in every attention layer)")
-    return ModelProfile(
-        name=name, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-        tie_word_embeddings=cfg.tie_word_embeddings, head_dim=cfg.head_dim, max_position=cfg.max_position,
-        attention_bias=cfg.attention_bias, gguf_scheme=scheme,
-        layer_windows=tuple(cfg.window(i) for i in range(cfg.num_layers)) if cfg.layer_types else (),
-    )
+    return ModelProfile(name, cfg, scheme)
 
 
 def from_hf_config(path: str) -> ModelProfile:

@@ -391,7 +391,8 @@ def test_sliding_window_models_keep_the_engines_kv_layout(tmp_path):
     ref = config_from_hf(cfg)
     assert m.layer_windows == tuple(ref.window(i) for i in range(26)) and m.kv_layout == ref.kv_groups()
     assert m.layer_windows.count(512) == 22 and m.kv_layout.hybrid
-    glob = replace(m, layer_windows=())  # the same shapes, every layer global (what the simulator assumed before)
+    # the same shapes, every layer global (what the simulator assumed before)
+    glob = replace(m, arch=replace(m.arch, layer_types=(), sliding_window=None))
     assert kv_bytes_per_sequence(m, 256) == kv_bytes_per_sequence(glob, 256) == 256 * kv_bytes_per_token(m)
     assert kv_bytes_per_sequence(m, 8192) == 2 * 256 * 2 * (4 * 8192 + 22 * 512)  # bf16, 1 KV head of 256
     assert "Sliding-window layers keep at most their window" in kv_report(m, seq_len=8192).markdown()
