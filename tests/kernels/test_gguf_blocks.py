@@ -648,3 +648,98 @@ def test_bf16_large_steps_through_the_engine(tiny_gguf, monkeypatch):
     assert len(k_only) < len(weights) and runtime_plan.k_quant_layers(k_only, ops, cpu)
     assert not runtime_plan.k_quant_layers(k_only, None, cpu)  # no block kernels: nothing runs on blocks
     assert LLM(model=tiny_gguf, enable_prefix_caching=False).engine.runtime["large_step_weights"] == "blocks"
+
+
+def _i8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``qlinear_i8``'s arithmetic in torch: x's rows and w's rows quantized per block of KB inputs (128, else 64; int8, scale amax / 127, rounded to nearest even), the blocks' exact integer sums, then per block in
+    order acc = fma(sum, w_scale * x_scale, acc)."""
+    n, k = w.shape
+    kb = 128 if k % 128 == 0 else 64
+
+    def quant(a: torch.Tensor):
+        a = a.float().view(a.shape[0], k // kb, kb)
+        amax = a.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+        return torch.round(a * inv), (amax / 127).squeeze(-1)
+
+    qx, sx = quant(x)
+    qw, sw = quant(w)
+    sums = torch.einsum("mbk,nbk->mnb", qx.double(), qw.double()).float()  # exact in float32 (|sum| < 2^24)
+    acc = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    for b in range(k // kb):  # a float32 fma per block: the product rounded once, the sum once
+        prod = (sw[None, :, b] * sx[:, None, b]).double()
+        acc = (acc + sums[..., b].double() * prod).float().double()
+    return acc.float()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (5, 64, 576), (17, 100, 896), (33, 96, 1536), (300, 70, 640)])
+def test_int8_weight_tiles_match_their_reference(m, n, k):
+    """``qweight_i8`` + ``qlinear_i8`` (the int8 tiles of ``--large-step-weights int8``): per-block int8 weights and
+    activations (a scale per 128 / 64 inputs), exact integer sums, one float step per block: equal to the
+    torch reference (float32 up to the float sum's last bits; bfloat16 activations and outputs within their
+    rounding), and the AMX tiles bitwise equal to the portable loops; rows past N padded with zero weights."""
+    from pagedllm.kernels import cpu_ops
+
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        w = torch.randn(n, k, generator=g).to(dtype)
+        tiles, scales = ops.qweight_i8(w)
+        assert tiles.shape == ((n + 31) // 32, k // 64, 2, 16, 64) and scales.shape[0] == (n + 31) // 32 * 32
+        # the layout: (32-row chunk, 64 inputs, weight tile, p, 16 outputs x 4 inputs): row 32c + 16t + o, input
+        # 64j + 4p + i; rows past N zero
+        codes = tiles.view(-1, k // 64, 2, 16, 16, 4).permute(0, 2, 4, 1, 3, 5).reshape(-1, k)
+        kb = 128 if k % 128 == 0 else 64
+        wb = w.float().view(n, k // kb, kb)
+        amax = wb.abs().amax(-1, keepdim=True)
+        want = torch.round(wb * (torch.full_like(amax, 127) / amax)).view(n, k)  # (127 / t is 127 * t.reciprocal())
+        assert torch.equal(codes[:n].float(), want) and not codes[n:].any() and not scales[n:].any()
+        y = ops.qlinear_i8(x, tiles, scales, n)
+        assert y.dtype == dtype and y.shape == (m, n)
+        ref = _i8_reference(x, w)
+        tol = 1e-6 if dtype == torch.float32 else 8e-3
+        assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
+        ops.set_qlinear_amx(False)  # the portable loops (what a CPU without AMX runs)
+        try:
+            assert not ops.i8_tiles() and torch.equal(ops.qlinear_i8(x, tiles, scales, n), y)
+        finally:
+            ops.set_qlinear_amx(True)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.qweight_i8(torch.randn(8, 96))
+    with pytest.raises(RuntimeError, match="do not match"):
+        ops.qlinear_i8(torch.randn(2, 128), *ops.qweight_i8(torch.randn(8, 64)), 8)
+
+
+def test_int8_large_steps_through_the_engine(tiny_gguf, monkeypatch):
+    """``--large-step-weights int8``: every layer linear keeps int8 tiles (the LM head its blocks), steps of
+    ``I8_MIN_ROWS``+ rows run them and smaller ones the blocks, /health's runtime says so, and a 100-token prompt's
+    greedy tokens follow the float32 path's (logprobs within 0.05)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.kernels import cpu_ops
+    from pagedllm.worker import plan as runtime_plan
+    from pagedllm.worker.autotune import WeightPlan
+
+    monkeypatch.setattr(runtime_plan, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    prompt = {"prompt_token_ids": [(i * 37) % 5000 + 10 for i in range(100)]}
+    ref = LLM(model=tiny_gguf, dtype="float32", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)
+    llm = LLM(model=tiny_gguf, enable_prefix_caching=False, kv_cache_dtype="float32", large_step_weights="int8")
+    assert llm.engine.runtime["large_step_weights"] == "int8"
+    lins = model_of(llm).linears()
+    assert lins["lm_head"].i8 is None
+    layers = [lin for n, lin in lins.items() if n.startswith("layers.")]
+    assert all(lin.i8 is not None and lin.i8_min_rows == runtime_plan.I8_MIN_ROWS for lin in layers)
+    calls = []  # rows of each int8-tile call, and of each block-kernel call
+    ops = cpu_ops()
+    for name in ("qlinear_i8", "qlinear", "qlinear_k"):
+        monkeypatch.setattr(ops, name, lambda x, *a, _f=getattr(ops, name), _n=name: calls.append((_n, len(x)))
+                            or _f(x, *a))
+    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert {n for n, m in calls if m == 100} == {"qlinear_i8"} and calls.count(("qlinear_i8", 100)) == len(layers)
+    assert {n for n, m in calls if m == 1} <= {"qlinear", "qlinear_k"}  # one-row decode steps: the blocks
+    r = ref[0].outputs[0]
+    for i, (a, b) in enumerate(zip(got.token_ids, r.token_ids)):
+        assert abs(got.logprobs[i].logprob - r.logprobs[i].logprob) < 0.05
+        if a != b:
+            break
