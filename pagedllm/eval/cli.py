@@ -27,8 +27,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the candidate's --activation-bits (packed GGUF blocks on CPU: 8-bit or ~15-bit activations)")
     p.add_argument("--candidate-large-step-weights", default="blocks",
                    choices=[c for c in LARGE_STEP_WEIGHTS_CHOICES if c != "auto"],
-                   help="the candidate's --large-step-weights (packed GGUF blocks on CPU: large steps on the block "
-                        "kernels, on bfloat16 weight stripes or on int8 weight tiles)")
+                   help="the candidate's --large-step-weights (packed GGUF blocks on CPU: steps of 256+ rows on the "
+                        "block kernels or on bfloat16 weight stripes)")
     p.add_argument("--max-ppl-increase", type=float, default=0.05, help="relative perplexity increase allowed")
     p.add_argument("--max-accuracy-drop", type=float, default=0.01, help="absolute accuracy drop allowed")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out text tokens for perplexity/KL")
@@ -99,12 +99,12 @@ def main(args) -> int:
     print("PASS" if not fails else "FAIL: " + "; ".join(fails))
     cand_path = os.path.abspath(resolve_model_path(args.candidate))
     large = args.candidate_large_step_weights
-    if ((args.candidate_activation_bits == 8 or large in ("bf16", "int8")) and args.candidate_dtype == "auto"
+    if ((args.candidate_activation_bits == 8 or large == "bf16") and args.candidate_dtype == "auto"
             and args.candidate_quantization is None and cand_path.endswith(".gguf") and os.path.isfile(cand_path)
             and args.baseline_quantization is None and cand_path == os.path.abspath(resolve_model_path(args.baseline))):
         # the file against its own float32 numbers: what --activation-bits / --large-step-weights auto read, when the
-        # candidate ran its blocks at these bits in every step (no dense copy took the prefill chunks; bf16 / int8
-        # large steps: those on bfloat16 stripes / int8 tiles) under the standard gate
+        # candidate ran its blocks at these bits in every step (no dense copy took the prefill chunks; bf16 large
+        # steps: those on bfloat16 stripes) under the standard gate
         plan = rt.get("weight_plan") or {}
         bits = args.candidate_activation_bits
         ran = (rt.get("activation_bits") == bits and not plan.get("layer_dense_min_tokens")
@@ -112,7 +112,7 @@ def main(args) -> int:
         standard = (args.eval_tokens >= 4096 and args.items is None and args.max_ppl_increase <= 0.05
                     and args.max_accuracy_drop <= 0.01 and args.text is None and args.chunk_len == 256
                     and not args.as_llama_perplexity)
-        what = f"{bits}-bit activations" + {"bf16": ", bf16 large steps", "int8": ", int8 weight tiles"}.get(large, "")
+        what = f"{bits}-bit activations" + (", bf16 large steps" if large == "bf16" else "")
         if not ran:
             print(f"not recorded for auto: the candidate's steps did not all run the block kernels at {what}")
         else:

@@ -95,6 +95,6 @@ class WeightSource:
             if layer:  # (a step's head computes a few rows: it keeps its blocks)
                 lin.bf16_min_tokens = b.large_step_min_tokens
                 lin.bf16_tile_min_rows = b.mid_step_min_rows.get(lin.bits, 0)
-                if b.int8_min_rows and dense:  # (not an expert's: it sees ~k/E of a step's rows)
+                if b.int8_min_rows:
                     lin.keep_int8(b.int8_min_rows)
         return lin

@@ -31,10 +31,6 @@ STRIPE_ROWS = 512  # weight rows decoded to bfloat16 at a time by BlockQuantLine
 assert STRIPE_ROWS % 16 == 0  # whole groups of 8 rows, also for the gate and the up half of a gated stripe
 
 
-# qlinear_i8: a step's row whose largest value exceeds this many times its RMS (outliers, e.g. a text's first
-# tokens) also takes the fine level (~15 bits) beside its 8-bit codes (a scale per 128 inputs)
-I8_FINE_PEAK = float(__import__("os").environ.get("PAGEDLLM_I8_FINE", "12"))
-
 class _Packed:
     bias: torch.Tensor | None
     out_dtype: torch.dtype
@@ -295,7 +291,7 @@ class BlockQuantLinear(_Packed):
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if self.i8 is not None and x.shape[0] >= self.i8_min_rows:
-            return self.ops.qlinear_i8(x.contiguous(), *self.i8, self.out_features, I8_FINE_PEAK)
+            return self.ops.qlinear_i8(x.contiguous(), *self.i8, self.out_features)
         if self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens:
             return self._stripes(x)
         levels = self.act_levels

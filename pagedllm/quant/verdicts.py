@@ -205,6 +205,3 @@ def default_for_blocks(k_quants: bool) -> tuple[bool, str]:
 
 
 BF16_DEFAULT = (True, "bf16 large steps measured no less accurate than llama.cpp on every file")
-INT8_DEFAULT = (False, "int8 weight tiles (8-bit activations per 128 inputs) measured less accurate than llama.cpp on "
-                "one of the four files (Qwen2.5-Coder 0.5B, whose Q5_0 layers llama.cpp runs on 8-bit rows per 32 "
-                "inputs): only a file whose verdict passes takes them")

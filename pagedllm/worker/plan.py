@@ -8,8 +8,6 @@ are built from it (``layers.weights.LinearBuild``); nothing is set on a model af
 from __future__ import annotations
 
 import logging
-import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +20,7 @@ from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.loader import load_model_files
 from pagedllm.model.weights import CHECKPOINT_BLOCKS, load_weights
 from pagedllm.quant.gguf_blocks import k_scaled
-from pagedllm.quant.verdicts import BF16_DEFAULT, INT8_DEFAULT, decide, default_for_blocks, start_sha256
+from pagedllm.quant.verdicts import BF16_DEFAULT, decide, default_for_blocks, start_sha256
 from pagedllm.worker.autotune import WeightPlan, blocks_for_autotune, choose_plan, dense_copy_bytes, fit_to_steps
 
 logger = logging.getLogger(__name__)
@@ -38,11 +36,8 @@ BF16_STEP_MIN_TOKENS = 256
 # keeps the activations in cache, wins (the 1.5B's layers, Sapphire Rapids: docs/benchmarks.md)
 BF16_TILE_MIN_ROWS = {4: 64, 8: 32}
 BF16_TILES_STEP_MIN_TOKENS = 1024
-# rows from which a step runs the layers on their int8 weight tiles (--large-step-weights int8, qlinear_i8): from a
-# full AMX tile; at 8 rows they tie the blocks (the 1.5B's layers, Sapphire Rapids: docs/benchmarks.md)
-I8_MIN_ROWS = 16
-# auto keeps int8 copies only where they take at most this share of the machine's memory
-I8_MAX_MEMORY_SHARE = 0.25
+# rows from which a step runs the layers on their int8 weight tiles (--large-step-weights int8, qlinear_i8)
+I8_MIN_ROWS = 4
 
 
 def choose_device(requested: str) -> torch.device:
@@ -69,29 +64,15 @@ def activation_bits(requested: str, model_path: str, k_quants: bool) -> tuple[in
     return (8 if v.passed else 16), v.why
 
 
-def large_step_weights(requested: str, model_path: str, bits: int, int8_tiles: bool = False,
-                       int8_bytes: int = 0) -> tuple[str, str]:
-    """``blocks``, ``bf16`` or ``int8`` for the large steps, and why: as asked, or (auto) int8 where the kernels run
-    AMX int8 tiles (``int8_tiles``) on a CPU that says it has them, the copies (``int8_bytes``) fit the memory share
-    and the file's quality verdict on int8 large steps with ``bits``-bit activations lets it; else bf16 on a CPU
-    with AMX-BF16 where its verdict on bf16 large steps lets it (``quant.verdicts``); else blocks."""
+def large_step_weights(requested: str, model_path: str, bits: int) -> tuple[str, str]:
+    """``blocks`` or ``bf16`` for the large steps, and why: as asked, or (auto) bf16 on a CPU with AMX-BF16 where
+    the file's quality verdict on bf16 large steps with ``bits``-bit activations lets it (``quant.verdicts``)."""
     if requested != "auto":
         return requested, "as asked"
-    flags, note = cpu_info()[1], ""
-    if int8_tiles and "amx_int8" in flags:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if int8_bytes > I8_MAX_MEMORY_SHARE * memory:
-            note = (f"int8 copies of the layers would take {int8_bytes / 2**30:.1f} GiB of this machine's "
-                    f"{memory / 2**30:.1f}; ")
-        else:
-            v = decide(model_path, bits, "int8", f"int8 weight tiles with {bits}-bit activations", INT8_DEFAULT)
-            if v.passed:
-                return "int8", v.why
-            note = v.why + "; "
-    if "amx_bf16" not in flags:
-        return "blocks", note + "no AMX-BF16 on this CPU"
+    if "amx_bf16" not in cpu_info()[1]:
+        return "blocks", "no AMX-BF16 on this CPU"
     v = decide(model_path, bits, "bf16", f"bf16 large steps with {bits}-bit activations", BF16_DEFAULT)
-    return ("bf16" if v.passed else "blocks"), note + v.why
+    return ("bf16" if v.passed else "blocks"), v.why
 
 
 def encoder_linear_dtype(flags: frozenset[str]) -> tuple[torch.dtype | None, str]:
@@ -120,13 +101,6 @@ def block_weights(weights: dict, block_ops, device: torch.device, layers_only: b
     peek = getattr(weights, "peek", weights.get)  # a LazyWeights' value without decoding it
     names = [n for n in weights if not n.endswith(".router") and (n.startswith("layers.") or not layers_only)]
     return [w for n in names if runs_on_blocks(w := peek(n), block_ops, device)]
-
-
-def int8_copy_bytes(weights: dict, block_ops, device: torch.device) -> int:
-    """Bytes the int8 weight tiles of the layers' block linears would take (a byte a weight; experts keep none)."""
-    peek = getattr(weights, "peek", weights.get)
-    return sum(math.prod(w.shape) for n in weights if n.startswith("layers.") and ".experts." not in n
-               and not n.endswith(".router") and runs_on_blocks(w := peek(n), block_ops, device))
 
 
 def k_quant_layers(weights: dict, block_ops, device: torch.device) -> bool:
@@ -175,9 +149,7 @@ def load_and_plan(config: EngineConfig, path: str, device: torch.device, ops) ->
         return arch, weights, plan
     bits, reasons["activation_bits"] = activation_bits(c.activation_bits, path,
                                                        k_quant_layers(weights, build.block_ops, device))
-    int8_tiles = build.block_ops is not None and build.block_ops.i8_tiles()
-    large, reasons["large_step_weights"] = large_step_weights(c.large_step_weights, path, bits, int8_tiles,
-                                                              int8_copy_bytes(weights, build.block_ops, device))
+    large, reasons["large_step_weights"] = large_step_weights(c.large_step_weights, path, bits)
     tiles = large == "bf16" and build.block_ops is not None and build.block_ops.bf16_tiles()
     build.act_bits, build.mid_step_min_rows = bits, BF16_TILE_MIN_ROWS if tiles else {}
     build.large_step_min_tokens = (0 if large != "bf16" else BF16_TILES_STEP_MIN_TOKENS if tiles

@@ -6,7 +6,6 @@ file with one tensor of each type runs through the whole engine, and the start-u
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import gguf
 import numpy as np
@@ -744,33 +743,3 @@ def test_int8_large_steps_through_the_engine(tiny_gguf, monkeypatch):
         assert abs(got.logprobs[i].logprob - r.logprobs[i].logprob) < 0.05
         if a != b:
             break
-
-
-def test_int8_large_steps_auto(tiny_gguf, monkeypatch):
-    """``--large-step-weights auto`` takes the int8 tiles only where the kernels run them on AMX int8, the CPU says
-    it has AMX-INT8, the copies fit a quarter of the memory and the file's verdict on them passes (the user's
-    standard one, else the shipped table; a file without one keeps the default, which does not take them); else
-    it decides on bf16 as before, saying why int8 was passed over."""
-    from pagedllm.quant import verdicts
-    from pagedllm.worker import plan as runtime_plan
-
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tiny_gguf) + ".int8-cache")
-    monkeypatch.setattr(runtime_plan, "cpu_info", lambda: ("cpu", {"amx_bf16", "amx_int8"}))
-    choice = lambda tiles=True, nbytes=1 << 20: runtime_plan.large_step_weights(  # noqa: E731
-        "auto", tiny_gguf, 8, tiles, nbytes)
-    assert not verdicts.INT8_DEFAULT[0]
-    large, why = choice()
-    assert large == "bf16" and why.startswith("no verdict for this file: " + verdicts.INT8_DEFAULT[1])
-    verdicts.record(tiny_gguf, 8, "int8", True, "the standard gate", standard=True)
-    assert choice() == ("int8", "pagedllm eval passed int8 weight tiles with 8-bit activations on this file ("
-                        + verdicts.recorded(tiny_gguf, 8, "int8")["date"] + ": the standard gate)")
-    assert choice(tiles=False)[0] == "bf16"  # kernels without AMX int8 tiles
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    large, why = choice(nbytes=memory // 2)
-    assert large == "bf16" and "int8 copies of the layers would take" in why
-    monkeypatch.setattr(runtime_plan, "cpu_info", lambda: ("cpu", {"amx_bf16"}))
-    assert choice()[0] == "bf16"
-    verdicts.record(tiny_gguf, 8, "int8", False, "the standard gate", standard=True)
-    monkeypatch.setattr(runtime_plan, "cpu_info", lambda: ("cpu", {"amx_bf16", "amx_int8"}))
-    assert choice()[0] == "bf16"
-    assert runtime_plan.large_step_weights("int8", tiny_gguf, 8) == ("int8", "as asked")

@@ -74,9 +74,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "K/64, 2, 16, 64) int8, scales (ceil(N/32) * 32, K/KB) float32], KB 128 (64 where K is not a multiple)",
         py::arg("w"), nogil);
   m.def("qlinear_i8", &qlinear_i8, "x W^T with W from qweight_i8 and x quantized per row and block of KB inputs "
-        "(int8 and a float scale; a row whose largest value exceeds fine_peak times its RMS also takes a second, "
-        "fine level: ~15 bits): AMX int8 tiles where i8_tiles(), else portable loops with the same results",
-        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("N"), py::arg("fine_peak"), nogil);
+        "(int8, a float scale each): AMX int8 tiles where i8_tiles(), else portable loops with the same results",
+        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("N"), nogil);
   m.def("i8_tiles", &i8_tiles_enabled, "whether qlinear_i8 runs on AMX int8 tiles (built, granted, not turned off)");
   m.def("qweight_k_bf16", &qweight_k_bf16, "qlinear_k's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
         "(rows, K)", py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"), py::arg("bits"),

@@ -40,18 +40,13 @@ inline __m512 i8_load16(const at::BFloat16* p) {  // bfloat16 -> float32: the 16
 #endif
 
 
-// One row of K values quantized per block of KB to int8 codes q (K) and scales s (K/KB): t = v * 127 / amax, q =
-// round(t) to nearest even (the vector path's conversion), |q| <= 127, s = amax / 127. With q2 (the activations of a
-// step) also the fine level q2 = round(254 (t - q)) with s2 = amax / (127 * 254), so v ~ (254 q + q2) * s2, and the
-// return value: the row's peak, squared, over its mean square (a row of outliers: large).
+// One row of K values quantized per block of KB: q (K int8), s (K/KB scales): s = amax / 127, q = round(v * 127 / amax)
+// to nearest even (the vector path's conversion), so |q| <= 127.
 template <typename T>
-float i8_quantize_row(const T* x, int64_t K, int64_t KB, int8_t* q, int8_t* q2, float* s, float* s2) {
+void i8_quantize_row(const T* x, int64_t K, int64_t KB, int8_t* q, float* s) {
   alignas(64) float v[128];  // KB <= 128
-  double norm = 0.0;
-  float peak = 0.f;
   for (int64_t b = 0; b < K / KB; ++b) {
     const T* xb = x + b * KB;
-    float n = 0.f;
 #if defined(__AVX512F__)
     __m512 mx = _mm512_setzero_ps();
     for (int64_t i = 0; i < KB; i += 16) {
@@ -70,37 +65,14 @@ float i8_quantize_row(const T* x, int64_t K, int64_t KB, int8_t* q, int8_t* q2, 
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     s[b] = amax / 127.f;
 #if defined(__AVX512F__)
-    const __m512 iv = _mm512_set1_ps(inv), f254 = _mm512_set1_ps(254.f);
-    __m512 nv = _mm512_setzero_ps();
-    for (int64_t i = 0; i < KB; i += 16) {
-      const __m512 f = _mm512_load_ps(v + i), t = _mm512_mul_ps(f, iv);
-      const __m512 h = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * KB + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
-      if (q2 != nullptr) {
-        const __m512 r = _mm512_sub_ps(t, h);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + b * KB + i),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(r, f254))));
-        nv = _mm512_fmadd_ps(f, f, nv);
-      }
-    }
-    n = _mm512_reduce_add_ps(nv);
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < KB; i += 16)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * KB + i),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(v + i), iv))));
 #else
-    for (int64_t i = 0; i < KB; ++i) {
-      const float t = v[i] * inv, h = std::nearbyint(t);
-      q[b * KB + i] = static_cast<int8_t>(h);
-      if (q2 != nullptr) {
-        q2[b * KB + i] = static_cast<int8_t>(std::nearbyint((t - h) * 254.f));
-        n = std::fma(v[i], v[i], n);
-      }
-    }
+    for (int64_t i = 0; i < KB; ++i) q[b * KB + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
 #endif
-    if (q2 != nullptr) {
-      s2[b] = amax / (127.f * 254.f);
-      norm += n;
-      peak = std::max(peak, amax);
-    }
   }
-  return norm > 0.0 ? static_cast<float>(static_cast<double>(peak) * peak * K / norm) : 0.f;
 }
 
 // one float step: acc += float(sum) * (ws * xs), the product fused (the vector path's fmadd)
@@ -111,18 +83,10 @@ void i8_store(const float* acc, T* y, int64_t n) {
   store_row(acc, y, n);
 }
 
-// A step's quantized activations: the coarse level q with scales s (a row's only level where fine[row] is 0), the
-// fine level q2 with scales s2 (rows with fine[row] 1 take 254 q + q2 at s2)
-struct I8Rows {
-  const int8_t *q, *q2;
-  const float *s, *s2;
-  const uint8_t* fine;
-};
-
 // Portable: for every row and output, the blocks' int32 sums and their float steps in block order.
 template <typename T>
-void i8_portable(const I8Rows& xa, int64_t M, int64_t K, int64_t KB, const int8_t* w, const float* ws, int64_t N,
-                 T* y) {
+void i8_portable(const int8_t* q, const float* s, int64_t M, int64_t K, int64_t KB, const int8_t* w, const float* ws,
+                 int64_t N, T* y) {
   const int64_t nb = K / KB, kt = K / 64;
   at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
     std::vector<float> acc(M);
@@ -131,15 +95,12 @@ void i8_portable(const I8Rows& xa, int64_t M, int64_t K, int64_t KB, const int8_
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t r = 0; r < M; ++r) {
-          int32_t hi = 0, lo = 0;
+          int32_t sum = 0;
           for (int64_t k = b * KB; k < (b + 1) * KB; ++k) {
             const int64_t tile = (ch * kt + k / 64) * 2 + t;
-            const int32_t wk = w[tile * 1024 + ((k % 64) / 4) * 64 + col * 4 + k % 4];
-            hi += static_cast<int32_t>(xa.q[r * K + k]) * wk;
-            lo += static_cast<int32_t>(xa.q2[r * K + k]) * wk;
+            sum += static_cast<int32_t>(q[r * K + k]) * w[tile * 1024 + ((k % 64) / 4) * 64 + col * 4 + k % 4];
           }
-          const bool fine = xa.fine[r];
-          acc[r] = i8_step(acc[r], fine ? 254 * hi + lo : hi, ws[n * nb + b], (fine ? xa.s2 : xa.s)[r * nb + b]);
+          acc[r] = i8_step(acc[r], sum, ws[n * nb + b], s[r * nb + b]);
         }
       for (int64_t r = 0; r < M; ++r) i8_store(&acc[r], y + r * N + n, 1);
     }
@@ -148,16 +109,30 @@ void i8_portable(const I8Rows& xa, int64_t M, int64_t K, int64_t KB, const int8_
 
 #if defined(PAGEDLLM_QAMX)
 // Threads take (row block, 32 outputs) items, row blocks outermost (a static split: each thread streams its own run
-// of weights). A row tile (16 rows) whose rows all take the coarse level alone runs it with two sets of C tiles (C4,
-// C5 or C6, C7: the two weight tiles), the products of the next block issued before this block's float steps so
-// that the tile unit and the vector unit overlap; a tile with a fine row runs both levels (C4, C5 coarse, C6, C7
-// fine: all eight tiles in use, so products and float steps take turns), its coarse-only rows taking the coarse
-// sums alone (each row's result is its own, whatever tile it shares). The first row tile of an item prefetches
-// the weights two blocks ahead.
+// of weights). Per row tile of 16 and block of KB inputs the tile unit sums into one of two sets of C tiles (C4, C5
+// or C6, C7: the two weight tiles) while the vector unit turns the previous block's sums into float ones, so the
+// products and the float steps overlap. The first row tile of an item prefetches the weights two blocks ahead.
 constexpr int64_t I8_ROW_BLOCK = 256;
 
+// block b's products of row tile A (rows at a, stride K) into C tiles C0, C1; weights w (2 KiB per 64 inputs)
+#define PAGEDLLM_I8_ISSUE(A, C0, C1, b)                                                      \
+  do {                                                                                       \
+    _tile_zero(C0);                                                                          \
+    _tile_zero(C1);                                                                          \
+    for (int64_t k = (b) * kb64; k < ((b) + 1) * kb64; ++k) {                                \
+      if (prefetch && k + 2 * kb64 < kt)                                                     \
+        for (int l = 0; l < 2048; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wc + (k + 2 * kb64) * 2048 + l), _MM_HINT_T0); \
+      _tile_loadd(2, wc + k * 2048, 64);                                                     \
+      _tile_loadd(3, wc + k * 2048 + 1024, 64);                                              \
+      _tile_loadd(A, a + k * 64, K);                                                         \
+      _tile_dpbssd(C0, A, 2);                                                                \
+      _tile_dpbssd(C1, A, 3);                                                                \
+    }                                                                                        \
+  } while (0)
+
 template <typename T>
-void i8_amx(const I8Rows& xa, int64_t M, int64_t K, int64_t KB, const int8_t* w, const float* ws, int64_t N, T* y) {
+void i8_amx(const int8_t* q, const float* s, int64_t M, int64_t K, int64_t KB, const int8_t* w, const float* ws,
+            int64_t N, T* y) {
   const int64_t nb = K / KB, kt = K / 64, kb64 = KB / 64, Mp = (M + 15) / 16 * 16, chunks = (N + 31) / 32;
   const int64_t rblocks = (Mp + I8_ROW_BLOCK - 1) / I8_ROW_BLOCK;
   at::parallel_for(0, rblocks * chunks, 1, [&](int64_t i0, int64_t i1) {
@@ -167,7 +142,7 @@ void i8_amx(const I8Rows& xa, int64_t M, int64_t K, int64_t KB, const int8_t* w,
       cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-    alignas(64) int32_t c[2][2][16][16];  // (set, or level) x weight tile
+    alignas(64) int32_t c[2][2][16][16];  // the sums of a block: set x weight tile
     alignas(64) float acc[16][32];
     const __m512i rows_nb = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(static_cast<int>(nb)));
@@ -177,96 +152,43 @@ void i8_amx(const I8Rows& xa, int64_t M, int64_t K, int64_t KB, const int8_t* w,
       const float* wsc = ws + ch * 32 * nb;
       for (int64_t r0 = ra; r0 < re; r0 += 16) {
         const bool prefetch = r0 == ra;
-        const int8_t* a = xa.q + r0 * K;
-        const int8_t* a2 = xa.q2 + r0 * K;
-        bool fine = false;
-        for (int r = 0; r < 16; ++r) fine |= xa.fine[r0 + r] != 0;
+        const int8_t* a = q + r0 * K;
         for (int r = 0; r < 16; ++r) {
           _mm512_store_ps(acc[r], _mm512_setzero_ps());
           _mm512_store_ps(acc[r] + 16, _mm512_setzero_ps());
         }
-        auto pref = [&](int64_t k) {
-          if (prefetch && k + 2 * kb64 < kt)
-            for (int l = 0; l < 2048; l += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(wc + (k + 2 * kb64) * 2048 + l), _MM_HINT_T0);
-        };
-        // block b's float steps from the coarse sums cc and (rows with fine) the fine sums cf
-        auto steps = [&](int64_t b, int32_t (*cc)[16][16], int32_t (*cf)[16][16]) {
+        // the float steps of block b from the sums of set `set`
+        auto steps = [&](int64_t b, int set) {
           const __m512 w0 = _mm512_i32gather_ps(rows_nb, wsc + b, 4);
           const __m512 w1 = _mm512_i32gather_ps(rows_nb, wsc + 16 * nb + b, 4);
           for (int r = 0; r < 16; ++r) {
-            const bool f = cf != nullptr && xa.fine[r0 + r];
-            const __m512 sx = _mm512_set1_ps((f ? xa.s2 : xa.s)[(r0 + r) * nb + b]);
-            for (int t = 0; t < 2; ++t) {
-              __m512i v = _mm512_load_si512(cc[t][r]);
-              if (f)  // 254 coarse + fine (exact: |254 coarse| < 2^31)
-                v = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(v, 8), _mm512_slli_epi32(v, 1)),
-                                     _mm512_load_si512(cf[t][r]));
-              _mm512_store_ps(acc[r] + 16 * t, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(t ? w1 : w0, sx),
-                                                               _mm512_load_ps(acc[r] + 16 * t)));
-            }
+            const __m512 sx = _mm512_set1_ps(s[(r0 + r) * nb + b]);
+            _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[set][0][r])),
+                                                    _mm512_mul_ps(w0, sx), _mm512_load_ps(acc[r])));
+            _mm512_store_ps(acc[r] + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[set][1][r])),
+                                                         _mm512_mul_ps(w1, sx), _mm512_load_ps(acc[r] + 16)));
           }
         };
-        if (fine) {
-          for (int64_t b = 0; b < nb; ++b) {
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_zero(6);
-            _tile_zero(7);
-            for (int64_t k = b * kb64; k < (b + 1) * kb64; ++k) {
-              pref(k);
-              _tile_loadd(2, wc + k * 2048, 64);
-              _tile_loadd(3, wc + k * 2048 + 1024, 64);
-              _tile_loadd(0, a + k * 64, K);
-              _tile_loadd(1, a2 + k * 64, K);
-              _tile_dpbssd(4, 0, 2);
-              _tile_dpbssd(5, 0, 3);
-              _tile_dpbssd(6, 1, 2);
-              _tile_dpbssd(7, 1, 3);
-            }
-            _tile_stored(4, c[0][0], 64);
-            _tile_stored(5, c[0][1], 64);
-            _tile_stored(6, c[1][0], 64);
-            _tile_stored(7, c[1][1], 64);
-            steps(b, c[0], c[1]);
+        PAGEDLLM_I8_ISSUE(0, 4, 5, 0);
+        _tile_stored(4, c[0][0], 64);
+        _tile_stored(5, c[0][1], 64);
+        for (int64_t b = 0; b < nb; ++b) {
+          const int set = b & 1;
+          const bool next = b + 1 < nb;
+          if (next) {  // block b + 1's products, issued before block b's float steps
+            if (set == 0) PAGEDLLM_I8_ISSUE(1, 6, 7, b + 1);
+            else PAGEDLLM_I8_ISSUE(0, 4, 5, b + 1);
           }
-        } else {
-// block b's coarse products (A tile A) into C tiles C0, C1
-#define PAGEDLLM_I8_ISSUE(A, C0, C1, b)                      \
-  do {                                                       \
-    _tile_zero(C0);                                          \
-    _tile_zero(C1);                                          \
-    for (int64_t k = (b) * kb64; k < ((b) + 1) * kb64; ++k) { \
-      pref(k);                                               \
-      _tile_loadd(2, wc + k * 2048, 64);                     \
-      _tile_loadd(3, wc + k * 2048 + 1024, 64);              \
-      _tile_loadd(A, a + k * 64, K);                         \
-      _tile_dpbssd(C0, A, 2);                                \
-      _tile_dpbssd(C1, A, 3);                                \
-    }                                                        \
-  } while (0)
-          PAGEDLLM_I8_ISSUE(0, 4, 5, 0);
-          _tile_stored(4, c[0][0], 64);
-          _tile_stored(5, c[0][1], 64);
-          for (int64_t b = 0; b < nb; ++b) {
-            const int set = b & 1;
-            const bool next = b + 1 < nb;
-            if (next) {  // block b + 1's products, issued before block b's float steps
-              if (set == 0) PAGEDLLM_I8_ISSUE(1, 6, 7, b + 1);
-              else PAGEDLLM_I8_ISSUE(0, 4, 5, b + 1);
-            }
-            steps(b, c[set], nullptr);
-            if (next) {
-              if (set == 0) {
-                _tile_stored(6, c[1][0], 64);
-                _tile_stored(7, c[1][1], 64);
-              } else {
-                _tile_stored(4, c[0][0], 64);
-                _tile_stored(5, c[0][1], 64);
-              }
+          steps(b, set);
+          if (next) {
+            if (set == 0) {
+              _tile_stored(6, c[1][0], 64);
+              _tile_stored(7, c[1][1], 64);
+            } else {
+              _tile_stored(4, c[0][0], 64);
+              _tile_stored(5, c[0][1], 64);
             }
           }
-#undef PAGEDLLM_I8_ISSUE
         }
         const int64_t cols = std::min<int64_t>(32, N - 32 * ch);
         for (int r = 0; r < 16 && r0 + r < M; ++r) i8_store(acc[r], y + (r0 + r) * N + 32 * ch, cols);
@@ -275,6 +197,7 @@ void i8_amx(const I8Rows& xa, int64_t M, int64_t K, int64_t KB, const int8_t* w,
     _tile_release();
   });
 }
+#undef PAGEDLLM_I8_ISSUE
 #endif
 }  // namespace
 
@@ -303,7 +226,7 @@ std::vector<at::Tensor> qweight_i8(const at::Tensor& wf) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       std::vector<int8_t> row(K);
       for (int64_t n = n0; n < n1; ++n) {
-        i8_quantize_row(x + n * K, K, KB, row.data(), nullptr, sp + n * nb, nullptr);
+        i8_quantize_row(x + n * K, K, KB, row.data(), sp + n * nb);
         const int64_t ch = n / 32, t = (n % 32) / 16, col = n % 16;
         for (int64_t k = 0; k < K; ++k)
           tp[((ch * kt + k / 64) * 2 + t) * 1024 + ((k % 64) / 4) * 64 + col * 4 + k % 4] = row[k];
@@ -313,8 +236,7 @@ std::vector<at::Tensor> qweight_i8(const at::Tensor& wf) {
   return std::vector<at::Tensor>{tiles, scales};
 }
 
-at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, int64_t N,
-                      double fine_peak) {
+at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, int64_t N) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "qlinear_i8: x must be contiguous float32 or bfloat16 (M, K)");
@@ -324,29 +246,22 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& tiles, const at::Te
                   scales.is_contiguous() && scales.sizes() == at::IntArrayRef({chunks * 32, nb}),
               "qlinear_i8: tiles / scales do not match x's inputs ", K, " and N ", N, " (qweight_i8's layout)");
   const int64_t Mp = (M + 15) / 16 * 16;
-  std::vector<int8_t> q(Mp * K, 0), q2(Mp * K, 0);  // rows past M stay zero (whole A tiles)
-  std::vector<float> s(Mp * nb, 0.f), s2(Mp * nb, 0.f);
-  std::vector<uint8_t> fine(Mp, 0);
-  const float limit = static_cast<float>(fine_peak * fine_peak);
+  std::vector<int8_t> q(Mp * K, 0);  // rows past M stay zero (whole A tiles)
+  std::vector<float> s(Mp * nb, 0.f);
   auto y = at::empty({M, N}, x.options());
   i8_with_dtype(x, [&](const auto* xp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
     at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        fine[r] = i8_quantize_row(xp + r * K, K, KB, q.data() + r * K, q2.data() + r * K, s.data() + r * nb,
-                                  s2.data() + r * nb) > limit;
+      for (int64_t r = r0; r < r1; ++r) i8_quantize_row(xp + r * K, K, KB, q.data() + r * K, s.data() + r * nb);
     });
-    const I8Rows xa{q.data(), q2.data(), s.data(), s2.data(), fine.data()};
     T* yp = y.data_ptr<T>();
-    const int8_t* wp = tiles.data_ptr<int8_t>();
-    const float* wsp = scales.data_ptr<float>();
 #if defined(PAGEDLLM_QAMX)
     if (i8_tiles_enabled()) {
-      i8_amx(xa, M, K, KB, wp, wsp, N, yp);
+      i8_amx(q.data(), s.data(), M, K, KB, tiles.data_ptr<int8_t>(), scales.data_ptr<float>(), N, yp);
       return;
     }
 #endif
-    i8_portable(xa, M, K, KB, wp, wsp, N, yp);
+    i8_portable(q.data(), s.data(), M, K, KB, tiles.data_ptr<int8_t>(), scales.data_ptr<float>(), N, yp);
   });
   return y;
 }
