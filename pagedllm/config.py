@@ -23,7 +23,7 @@ from pagedllm.sampling_params import POOLING
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 ACTIVATION_BITS_CHOICES = ("auto", "8", "16")
-LARGE_STEP_WEIGHTS_CHOICES = ("auto", "blocks", "bf16", "int8")
+LARGE_STEP_WEIGHTS_CHOICES = ("auto", "blocks", "bf16")
 # weight formats the engine can run (`--quantization`); None/"none": the checkpoint's own weights
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -262,9 +262,7 @@ class EngineConfig:
         "auto", "packed GGUF blocks on CPU: how steps of at least 256 rows (prefill) run the layers' linears: blocks "
         "(the block kernels, as small steps) or bf16 (each weight decoded to bfloat16 a stripe at a time, held only "
         "while torch's GEMM multiplies it with bfloat16 activations: ~2x the prefill speed where oneDNN has AMX "
-        "tiles; nothing is kept in memory) or int8 (each layer keeps an int8 copy of its weights, a scale per 128 "
-        "inputs, ~1 byte a weight more memory, and steps of 16+ rows run it on AMX int8 tiles with 8-bit "
-        "activations per 128 inputs); auto: bf16 on CPUs with AMX-BF16 unless the file's quality verdict "
+        "tiles; nothing is kept in memory); auto: bf16 on CPUs with AMX-BF16 unless the file's quality verdict "
         "says it hurts (a `pagedllm eval --candidate-large-step-weights bf16` run recorded here, else the shipped "
         "table), else blocks", choices=LARGE_STEP_WEIGHTS_CHOICES)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -87,9 +87,8 @@ def main(args) -> int:
         label += f": {rt['weights']}"
     if "activation_bits" in rt:
         label += f", {rt['activation_bits']}-bit activations"
-    if rt.get("large_step_weights") in ("bf16", "int8"):
-        label += {"bf16": ", bf16 weight stripes for large steps", "int8": ", int8 weight tiles for steps of 16+ rows"}[
-            rt["large_step_weights"]]
+    if rt.get("large_step_weights") == "bf16":
+        label += ", bf16 weight stripes for large steps"
     label += f", KV cache {rt['kv_cache_dtype']}"
     cand, _, _ = score_model(cand_llm, label, chunks, items, base_lp, score_from)
     fails = gate(base, cand, args.max_ppl_increase, args.max_accuracy_drop)

@@ -37,8 +37,7 @@ except ImportError:
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("qlinear.cpp", "qlinear_k.cpp", "qlinear_i8.cpp", "attention.cpp", "deltanet.cpp",
-                                   "pack.cpp",
+SOURCES = tuple(CSRC / f for f in ("qlinear.cpp", "qlinear_k.cpp", "attention.cpp", "deltanet.cpp", "pack.cpp",
                                    "bindings.cpp"))
 HEADERS = tuple(CSRC / f for f in ("common.h", "qlinear.h", "qlinear_amx.h", "ops.h"))
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")

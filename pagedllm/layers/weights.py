@@ -40,8 +40,6 @@ class LinearBuild:
     large_step_min_tokens: int = 0
     # code bits -> rows from which a layer's smaller steps (below large_step_min_tokens) run on bfloat16 tiles
     mid_step_min_rows: dict[int, int] = field(default_factory=dict)
-    # > 0: the layers' block linears keep int8 weight tiles for steps of at least this many rows (``keep_int8``)
-    int8_min_rows: int = 0
 
 
 class WeightSource:
@@ -95,6 +93,4 @@ class WeightSource:
             if layer:  # (a step's head computes a few rows: it keeps its blocks)
                 lin.bf16_min_tokens = b.large_step_min_tokens
                 lin.bf16_tile_min_rows = b.mid_step_min_rows.get(lin.bits, 0)
-                if b.int8_min_rows:
-                    lin.keep_int8(b.int8_min_rows)
         return lin

@@ -227,19 +227,6 @@ class BlockQuantLinear(_Packed):
         # steps of at least this many rows (and below bf16_min_tokens) run qlinear's bfloat16 tiles (levels 0: the
         # weights decoded to bfloat16 inside the kernel, AMX-BF16); 0: never
         self.bf16_tile_min_rows = 0
-        # int8 weight tiles (``keep_int8``): steps of at least i8_min_rows rows run qlinear_i8 on them; None: none
-        self.i8 = None
-        self.i8_min_rows = 0
-
-    def keep_int8(self, min_rows: int) -> None:
-        """Keep an int8 copy of the weights (``qweight_i8``: a scale per row and block of 128 inputs, ~1 byte a
-        weight beside the blocks) for steps of at least ``min_rows`` rows (``--large-step-weights int8``). Made from
-        the bfloat16 decode of the blocks (the stripes' values), so its only error beyond theirs is the int8
-        rounding. Layers with an AWQ input scale or inputs not a multiple of 64 keep the blocks alone."""
-        if self.input_scale is not None or self.in_features % 64:
-            return
-        self.i8 = tuple(self.ops.qweight_i8(self.weight_bf16(0, (self.out_features + 7) // 8)))
-        self.i8_min_rows = min_rows
 
     def weight_bf16(self, g0: int, g1: int) -> torch.Tensor:
         """Weight rows ``8 g0 .. min(8 g1, N) - 1`` decoded to bfloat16 by the kernels: (rows, K)."""
@@ -270,8 +257,6 @@ class BlockQuantLinear(_Packed):
         rows need not go in pieces (a piece would decode every weight again). A dense copy the weight plan keeps
         for large steps (``keep_dense``) takes precedence, as in ``__call__``."""
         inter = self.out_features // 2
-        if self.i8 is not None and x.shape[0] >= self.i8_min_rows:
-            return None  # the int8 tiles decode nothing: the MLP runs as usual
         if not (self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens and inter % 8 == 0
                 and not self._takes_dense(x)
                 and getattr(down, "bf16_min_tokens", 0) and self.input_scale is None and self.bias is None):
@@ -290,8 +275,6 @@ class BlockQuantLinear(_Packed):
             x = x.float()
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
-        if self.i8 is not None and x.shape[0] >= self.i8_min_rows:
-            return self.ops.qlinear_i8(x.contiguous(), *self.i8, self.out_features)
         if self.bf16_min_tokens and x.shape[0] >= self.bf16_min_tokens:
             return self._stripes(x)
         levels = self.act_levels
@@ -343,7 +326,7 @@ class BlockQuantLinear(_Packed):
 
     def _tensors(self) -> list:
         return [self.codes, self.scales, self.offsets, self.super_scales, self.super_offsets, self.input_scale,
-                self.bias, *(self.i8 or ())]
+                self.bias]
 
 
 class Fp8Linear(_Packed):

@@ -188,10 +188,7 @@ class ModelRunner:
         if plan.activation_bits is not None:
             logger.info("activations: %d-bit per block of 32 (%s)", plan.activation_bits,
                         plan.reasons["activation_bits"])
-        if plan.large_step_weights == "int8":
-            logger.info("steps of %d+ rows: the layers' int8 weight tiles, a scale per 128 inputs, activations 8-bit "
-                        "per 128 (%s)", plan.build.int8_min_rows, plan.reasons["large_step_weights"])
-        elif plan.large_step_weights is not None:
+        if plan.large_step_weights is not None:
             big = plan.build.large_step_min_tokens or BF16_STEP_MIN_TOKENS
             logger.info("steps of %d+ rows: %s (%s)", big, "bfloat16 weight stripes" if
                         plan.large_step_weights == "bf16" else "the block kernels", plan.reasons["large_step_weights"])

@@ -36,8 +36,6 @@ BF16_STEP_MIN_TOKENS = 256
 # keeps the activations in cache, wins (the 1.5B's layers, Sapphire Rapids: docs/benchmarks.md)
 BF16_TILE_MIN_ROWS = {4: 64, 8: 32}
 BF16_TILES_STEP_MIN_TOKENS = 1024
-# rows from which a step runs the layers on their int8 weight tiles (--large-step-weights int8, qlinear_i8)
-I8_MIN_ROWS = 4
 
 
 def choose_device(requested: str) -> torch.device:
@@ -117,7 +115,7 @@ class RuntimePlan:
     quantization: str  # the weights' label (logs, metrics)
     weight_plan: WeightPlan | None = None  # --dtype auto's plan for a file of blocks (None: the flags')
     activation_bits: int | None = None  # None: no linear runs the block kernels
-    large_step_weights: str | None = None  # "blocks" / "bf16" / "int8"; None: no layer linear runs the block kernels
+    large_step_weights: str | None = None  # "blocks" / "bf16"; None: no layer linear runs the block kernels
     reasons: dict[str, str] = field(default_factory=dict)  # why each auto choice was made
 
 
@@ -154,10 +152,6 @@ def load_and_plan(config: EngineConfig, path: str, device: torch.device, ops) ->
     build.act_bits, build.mid_step_min_rows = bits, BF16_TILE_MIN_ROWS if tiles else {}
     build.large_step_min_tokens = (0 if large != "bf16" else BF16_TILES_STEP_MIN_TOKENS if tiles
                                    else BF16_STEP_MIN_TOKENS)
-    if large == "int8" and build.block_ops is not None:
-        build.int8_min_rows = I8_MIN_ROWS
-        if not build.block_ops.i8_tiles():
-            reasons["large_step_weights"] += " (no AMX int8 tiles here: portable loops, slow)"
     if block_weights(weights, build.block_ops, device):
         plan.activation_bits = bits
     if block_weights(weights, build.block_ops, device, layers_only=True):

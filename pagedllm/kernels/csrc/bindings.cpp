@@ -70,13 +70,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qweight_bf16", &qweight_bf16, "qlinear's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
         "(rows, K)", py::arg("w"), py::arg("d"), py::arg("m"), py::arg("bits"), py::arg("N"), py::arg("g0"),
         py::arg("g1"), py::arg("table") = py::none(), py::arg("table_zero") = 0, nogil);
-  m.def("qweight_i8", &qweight_i8, "a (N, K) float32 / bfloat16 weight requantized for qlinear_i8: [tiles (ceil(N/32), "
-        "K/64, 2, 16, 64) int8, scales (ceil(N/32) * 32, K/KB) float32], KB 128 (64 where K is not a multiple)",
-        py::arg("w"), nogil);
-  m.def("qlinear_i8", &qlinear_i8, "x W^T with W from qweight_i8 and x quantized per row and block of KB inputs "
-        "(int8, a float scale each): AMX int8 tiles where i8_tiles(), else portable loops with the same results",
-        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("N"), nogil);
-  m.def("i8_tiles", &i8_tiles_enabled, "whether qlinear_i8 runs on AMX int8 tiles (built, granted, not turned off)");
   m.def("qweight_k_bf16", &qweight_k_bf16, "qlinear_k's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
         "(rows, K)", py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"), py::arg("bits"),
         py::arg("N"), py::arg("g0"), py::arg("g1"), nogil);

@@ -37,11 +37,6 @@ at::Tensor qlinear_k(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 at::Tensor qweight_bf16(const at::Tensor& w, const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_t N,
                         int64_t g0, int64_t g1, const std::optional<at::Tensor>& table = std::nullopt,
                         int64_t table_zero = 0);
-// int8 weight tiles (qlinear_i8.cpp): a layer's weights requantized per block of 128 (64) inputs, and x W^T on
-// them (AMX tiles where granted, else the same arithmetic in portable loops)
-std::vector<at::Tensor> qweight_i8(const at::Tensor& w);
-at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, int64_t N);
-bool i8_tiles_enabled();
 at::Tensor qweight_k_bf16(const at::Tensor& w, const at::Tensor& s, const at::Tensor& mn, const at::Tensor& D,
                           const at::Tensor& Dm, int64_t bits, int64_t N, int64_t g0, int64_t g1);
 // a GGUF block type as Python's table gives it (gguf_file.py BlockType.kernel_type): its one-pass decoder (0: the
