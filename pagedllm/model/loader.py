@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,7 +16,8 @@ import numpy as np
 import torch
 
 from pagedllm.model.arch import ModelArchConfig, config_from_gguf, config_from_hf
-from pagedllm.model.archs import ARCHS, HF_TYPES, GGUFMeta, hf_eos
+from pagedllm.model.archs import (ARCHS, GGUF_EXPERT_OLD, GGUF_EXPERTS, HF_EXPERT, HF_EXPERT_PART,
+                                   HF_STACKED_EXPERTS, HF_TYPES, GGUFMeta, hf_eos)
 from pagedllm.gguf_file import BLOCK_TYPES, GGUFFile
 from pagedllm.quant import gguf_blocks
 from pagedllm.quant.formats import reorder_rows
@@ -88,65 +88,6 @@ def open_gguf(path: str):
     return reader
 
 
-# the engine's weight names (``model.decoder.CausalLM``) for the tensor names every architecture shares;
-# an architecture's module adds or overrides per-layer names (``Arch.gguf_names`` / ``hf_names``)
-GGUF_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
-GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_norm",
-    "ffn_norm.weight": "post_norm",  # the norm before the MLP
-    "attn_q.weight": "q",
-    "attn_k.weight": "k",
-    "attn_v.weight": "v",
-    "attn_qkv.weight": "qkv",
-    "attn_q.bias": "q_bias",
-    "attn_k.bias": "k_bias",
-    "attn_v.bias": "v_bias",
-    "attn_q_norm.weight": "q_norm",
-    "attn_k_norm.weight": "k_norm",
-    "attn_output.weight": "o",
-    "attn_output.bias": "o_bias",
-    "post_attention_norm.weight": "attn_out_norm",  # on the attention output (sandwich norms)
-    "ffn_gate.weight": "gate",
-    "ffn_up.weight": "up",
-    "ffn_down.weight": "down",
-    "post_ffw_norm.weight": "mlp_out_norm",
-    "ffn_gate_inp.weight": "router",  # mixture of experts: the router, and the experts stacked in one tensor each
-    "ffn_gate_shexp.weight": "shared.gate",  # a shared expert and its gate (Qwen 3.5 MoE, Qwen 2 MoE)
-    "ffn_up_shexp.weight": "shared.up",
-    "ffn_down_shexp.weight": "shared.down",
-    "ffn_gate_inp_shexp.weight": "shared_gate",
-}
-GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
-                "ffn_gate_up_exps.weight": "gate_up",  # (fused by the converter's option: gate rows, then up)
-                "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
-GGUF_EXPERT_OLD = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # early Mixtral files: a tensor per expert
-# the llama-lineage HF names every decoder shares (attention, the gated MLP, their norms); an architecture's module
-# adds its own (``Arch.hf_names``: fused projections, routers, shared experts, ...) and says where its experts are
-HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
-HF_LAYER_NAMES = {
-    "input_layernorm.weight": "input_norm",
-    "post_attention_layernorm.weight": "post_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "self_attn.o_proj.weight": "o",
-    "self_attn.o_proj.bias": "o_bias",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-}
-# the parts of one expert (after ``Arch.hf_experts`` and its index): qwen's names, and Mixtral's / LFM2's w1 / w3 / w2
-HF_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-HF_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
-# or all experts stacked in 3-D tensors (transformers' in-memory layout): (E, 2I, H) and (E, H, I)
-HF_STACKED_EXPERTS = {"gate_up_proj": "gate_up", "down_proj": "down"}
-
-
 @dataclass
 class _ExpertSlice:
     """Expert ``e`` of a GGUF tensor that stacks all of a layer's experts: read as a tensor of its own."""
@@ -182,8 +123,7 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
     meta = GGUFMeta(arch, reader.get, set(by_name), lambda name: _dequantize(by_name[name].data,
                                                                             by_name[name].tensor_type))
     cfg = config_from_gguf(meta, path)
-    per_layer = GGUF_LAYER_NAMES | spec.gguf_names
-    whole = GGUF_NAMES | spec.gguf_global_names
+    per_layer, whole = spec.gguf_layer_names, spec.gguf_whole_names
     n_head, n_kv = cfg.num_heads, cfg.num_kv_heads
     tasks = []
     for t in reader.tensors:
@@ -278,8 +218,7 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
-    per_layer = HF_LAYER_NAMES | spec.hf_names
-    whole, prefix = HF_NAMES | spec.hf_global_names, spec.hf_layer_prefix
+    per_layer, whole, prefix = spec.hf_layer_names, spec.hf_whole_names, spec.hf_layer_prefix
     weights: dict[str, torch.Tensor] = {}
     for fname in files:
         for name, t in load_file(os.path.join(path, fname)).items():

@@ -1,6 +1,7 @@
 """The architecture registry: one small module per architecture, each an ``Arch`` saying how its hyper-parameters
-read from GGUF metadata and from an HF ``config.json``, and what its tensors are called where the common names
-(``model.loader``) do not cover them. The layers are shared: an architecture picks its variants through
+read from GGUF metadata and from an HF ``config.json``, and what its tensors are called where the shared names (the
+tables below: llama.cpp's GGUF vocabulary, the llama lineage's HF names) do not cover them; the loader reads each
+architecture's whole map from its ``Arch``. The layers are shared: an architecture picks its variants through
 ``ModelArchConfig`` fields (QK-norm, activation, sandwich norms, sliding windows, rotary scaling), which
 ``model.decoder.CausalLM`` reads. Adding one touches neither the scheduler, the runner nor the server: write a
 module here and list it in ``_MODULES``."""
@@ -8,6 +9,7 @@ module here and list it in ``_MODULES``."""
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +37,67 @@ def _none(_: Any) -> dict:
     return {}
 
 
+# The engine's weight names (``model.decoder.CausalLM``) for the tensor names architectures share: llama.cpp's GGUF
+# names (one vocabulary for every architecture, as its converter writes them) and the llama lineage's HF names. An
+# architecture's ``Arch`` adds or overrides them (``gguf_names`` / ``hf_names``, ``*_global_names``); the loader
+# reads an architecture's whole map (``Arch.gguf_layer_names`` ...), never these tables directly.
+GGUF_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm",
+    "ffn_norm.weight": "post_norm",  # the norm before the MLP
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_qkv.weight": "qkv",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "attn_output.weight": "o",
+    "attn_output.bias": "o_bias",
+    "post_attention_norm.weight": "attn_out_norm",  # on the attention output (sandwich norms)
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+    "post_ffw_norm.weight": "mlp_out_norm",
+    "ffn_gate_inp.weight": "router",  # mixture of experts: the router, and the experts stacked in one tensor each
+    "ffn_gate_shexp.weight": "shared.gate",  # a shared expert and its gate (Qwen 3.5 MoE, Qwen 2 MoE)
+    "ffn_up_shexp.weight": "shared.up",
+    "ffn_down_shexp.weight": "shared.down",
+    "ffn_gate_inp_shexp.weight": "shared_gate",
+}
+GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
+                "ffn_gate_up_exps.weight": "gate_up",  # (fused by the converter's option: gate rows, then up)
+                "ffn_gate_exps.bias": "gate_bias", "ffn_up_exps.bias": "up_bias", "ffn_down_exps.bias": "down_bias"}
+GGUF_EXPERT_OLD = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # early Mixtral files: a tensor per expert
+# the llama-lineage HF names every decoder shares (attention, the gated MLP, their norms); an architecture's module
+# adds its own (``Arch.hf_names``: fused projections, routers, shared experts, ...) and says where its experts are
+HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "self_attn.o_proj.weight": "o",
+    "self_attn.o_proj.bias": "o_bias",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+# the parts of one expert (after ``Arch.hf_experts`` and its index): qwen's names, and Mixtral's / LFM2's w1 / w3 / w2
+HF_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+HF_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+# or all experts stacked in 3-D tensors (transformers' in-memory layout): (E, 2I, H) and (E, H, I)
+HF_STACKED_EXPERTS = {"gate_up_proj": "gate_up", "down_proj": "down"}
+
+
 @dataclass(frozen=True)
 class Arch:
     name: str  # GGUF ``general.architecture`` and ``ModelArchConfig.arch``
@@ -57,6 +120,24 @@ class Arch:
     # where a layer's experts are in an HF checkpoint (e.g. "mlp.experts."): one tensor per expert and part
     # (``{hf_experts}{e}.gate_proj.weight``, or w1 / w3 / w2) or stacked (``{hf_experts}gate_up_proj``, ``down_proj``)
     hf_experts: str = ""
+
+    @property
+    def gguf_layer_names(self) -> dict[str, str]:
+        """A layer's GGUF tensor names (after ``blk.{i}.``) -> the engine's."""
+        return GGUF_LAYER_NAMES | self.gguf_names
+
+    @property
+    def gguf_whole_names(self) -> dict[str, str]:
+        return GGUF_NAMES | self.gguf_global_names
+
+    @property
+    def hf_layer_names(self) -> dict[str, str]:
+        """A layer's HF tensor names (after ``hf_layer_prefix`` and its index) -> the engine's."""
+        return HF_LAYER_NAMES | self.hf_names
+
+    @property
+    def hf_whole_names(self) -> dict[str, str]:
+        return HF_NAMES | self.hf_global_names
 
 
 def hf_rope(hf: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
