@@ -93,7 +93,7 @@ def _gemm_points(d: dict, model: ModelProfile) -> tuple[dict[int, float], str]:
         for r in rows:  # per shape and batch: us for one matrix, `count` of them per forward
             per_batch[r["batch"]] = per_batch.get(r["batch"], 0.0) + r["us"] * 1e-6 * r["count"]
         # the block-kernel rows include the LM head (count 1): scale to the layers' share of MACs
-        macs_layers = model.layer_linear_params * model.num_layers
+        macs_layers = model.active_linear_params
         macs_all = macs_layers + model.embedding_params
         return {b: t * macs_layers / macs_all for b, t in per_batch.items()}, "block_kernel rows"
     return {}, ""
@@ -115,12 +115,13 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
     bw = d["bandwidth_gbs"] * 1e9
     fp32, bf16 = d["peak_gflops_float32"] * 1e9, d["peak_gflops_bfloat16"] * 1e9
     points, src = _gemm_points(d, model)
-    macs_row = model.layer_linear_params * model.num_layers
+    macs_row = model.active_linear_params
     if points:
         rates = {m: 2 * m * macs_row / t for m, t in points.items()}
         peak = max(rates.values())
         one = min(points)
-        layer_bytes = sum(scheme.linear.matrix_bytes(i, o) for _, i, o in model.linear_shapes()) * model.num_layers
+        layer_bytes = sum(scheme.linear.matrix_bytes(g.in_features, g.out_features) * g.layers * g.touched(one)
+                          for g in model.linear_groups())
         bw_eff = min(1.0, layer_bytes / points[one] / bw)
         curve = tuple((m, rates[m] / peak) for m in sorted(points) if m > one)  # the one-row point is bandwidth-bound
         notes.append(f"GEMM points from {src}")

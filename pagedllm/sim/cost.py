@@ -35,6 +35,7 @@ class Deployment:
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tensor-parallel size must be a positive integer, got {self.tp!r}")
+        self.model.kv_width(self.tp)  # (refuses per-layer head shapes under tensor parallelism)
         if self.model.num_heads % self.tp:
             raise ValueError(f"{self.model.name}: {self.model.num_heads} attention heads do not split over "
                              f"tp={self.tp}")
@@ -69,13 +70,13 @@ class Deployment:
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
-        """K and V of one token in one layer, on one device."""
-        return 2 * self.kv_heads_per_device * self.model.head_dim * kv_dtype_bytes(self.kv_dtype)
+        """K and V of one token in one layer, on one device: the cache row (the widest layer's)."""
+        return 2 * self.model.kv_width(self.tp) * kv_dtype_bytes(self.kv_dtype)
 
     @property
     def kv_bytes_per_token_device(self) -> int:
-        """K and V of one token in every layer, on one device (a full-attention figure)."""
-        return self.kv_bytes_per_token_layer * self.model.num_layers
+        """K and V of one token in every layer that keeps its own, on one device (a full-attention figure)."""
+        return self.kv_bytes_per_token_layer * len(self.model.kv_layers())
 
     def kv_bytes_per_block(self, block_size: int = 16) -> int:
         """One KV block on one device: ``block_size`` tokens of the layers one block holds (the engine's layout,
@@ -223,20 +224,25 @@ class CostModel:
         m, hw, tp = deployment.model, deployment.hardware, deployment.tp
         self._act = hw.activation_bytes
         self._bw = hw.attainable_bw
-        self._linears = []  # (name, flops per row, weight bytes, activation elements per row, format) x layers
-        for name, i, o in m.linear_shapes():
-            sharded_in = i // tp if name in ("o", "mlp_down") else i
-            sharded_out = o if name in ("o", "mlp_down") else o // tp
-            self._linears.append((name, 2 * i * o / tp * m.num_layers,
-                                  deployment.scheme.linear.matrix_bytes(i, o) / tp * m.num_layers,
-                                  (sharded_in + sharded_out) * m.num_layers, deployment.scheme.linear))
+        # per kind of linear: (name, flops per row, bytes of one matrix per layer x layers, activation elements per
+        # row, format, the group: how many of its matrices a step reads)
+        self._linears = []
+        for g in m.linear_groups():
+            i, o = g.in_features, g.out_features
+            sharded_in = i // tp if g.name in ("o", "mlp_down") else i
+            sharded_out = o if g.name in ("o", "mlp_down") else o // tp
+            self._linears.append((g.name, 2 * i * o * g.active / tp * g.layers,
+                                  deployment.scheme.linear.matrix_bytes(i, o) / tp * g.layers,
+                                  (sharded_in + sharded_out) * g.active * g.layers, deployment.scheme.linear, g))
         self._head_fmt = deployment.scheme.head_format(m)
         self._head_bytes = self._head_fmt.matrix_bytes(m.hidden_size, m.vocab_size) / tp
         self._embed_bpw = deployment.scheme.embed.bytes_per_weight
-        self._heads_dev = m.num_heads // tp
         self._kv_layer = deployment.kv_bytes_per_token_layer
-        windows = m.layer_windows or (0,) * m.num_layers
-        self._windows = [(w, windows.count(w)) for w in sorted(set(windows))]  # (window or 0, layers)
+        # (window or 0, layers, query heads x head size summed over them) per window, this device's heads
+        by_window: dict[int, list[int]] = {}
+        for window, hd in m.attention_layers():
+            by_window.setdefault(window, []).append(hd // tp)
+        self._windows = [(w, len(v), sum(v)) for w, v in sorted(by_window.items())]
         self._attn_rate = hw.peak_flops(hw.attention_dtype) * hw.attention_efficiency
 
     def _gemm(self, name: str, rows: int, flops: float, nbytes: float, fmt) -> OpTime:
@@ -258,19 +264,19 @@ class CostModel:
         sampled = sum(w.sampled_rows for w in work)
         ops = []
         if rows:
-            for name, flops_row, wbytes, act_row, fmt in self._linears:
-                ops.append(self._gemm(name, rows, flops_row * rows, wbytes + act_row * rows * self._act, fmt))
+            for name, flops_row, wbytes, act_row, fmt, group in self._linears:
+                ops.append(self._gemm(name, rows, flops_row * rows, wbytes * group.touched(rows)
+                                      + act_row * rows * self._act, fmt))
             # attention: each query row attends to its own prefix (causal); K/V of the context read once per
             # sequence and layer, the new tokens' K/V written
             # (a sliding-window layer: at most its window of keys per query row)
-            d, h = m.head_dim, self._heads_dev
             a_flops = a_bytes = 0.0
             for w in work:
                 q, c0 = w.query_tokens, w.context_before
-                for window, layers in self._windows:
-                    a_flops += layers * 4 * d * h * _keys_attended(q, c0, window)
+                for window, layers, hd in self._windows:
+                    a_flops += 4 * hd * _keys_attended(q, c0, window)
                     read = c0 if not window else min(c0, window)
-                    a_bytes += layers * (self._kv_layer * (read + 2 * q) + 2 * q * h * d * self._act)
+                    a_bytes += layers * self._kv_layer * (read + 2 * q) + 2 * q * hd * self._act
             ops.append(OpTime("attention", a_flops, a_bytes, a_flops / self._attn_rate, a_bytes / self._bw))
             e_bytes = rows * m.hidden_size * (self._embed_bpw / tp + self._act)
             ops.append(OpTime("embedding", 0.0, e_bytes, 0.0, e_bytes / self._bw))

@@ -24,13 +24,15 @@ def kv_dtype_bytes(kv_dtype: str) -> int:
 
 
 def kv_bytes_per_token(m: ModelProfile, kv_dtype: str = "bf16") -> int:
-    """Bytes of K and V one token holds across all layers (grouped-query attention)."""
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * kv_dtype_bytes(kv_dtype)
+    """Bytes of K and V one token holds across the layers that keep their own (grouped-query attention; the cache
+    row of the widest layer, as the engine lays it out)."""
+    return 2 * len(m.kv_layers()) * m.kv_width() * kv_dtype_bytes(kv_dtype)
 
 
 def kv_bytes_per_sequence(m: ModelProfile, seq_len: int, kv_dtype: str = "bf16") -> int:
-    """Bytes of K and V a sequence of ``seq_len`` tokens holds across all layers (sliding layers: their window)."""
-    return 2 * m.kv_token_layers(seq_len) * m.num_kv_heads * m.head_dim * kv_dtype_bytes(kv_dtype)
+    """Bytes of K and V a sequence of ``seq_len`` tokens holds (sliding layers: their window; layers reading another
+    layer's K/V: none)."""
+    return 2 * m.kv_token_layers(seq_len) * m.kv_width() * kv_dtype_bytes(kv_dtype)
 
 
 def naive_kv_bytes_per_token(m: ModelProfile, kv_dtype: str = "bf16") -> int:

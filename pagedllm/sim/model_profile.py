@@ -14,11 +14,37 @@ from pagedllm.sim.hardware import COMPUTE_DTYPES
 
 
 @dataclass(frozen=True)
+class LinearGroup:
+    """One kind of linear the layers hold: ``layers`` of them, each ``copies`` matrices of in x out (the experts of a
+    mixture; 1: dense), of which a token multiplies ``active`` (its top-k experts). ``name`` sets the
+    tensor-parallel split: "o" and "mlp_down" by their inputs, the others by their outputs."""
+
+    name: str
+    in_features: int
+    out_features: int
+    layers: int
+    copies: int = 1
+    active: int = 1
+
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features * self.copies * self.layers
+
+    def touched(self, rows: int) -> float:
+        """Matrices per layer a step of ``rows`` rows reads: all of a dense one; of the experts, those some row
+        chose (expected under uniform routing)."""
+        if self.copies == 1:
+            return 1.0
+        return self.copies * (1.0 - (1.0 - self.active / self.copies) ** rows)
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """A model the simulator runs: the engine's own reading of its shapes (``ModelArchConfig``, from the same
-    parser the loader uses; its layer windows and KV layout included), a name, and the tensor formats of the GGUF
-    file it was read from. The cost model knows decoder-only transformers with one head shape, grouped-query
-    attention and a gated MLP (Llama / Qwen2 style), with sliding-window layers; ``_from_arch`` refuses the rest."""
+    parser the loader uses: its layer windows, per-layer head shapes, shared K/V and KV layout included), a name, and
+    the tensor formats of the GGUF file it was read from. The cost model knows attention layers (grouped-query, any
+    head shape per layer, sliding windows, K/V shared across layers), gated MLPs and mixtures of experts (the
+    active experts' FLOPs, the chosen experts' bytes); ``_from_arch`` refuses layers with a recurrent state."""
 
     name: str
     arch: ModelArchConfig
@@ -43,44 +69,94 @@ class ModelProfile:
     @property
     def kv_layout(self) -> KVGroups:
         """How the layers share the paged KV cache: the engine's own grouping (``ModelArchConfig.kv_groups``),
-        sliding groups freeing the blocks that fell out of their window."""
+        sliding groups freeing the blocks that fell out of their window, layers reading another's K/V keeping
+        none."""
         return self.arch.kv_groups()
+
+    @property
+    def uniform_heads(self) -> bool:
+        """Every layer has the same head shape and keeps its own K/V (all but Gemma 4)."""
+        a = self.arch
+        return not (a.global_head_dim or a.global_num_kv_heads or a.kv_shared_layers)
+
+    def kv_width(self, tp: int = 1) -> int:
+        """K (or V) values per token and layer in one device's cache: the engine's cache row, the widest layer's
+        heads x head size (narrower layers use a prefix of it); KV heads replicated where tp exceeds them."""
+        if tp > 1:
+            if not self.uniform_heads:
+                raise ValueError(f"{self.name}: per-layer head shapes and shared K/V under tensor parallelism are "
+                                 "not supported (nor by the engine)")
+            return -(-self.num_kv_heads // tp) * self.head_dim
+        return self.arch.kv_width()
+
+    def kv_layers(self) -> list[int]:
+        """The layers that keep K/V of their own."""
+        return [i for i in range(self.num_layers) if self.arch.kv_source(i) == i]
 
     def kv_token_layers(self, seq_len: int) -> int:
         """Layer-tokens of K/V a sequence of ``seq_len`` tokens keeps: all of them in a full layer, at most its
-        window in a sliding one."""
-        return sum(min(seq_len, w) if w else seq_len for w in self.layer_windows)
+        window in a sliding one, none in a layer reading another's."""
+        windows = self.layer_windows
+        return sum(min(seq_len, windows[i]) if windows[i] else seq_len for i in self.kv_layers())
+
+    def attention_layers(self) -> list[tuple[int, int]]:
+        """(window, query heads x head size) of every attention layer (those reading another's K/V included)."""
+        a = self.arch
+        return [(a.window(i), a.num_heads * a.layer_head_dim(i)) for i in range(self.num_layers)]
+
+    def linear_groups(self) -> tuple[LinearGroup, ...]:
+        """The layers' linears, alike ones counted together."""
+        a, h = self.arch, self.hidden_size
+        counts: dict[tuple, int] = {}
+        for i in range(self.num_layers):
+            d = a.layer_head_dim(i)
+            q, kv = a.num_heads * d, (2 * a.layer_kv_heads(i) * d if a.kv_source(i) == i else 0)
+            kinds = [("qkv", h, q + kv, 1, 1), ("o", q, h, 1, 1)]
+            experts = a.num_experts and i >= a.first_dense_layers
+            if not experts or a.moe_beside_mlp:
+                kinds += [("mlp_up", h, 2 * a.intermediate_size, 1, 1), ("mlp_down", a.intermediate_size, h, 1, 1)]
+            if experts:
+                e, k, inter = a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size
+                kinds += [("router", h, e, 1, 1), ("mlp_up", h, 2 * inter, e, k), ("mlp_down", inter, h, e, k)]
+                if a.shared_expert_intermediate_size:
+                    shared = a.shared_expert_intermediate_size
+                    kinds += [("mlp_up", h, 2 * shared, 1, 1), ("mlp_down", shared, h, 1, 1)]
+            if a.per_layer_input_size:  # Gemma 4's per-layer input: its gate and output projection
+                kinds += [("ple_gate", h, a.per_layer_input_size, 1, 1), ("ple_out", a.per_layer_input_size, h, 1, 1)]
+            for kind in kinds:
+                counts[kind] = counts.get(kind, 0) + 1
+        if a.per_layer_input_size:  # the model's projection of the hidden state to every layer's inputs, once
+            counts[("ple_proj", h, self.num_layers * a.per_layer_input_size, 1, 1)] = 1
+        return tuple(LinearGroup(name, i, o, n, c, k) for (name, i, o, c, k), n in counts.items())
 
     @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
+    def linear_params(self) -> int:
+        """Every layer's linear weights (all experts)."""
+        return sum(g.params for g in self.linear_groups())
 
     @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def linear_shapes(self) -> tuple[tuple[str, int, int], ...]:
-        """(group, in_features, out_features) of one decoder layer's linears."""
-        h = self.hidden_size
-        return (("qkv", h, self.q_dim + 2 * self.kv_dim), ("o", self.q_dim, h),
-                ("mlp_up", h, 2 * self.intermediate_size), ("mlp_down", self.intermediate_size, h))
-
-    @property
-    def layer_linear_params(self) -> int:
-        return sum(i * o for _, i, o in self.linear_shapes())
+    def active_linear_params(self) -> int:
+        """The layers' weights one token multiplies (its experts only)."""
+        return sum(g.in_features * g.out_features * g.active * g.layers for g in self.linear_groups())
 
     @property
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     @property
+    def per_layer_input_params(self) -> int:
+        """Gemma 4's per-layer input table: per token, a row of per_layer_input_size values for every layer."""
+        return self.vocab_size * self.num_layers * self.arch.per_layer_input_size
+
+    @property
     def num_params(self) -> int:
-        """Every parameter: linears, biases, norms, embedding, and the LM head unless tied."""
-        per_layer = self.layer_linear_params + 2 * self.hidden_size
+        """Every parameter: linears, q/k/v biases, norms, embedding, and the LM head unless tied."""
+        groups = self.linear_groups()
+        per_model = self.linear_params + 2 * self.hidden_size * self.num_layers
         if self.attention_bias:
-            per_layer += self.q_dim + 2 * self.kv_dim
+            per_model += sum(g.out_features * g.layers for g in groups if g.name == "qkv")
         head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.num_layers * per_layer + self.embedding_params + head + self.hidden_size
+        return per_model + self.embedding_params + self.per_layer_input_params + head + self.hidden_size
 
 
 # ------------------------------------------------------------------ weight formats
@@ -138,10 +214,13 @@ class QuantScheme:
 
     def weight_bytes(self, m: ModelProfile) -> dict[str, float]:
         """Bytes of the whole model (before tensor-parallel sharding), per part."""
-        layers = sum(self.linear.matrix_bytes(i, o) for _, i, o in m.linear_shapes()) * m.num_layers
+        groups = m.linear_groups()
+        layers = sum(self.linear.matrix_bytes(g.in_features, g.out_features) * g.copies * g.layers for g in groups)
         if m.attention_bias:
-            layers += (m.q_dim + 2 * m.kv_dim) * 2 * m.num_layers
+            layers += sum(g.out_features * g.layers for g in groups if g.name == "qkv") * 2
         embed = self.embed.matrix_bytes(m.hidden_size, m.vocab_size)
+        if m.per_layer_input_params:  # (Gemma 4's per-layer input table: stored as the embedding is)
+            embed += self.embed.matrix_bytes(m.num_layers * m.arch.per_layer_input_size, m.vocab_size)
         head = 0.0 if m.tie_word_embeddings else self.head.matrix_bytes(m.hidden_size, m.vocab_size)
         norms = (2 * m.num_layers + 1) * m.hidden_size * self.norm_bytes
         return {"layers": layers, "embed": embed, "lm_head": head, "norms": norms}
@@ -208,15 +287,9 @@ PRESETS = MappingProxyType({p.name: p for p in _PRESETS})
 
 def _from_arch(cfg: ModelArchConfig, name: str, path: str, scheme: "QuantScheme | None" = None) -> ModelProfile:
     """The shapes of the model loader's own reading of a checkpoint (``model.arch``: one parser for both)."""
-    if cfg.num_experts:
-        raise ValueError(f"{path}: mixture-of-experts models are not simulated yet (their active weights per token "
-                         "differ from a dense model's)")
     if cfg.hybrid_state:
         raise ValueError(f"{path}: models with linear-attention (recurrent state) layers are not simulated yet (the "
                          "cost model knows attention layers and their KV, not a per-sequence state)")
-    if cfg.global_head_dim or cfg.global_num_kv_heads or cfg.kv_shared_layers or cfg.per_layer_input_size:
-        raise ValueError(f"{path}: per-layer head shapes, shared K/V and per-layer inputs (Gemma 4) are not simulated "
-                         "yet (the cost model assumes one head shape and K/V in every attention layer)")
     return ModelProfile(name, cfg, scheme)
 
 
@@ -256,16 +329,13 @@ def from_gguf(path: str) -> ModelProfile:
                     lambda n: dequantize(by_name[n].data, by_name[n].tensor_type).astype("float32"))
     if meta.arch is None:
         raise ValueError(f"{path}: no general.architecture in the GGUF header")
-    if meta.kv("expert_count"):
-        raise ValueError(f"{path}: mixture-of-experts models are not simulated yet (their active weights per token "
-                         "differ from a dense model's)")
     layer_bytes: dict[str, float] = {}
     fmt_of: dict[str, WeightFormat] = {}
     for t in reader.tensors:
         ttype = t.tensor_type
         block, type_size = GGML_QUANT_SIZES[ttype]
         fmt = _gguf_format(ttype.name, block, type_size)
-        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) in (2, 3):  # (3: experts)
             layer_bytes[fmt.name] = layer_bytes.get(fmt.name, 0.0) + int(t.n_bytes)
             fmt_of[fmt.name] = fmt
         elif t.name == "token_embd.weight":

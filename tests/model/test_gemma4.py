@@ -191,6 +191,18 @@ def test_cache_rows_hold_the_widest_layer(tiny):
     k0, k2 = kv.kv_caches[0][0], kv.kv_caches[2][0]
     assert k0.shape[2:] == (2, 16) and k2.shape[2:] == ((2, 32) if kind == "e2b" else (1, 32))
     assert k0.stride(1) == width  # the sliding layer's view: the wide row's first 32 values
+    # the simulator lays out the same blocks (the model's own config: its per-layer shapes and shared K/V)
+    from pagedllm.sim.cost import Deployment
+    from pagedllm.sim.hardware import get_gpu_profile
+    from pagedllm.sim.kvcalc import kv_bytes_per_sequence
+    from pagedllm.sim.model_profile import SCHEMES, load_model_profile
+
+    profile = load_model_profile(d)
+    deployment = Deployment(get_gpu_profile("a100-80gb"), profile, SCHEMES["bf16"], kv_dtype="fp32")
+    assert deployment.kv_bytes_per_block(16) == kv.bytes_per_block and len(profile.kv_layers()) == own
+    assert kv_bytes_per_sequence(profile, WINDOW, "fp32") == WINDOW * 2 * own * width * 4  # (within the window)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        Deployment(get_gpu_profile("a100-80gb"), profile, SCHEMES["bf16"], tp=2)
 
 
 def test_quantized_file_runs_from_its_blocks(tmp_path, llm):

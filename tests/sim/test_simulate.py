@@ -59,7 +59,7 @@ def test_weight_bytes_per_quantization():
     bf16, awq, fp8 = (SCHEMES[k].total_bytes(L70) for k in ("bf16", "awq", "fp8"))
     assert bf16 == pytest.approx(2 * L70.num_params, rel=1e-3)
     # AWQ 4-bit g128: 0.5 B + 2.5 B of scale/zero per 128 weights in the layers; embedding and head stay bf16
-    layers = L70.layer_linear_params * L70.num_layers
+    layers = L70.linear_params
     assert SCHEMES["awq"].weight_bytes(L70)["layers"] == pytest.approx(layers * (0.5 + 2.5 / 128))
     assert awq < fp8 < bf16 and awq / bf16 == pytest.approx(0.28, abs=0.01)
     # the embedded model's GGUF file: Q4_1 layers (20 B per 32 weights), Q8_0 tied embedding (34 B per 32)
@@ -463,3 +463,29 @@ def test_plan_finds_the_fewest_replicas_that_meet_the_slo(capsys, tmp_path):
                 "--plan-rate", "8", "--slo-p99-ttft-s", "1", "--result-json", str(out)]) == 0
     assert "| 8 | %d | " % n in capsys.readouterr().out
     assert json.load(open(out))["plan"][0]["replicas"] == n
+
+
+def test_mixture_of_experts_costs_its_active_experts(tmp_path):
+    """Qwen3-30B-A3B's published config.json: all 128 experts in memory (30.5B parameters), 8 per token in the
+    FLOPs (3.3B active); a step reads the experts its rows chose (expected under uniform routing): a one-row decode
+    ~1/16 of them, a 256-row one nearly all; the simulator runs it end to end."""
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+           "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+           "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False,
+           "max_position_embeddings": 40960, "norm_topk_prob": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = from_hf_config(str(tmp_path))
+    assert m.num_params == pytest.approx(30.53e9, rel=0.01)
+    assert m.active_linear_params + 2 * m.embedding_params == pytest.approx(3.3e9, rel=0.05)
+    experts = [g for g in m.linear_groups() if g.copies > 1]
+    assert {(g.name, g.copies, g.active, g.layers) for g in experts} == {("mlp_up", 128, 8, 48), ("mlp_down", 128, 8, 48)}
+    assert experts[0].touched(1) == pytest.approx(8) and experts[0].touched(256) == pytest.approx(128, rel=1e-6)
+    cost = CostModel(dep(m, kv_cache_bytes=2**30))
+    one, many = cost.decode_step(1, 512), cost.decode_step(256, 512)
+    up_bytes = SCHEMES["bf16"].linear.matrix_bytes(2048, 2 * 768) * 48
+    assert one.op("mlp_up").bytes == pytest.approx(8 * up_bytes + 1 * 2 * (2048 + 2 * 768) * 8 * 48, rel=1e-6)
+    assert many.op("mlp_up").bytes > 15 * one.op("mlp_up").bytes  # nearly every expert read
+    assert many.op("mlp_up").flops == 256 * one.op("mlp_up").flops  # the FLOPs: the active experts only
+    w = synthetic(16, LengthDist(32, 64), LengthDist(8, 8), concurrency=8, seed=1)
+    s = simulate(dep(m), w, EngineSettings(max_num_seqs=8)).summary
+    assert s.num_requests == 16 and s.output_tokens == 16 * 8 and s.weights_bytes == SCHEMES["bf16"].total_bytes(m)
