@@ -251,13 +251,15 @@ class Attention:
         self.sinks = sinks
 
     @staticmethod
-    def load_projections(src, prefix: str, bias: bool, gated: bool = False, head_dim: int = 0, kv: str = "own"):
+    def load_projections(src, prefix: str, bias: bool, gated: bool = False, head_dim: int = 0, kv: str = "own",
+                         dense: bool = True):
         """(qkv, o) from ``{prefix}qkv`` (or ``q``, ``k``, ``v`` fused here; their biases with ``bias``) and
         ``{prefix}o`` (its bias ``o_bias`` where the checkpoint has one: gpt-oss). ``gated``: ``q`` holds each head's
         query rows then its gate rows (Qwen 3.5); the fused projection is then [gates, q, k, v], so that q/k/v
         stay adjacent columns for the kernels. ``kv``: "shared" (q alone: the layer reads another's K/V; any k/v
         weights the checkpoint keeps for it are dropped), or "own" (where a layer has no ``v`` its values are its
-        keys' projection, Gemma 4's ``attention_k_eq_v``: k's rows serve twice)."""
+        keys' projection, Gemma 4's ``attention_k_eq_v``: k's rows serve twice). ``dense``: the linears may keep a
+        dense copy for large steps (``WeightSource.linear``)."""
         if kv == "shared":
             for name in ("k", "v", "k_norm", "v_norm"):
                 src.weights.pop(prefix + name, None)
@@ -274,9 +276,9 @@ class Attention:
         if bias:
             b = src.pop(prefix + "qkv_bias") if prefix + "qkv_bias" in src else torch.cat(
                 [src.pop(prefix + "q_bias"), src.pop(prefix + "k_bias"), src.pop(prefix + "v_bias")])
-        qkv = src.linear(prefix + "qkv", [prefix + "q", prefix + "k", prefix + "v"], "attn", b)  # (Q+2K, H)
+        qkv = src.linear(prefix + "qkv", [prefix + "q", prefix + "k", prefix + "v"], "attn", b, dense)  # (Q+2K, H)
         o_bias = src.pop(prefix + "o_bias") if prefix + "o_bias" in src else None
-        return qkv, src.linear(prefix + "o", [prefix + "o"], "attn", o_bias)
+        return qkv, src.linear(prefix + "o", [prefix + "o"], "attn", o_bias, dense)
 
     def linear_slots(self, prefix: str):
         yield prefix + "qkv", self, "qkv"

@@ -21,7 +21,7 @@ class PostNormLayer:
              eps: float) -> "PostNormLayer":
         """``q``/``k``/``v``/``o`` and their biases, ``up``/``down`` and theirs, the LayerNorms ``attn_norm`` /
         ``mlp_norm`` (weight and ``_bias``)."""
-        qkv, o = Attention.load_projections(src, prefix, bias=True)
+        qkv, o = Attention.load_projections(src, prefix, bias=True, dense=False)  # (an encoder keeps no copies)
         attn = Attention(qkv, o, num_heads, num_heads, head_dim, head_dim ** -0.5, None, causal=False)
         norm = [(src.norm(prefix + n), src.norm(prefix + n + "_bias")) for n in ("attn_norm", "mlp_norm")]
         return cls(attn, norm[0], MLP.load(src, prefix, act), norm[1], eps)

@@ -235,7 +235,7 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
                     weights.update({f"layers.{idx}.{k}": (v.float() if v.is_floating_point() else v).contiguous()
                                     for k, v in parts.items()})
                     continue
-                experts = rest.removeprefix(spec.hf_experts) if spec.hf_experts else None
+                experts = rest[len(spec.hf_experts):] if spec.hf_experts and rest.startswith(spec.hf_experts) else None
                 if experts is not None and (m := HF_EXPERT.fullmatch(experts)) is not None:
                     key = f"layers.{idx}.experts.{m[1]}.{HF_EXPERT_PART[m[2]]}"
                 elif experts in HF_STACKED_EXPERTS:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from pagedllm.sim.hardware import HardwareProfile
 from pagedllm.sim.kvcalc import kv_dtype_bytes
-from pagedllm.model.arch import KVGroups
+from pagedllm.model.arch import KVGroups, tp_layout
 from pagedllm.sim.model_profile import ModelProfile, QuantScheme
 
 
@@ -35,13 +35,14 @@ class Deployment:
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tensor-parallel size must be a positive integer, got {self.tp!r}")
-        self.model.kv_width(self.tp)  # (refuses per-layer head shapes under tensor parallelism)
         if self.model.num_heads % self.tp:
             raise ValueError(f"{self.model.name}: {self.model.num_heads} attention heads do not split over "
                              f"tp={self.tp}")
         if self.model.intermediate_size % self.tp:
             raise ValueError(f"{self.model.name}: intermediate size {self.model.intermediate_size} does not split "
                              f"over tp={self.tp}")
+        if self.tp > 1:  # what the engine splits over ranks, or its refusal (mixtures of experts, Gemma 4's shapes...)
+            tp_layout(self.model.arch, self.tp)
         if not self.kv_dtype:
             object.__setattr__(self, "kv_dtype", self.hardware.default_kv_dtype)
         kv_dtype_bytes(self.kv_dtype)
@@ -238,11 +239,13 @@ class CostModel:
         self._head_bytes = self._head_fmt.matrix_bytes(m.hidden_size, m.vocab_size) / tp
         self._embed_bpw = deployment.scheme.embed.bytes_per_weight
         self._kv_layer = deployment.kv_bytes_per_token_layer
-        # (window or 0, layers, query heads x head size summed over them) per window, this device's heads
-        by_window: dict[int, list[int]] = {}
-        for window, hd in m.attention_layers():
-            by_window.setdefault(window, []).append(hd // tp)
-        self._windows = [(w, len(v), sum(v)) for w, v in sorted(by_window.items())]
+        # per window (or 0): (window, layers, those keeping K/V of their own, query heads x head size summed over the
+        # layers, this device's heads)
+        own = set(m.kv_layers())
+        by_window: dict[int, list[tuple[int, bool]]] = {}
+        for i, (window, hd) in enumerate(m.attention_layers()):
+            by_window.setdefault(window, []).append((hd // tp, i in own))
+        self._windows = [(w, len(v), sum(o for _, o in v), sum(hd for hd, _ in v)) for w, v in sorted(by_window.items())]
         self._attn_rate = hw.peak_flops(hw.attention_dtype) * hw.attention_efficiency
 
     def _gemm(self, name: str, rows: int, flops: float, nbytes: float, fmt) -> OpTime:
@@ -273,10 +276,11 @@ class CostModel:
             a_flops = a_bytes = 0.0
             for w in work:
                 q, c0 = w.query_tokens, w.context_before
-                for window, layers, hd in self._windows:
+                for window, layers, own, hd in self._windows:
                     a_flops += 4 * hd * _keys_attended(q, c0, window)
                     read = c0 if not window else min(c0, window)
-                    a_bytes += layers * self._kv_layer * (read + 2 * q) + 2 * q * hd * self._act
+                    # every layer reads its (or its source's) cache rows; those with K/V of their own write theirs
+                    a_bytes += self._kv_layer * (layers * read + own * 2 * q) + 2 * q * hd * self._act
             ops.append(OpTime("attention", a_flops, a_bytes, a_flops / self._attn_rate, a_bytes / self._bw))
             e_bytes = rows * m.hidden_size * (self._embed_bpw / tp + self._act)
             ops.append(OpTime("embedding", 0.0, e_bytes, 0.0, e_bytes / self._bw))

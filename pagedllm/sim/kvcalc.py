@@ -4,7 +4,9 @@ Per token, every layer stores one key and one value vector per KV head:
 ``2 x layers x kv_heads x head_dim x bytes``. The formula often quoted, ``2 x layers x hidden x bytes``, counts a
 KV vector per query head (multi-head attention); with GQA it overstates by ``num_heads / num_kv_heads``. A
 sliding-window layer (Gemma 2 / 3, Mistral) keeps at most its window of a sequence: the per-sequence figures count
-it so, as the engine's KV cache frees the blocks that fell out of the window.
+it so, as the engine's KV cache frees the blocks that fell out of the window. Gemma 4 as the engine lays it out:
+the layers that read another layer's K/V keep none, and every layer's row is as wide as the widest layer's
+(``ModelProfile.kv_width``).
 """
 
 from __future__ import annotations
@@ -68,13 +70,13 @@ class KVReport:
             "",
             "| formula | per token | per sequence | batch x sequence |",
             "|---|---|---|---|",
-            f"| GQA: 2 x layers x kv_heads x head_dim x bytes | {human_bytes(self.per_token)} "
+            f"| GQA: 2 x layers keeping K/V x kv_heads x head_dim x bytes | {human_bytes(self.per_token)} "
             f"({self.per_token:,} B) | {human_bytes(self.per_sequence)} | {human_bytes(self.total)} |",
             f"| common: 2 x layers x hidden x bytes | {human_bytes(self.naive_per_token)} "
             f"({self.naive_per_token:,} B) | {human_bytes(self.naive_per_token * self.seq_len)} "
             f"| {human_bytes(self.naive_total)} |",
             "",
-            f"The common formula overstates by {self.overstatement:g}x (= num_heads / num_kv_heads)."
+            f"The common formula overstates by {self.overstatement:g}x."
             + (f" Sliding-window layers keep at most their window: a sequence holds "
                f"{self.per_sequence / (self.per_token * self.seq_len):.0%} of the all-global figure."
                if self.per_sequence < self.per_token * self.seq_len else ""),

@@ -201,7 +201,7 @@ def test_cache_rows_hold_the_widest_layer(tiny):
     deployment = Deployment(get_gpu_profile("a100-80gb"), profile, SCHEMES["bf16"], kv_dtype="fp32")
     assert deployment.kv_bytes_per_block(16) == kv.bytes_per_block and len(profile.kv_layers()) == own
     assert kv_bytes_per_sequence(profile, WINDOW, "fp32") == WINDOW * 2 * own * width * 4  # (within the window)
-    with pytest.raises(ValueError, match="tensor parallelism"):
+    with pytest.raises(ValueError, match="not split over ranks"):  # the engine's own refusal (tp_layout)
         Deployment(get_gpu_profile("a100-80gb"), profile, SCHEMES["bf16"], tp=2)
 
 

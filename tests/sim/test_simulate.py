@@ -489,3 +489,5 @@ def test_mixture_of_experts_costs_its_active_experts(tmp_path):
     w = synthetic(16, LengthDist(32, 64), LengthDist(8, 8), concurrency=8, seed=1)
     s = simulate(dep(m), w, EngineSettings(max_num_seqs=8)).summary
     assert s.num_requests == 16 and s.output_tokens == 16 * 8 and s.weights_bytes == SCHEMES["bf16"].total_bytes(m)
+    with pytest.raises(ValueError, match="mixture-of-experts"):  # as the engine: experts are not split over ranks
+        dep(m, tp=2)
