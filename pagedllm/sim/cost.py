@@ -9,7 +9,6 @@ fixed overheads per step, per sequence and per token.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -64,10 +63,6 @@ class Deployment:
     @property
     def weight_bytes_per_device(self) -> float:
         return self.weight_bytes / self.tp
-
-    @property
-    def kv_heads_per_device(self) -> int:
-        return math.ceil(self.model.num_kv_heads / self.tp)  # KV heads are replicated when tp > kv_heads
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
@@ -239,8 +234,8 @@ class CostModel:
         self._head_bytes = self._head_fmt.matrix_bytes(m.hidden_size, m.vocab_size) / tp
         self._embed_bpw = deployment.scheme.embed.bytes_per_weight
         self._kv_layer = deployment.kv_bytes_per_token_layer
-        # per window (or 0): (window, layers, those keeping K/V of their own, query heads x head size summed over the
-        # layers, this device's heads)
+        # per window (or 0): (window, layers, those keeping K/V of their own, this device's query heads x head size
+        # summed over the layers)
         own = set(m.kv_layers())
         by_window: dict[int, list[tuple[int, bool]]] = {}
         for i, (window, hd) in enumerate(m.attention_layers()):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from pagedllm.gguf_file import BLOCK_TYPES, GGUFFile
-from pagedllm.model.arch import KVGroups, ModelArchConfig, config_from_gguf, config_from_hf
+from pagedllm.model.arch import KVGroups, ModelArchConfig, config_from_gguf, config_from_hf, tp_layout
 from pagedllm.model.archs import GGUFMeta
 from pagedllm.sim.hardware import COMPUTE_DTYPES
 
@@ -73,21 +73,11 @@ class ModelProfile:
         none."""
         return self.arch.kv_groups()
 
-    @property
-    def uniform_heads(self) -> bool:
-        """Every layer has the same head shape and keeps its own K/V (all but Gemma 4)."""
-        a = self.arch
-        return not (a.global_head_dim or a.global_num_kv_heads or a.kv_shared_layers)
-
     def kv_width(self, tp: int = 1) -> int:
-        """K (or V) values per token and layer in one device's cache: the engine's cache row, the widest layer's
-        heads x head size (narrower layers use a prefix of it); KV heads replicated where tp exceeds them."""
-        if tp > 1:
-            if not self.uniform_heads:
-                raise ValueError(f"{self.name}: per-layer head shapes and shared K/V under tensor parallelism are "
-                                 "not supported (nor by the engine)")
-            return -(-self.num_kv_heads // tp) * self.head_dim
-        return self.arch.kv_width()
+        """K (or V) values per token and layer in one device's cache, as the engine sizes it: the widest layer's
+        heads x head size (narrower layers use a prefix of it); under tensor parallelism a rank's KV heads
+        (``tp_layout``: replicated where tp exceeds them; its refusals stand)."""
+        return self.arch.kv_width(tp_layout(self.arch, tp).num_kv_heads if tp > 1 else None)
 
     def kv_layers(self) -> list[int]:
         """The layers that keep K/V of their own."""
