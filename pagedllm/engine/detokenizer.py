@@ -12,10 +12,15 @@ INITIAL_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 special_ids: frozenset[int] | None = None) -> None:
+        """``special_ids``: the tokenizer's special token ids, where the caller keeps them (transformers builds
+        ``all_special_ids`` anew on every read)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.special_ids = set(tokenizer.all_special_ids) if skip_special_tokens else set()
+        if special_ids is None:
+            special_ids = frozenset(tokenizer.all_special_ids)
+        self.special_ids = special_ids if skip_special_tokens else frozenset()
         context = [t for t in prompt_token_ids[-INITIAL_CONTEXT:] if t not in self.special_ids]
         self.tokens: list[str] = tokenizer.convert_ids_to_tokens(context)
         self.prefix_offset = 0

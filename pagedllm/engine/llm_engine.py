@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pagedllm.config import EngineConfig, resolve_model_path
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.tokenizer import import_tokenizer_library, load_tokenizer
+from pagedllm.engine.tokenizer import import_tokenizer_library, load_tokenizer, text_encoder
 from pagedllm.outputs import IterationStats, KVCacheSpec, RequestOutput, SchedulerStats
 from pagedllm.sample.structured import StructuredOutputs
 from pagedllm.sampling_params import SamplingParams
@@ -51,6 +51,7 @@ class LLMEngine:
                 runner.shutdown()  # e.g. the config does not fit the model: stop the other tensor-parallel ranks
                 raise
         self.config = self.core.config  # the step budget set
+        self._encode = text_encoder(self.tokenizer)
         self.model_path = runner.model_path
         self.max_model_len = self.core.max_model_len
         eos = runner.arch.eos_token_id
@@ -89,7 +90,7 @@ class LLMEngine:
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self._check_text(text)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._encode(text, add_special_tokens=add_special_tokens)
 
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

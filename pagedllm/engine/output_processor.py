@@ -85,6 +85,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_id: int | None, max_model_len: int,
                  model_stop_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.special_ids = frozenset(tokenizer.all_special_ids)  # (each detokenizer's, read once)
         self.eos_token_id = eos_token_id
         # the model's other end-of-generation tokens (gemma's <end_of_turn>): they stop a request as eos does
         self.model_stop_ids = tuple(t for t in model_stop_ids if t != eos_token_id)
@@ -107,7 +108,7 @@ class OutputProcessor:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentState(request_id, prompt, list(prompt_token_ids), [], arrival)
         reqs = []
-        if self.model_stop_ids and not params.ignore_eos:
+        if self.model_stop_ids and not params.ignore_eos and params.pooling is None:  # (a pooled one samples none)
             params = replace(params, stop_token_ids=sorted(set(params.stop_token_ids or ()) | set(self.model_stop_ids)))
         for i in range(params.n):
             child_params = params
@@ -117,7 +118,7 @@ class OutputProcessor:
             reqs.append(Request(rid, prompt_token_ids, child_params, self.eos_token_id, max_tokens, arrival, priority))
             parent.children.append(ChildState(
                 parent, i, child_params,
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, self.special_ids),
                 logprobs=[] if params.logprobs is not None else None,
             ))
         return parent, reqs

@@ -125,6 +125,33 @@ def _word_piece_from_gguf(f: GGUFFile):
                              mask_token=name.get("mask", "[MASK]"))
 
 
+def text_encoder(tok):
+    """``tok.encode`` (text, add_special_tokens) -> ids, through the Rust tokenizer's single-text ``encode`` where
+    transformers would call the same tokenizer with the same flags: a fast tokenizer whose class adds no Python of
+    its own to encoding. transformers encodes one text through the batch call, which hands it to rayon's threads
+    and releases and retakes the GIL: under a server's load (the engine thread's Python and torch threads on the
+    same cores) that took ~45% of the event loop's time for 32 clients of a small embedding model, several times
+    the encoding itself. Where the tokenizer holds truncation or padding settings (a truncating call leaves them)
+    transformers' own path runs, which resets them."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # (another transformers generation: its own path)
+        return tok.encode
+    backend = getattr(tok, "backend_tokenizer", None)
+    cls = type(tok)
+    if (not isinstance(backend, tokenizers.Tokenizer) or cls.encode is not PreTrainedTokenizerBase.encode
+            or cls._encode_plus is not TokenizersBackend._encode_plus or getattr(tok, "split_special_tokens", False)):
+        return tok.encode
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens:
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    return encode
+
+
 def import_tokenizer_library() -> None:
     """Import transformers on the calling thread, before ``load_tokenizer`` runs on another. Imports on two threads
     at once can meet half-initialised modules (Python breaks a cycle of import locks by handing one thread the

@@ -295,8 +295,10 @@ class Attention:
         is the step's spans (one per text)."""
         t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)  # (T, Q+2K), or (T, Q+Q+2K) with the gates first
-        if qkv.dtype != x.dtype:  # bfloat16 linears under float32 activations (an encoder): rotate in float32
-            qkv = qkv.to(x.dtype)
+        if self.rotary is not None or self.q_norm is not None:  # normalised and rotated in the activations' dtype
+            want = ops.qkv_dtype if ops.qkv_dtype is not None else x.dtype  # (an encoder's bfloat16 linears: float32)
+            if qkv.dtype != want:
+                qkv = qkv.to(want)
         gate = None
         if self.output_gate:
             gate, qkv = qkv[:, : self.q_size], qkv[:, self.q_size:]  # views: the kernels take the row stride
@@ -318,7 +320,7 @@ class Attention:
         else:  # transformers' bidirectional sliding layers: |query - key| < window // 2 + 1
             k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, nkv, d)
             v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, d)
-            attn = bidirectional_attention(q, k, v, meta, self.scale, self.window // 2)
+            attn = ops.bidirectional_attention(q, k, v, meta, self.scale, self.window // 2)
         attn = attn.reshape(t, self.q_size)
         if gate is not None:
             attn = attn * torch.sigmoid(gate)

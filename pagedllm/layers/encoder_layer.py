@@ -34,9 +34,10 @@ class PostNormLayer:
         return {"attn_norm": self.attn_norm[0], "attn_norm_bias": self.attn_norm[1], "mlp_norm": self.mlp_norm[0],
                 "mlp_norm_bias": self.mlp_norm[1]}
 
-    def forward(self, h: torch.Tensor, spans: list[tuple[int, int]], ops) -> torch.Tensor:
-        """h: (T, H), each span a whole text -> the layer's output (T, H)."""
-        h = ops.layer_norm(h + self.attn(h, None, None, (None, None), spans, ops), *self.attn_norm, self.eps)
-        return ops.layer_norm(h + self.mlp(h, ops), *self.mlp_norm, self.eps)
+    def forward(self, h: torch.Tensor, x: torch.Tensor, spans: list[tuple[int, int]], ops):
+        """h: the residual rows (T, H), x: the same rows as the linears read them (``ops.add_layer_norm``), each
+        span a whole text -> the layer's (h, x)."""
+        h, x = ops.add_layer_norm(h, self.attn(x, None, None, (None, None), spans, ops), *self.attn_norm, self.eps)
+        return ops.add_layer_norm(h, self.mlp(x, ops), *self.mlp_norm, self.eps)
 
     __call__ = forward

@@ -4,7 +4,8 @@ one ``forward``:
 - ``FusedOps``: the C++ CPU kernels (``pagedllm.kernels``): the residual add folded into the next RMSNorm, rotary
   and the K/V cache write in one pass, decode attention reading the cache's blocks in place, the MLP in pieces of
   ``mlp_rows`` rows;
-- ``TorchOps``: the same arithmetic as torch operations (CUDA, float16, a CPU without a compiler, the encoders).
+- ``EncoderOps``: the same kernels for an encoder (no KV cache), and its attention on AMX-BF16 tiles where there;
+- ``TorchOps``: the same arithmetic as torch operations (CUDA, float16, a CPU without a compiler).
 
 Both keep the same in-place conventions: ``add_rms_norm`` adds into the residual stream ``h``; ``qk_norm`` and
 ``rope_write_kv`` rewrite the q and k heads inside the fused qkv projection's output. ``choose_ops`` is the choice
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.attention import write_kv
+from pagedllm.layers.attention import bidirectional_attention, write_kv
 from pagedllm.layers.norm import rms_norm
 from pagedllm.layers.rotary import RotaryEmbedding
 
@@ -56,6 +57,7 @@ class TorchOps:
     fused = False
     kernels = None  # what ``paged_attention`` runs decode attention with (None: torch's SDPA over gathered blocks)
     mlp_rows = 0  # the MLP runs on all of a step's rows at once
+    qkv_dtype = None  # the dtype q, k and v are normalised and rotated in (None: the layer input's)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -90,6 +92,11 @@ class TorchOps:
             kv = qkv[:, nq * d:].view(t, 2, nkv, d)
             write_kv(k_cache, v_cache, kv[:, 0], kv[:, 1], slots)
 
+    def bidirectional_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
+                                scale: float, radius: int = 0) -> torch.Tensor:
+        """An encoder's attention over the step's spans (``layers.attention.bidirectional_attention``)."""
+        return bidirectional_attention(q, k, v, spans, scale, radius)
+
     def act_and_mul(self, act: str):
         """gate_up (T, 2I) -> act(gate) * up (T, I)."""
         return _ACT_AND_MUL[act]
@@ -101,6 +108,13 @@ class TorchOps:
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
         """LayerNorm over the last dimension, with its bias (BERT's post-norm layers)."""
         return F.layer_norm(x, weight.shape, weight, bias, eps)
+
+    def add_layer_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """BERT's post-norm step: LayerNorm(h + delta) -> (the new residual rows, the rows the next linear reads:
+        here the same tensor)."""
+        h = F.layer_norm(h + delta, weight.shape, weight, bias, eps)
+        return h, h
 
 
 class FusedOps(TorchOps):
@@ -115,7 +129,7 @@ class FusedOps(TorchOps):
         self.rms_norm = kernels.rms_norm
         self.add_rms_norm = kernels.add_rms_norm
         self.qk_norm = kernels.qk_norm
-        self.rope_write_kv = kernels.rope_write_kv  # slots and caches required: an encoder runs on TorchOps
+        self.rope_write_kv = kernels.rope_write_kv  # slots and caches required (``EncoderOps``: none)
         self._act = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul,
                      "swiglu_oai": kernels.swiglu_oai_and_mul}
 
@@ -127,8 +141,49 @@ class FusedOps(TorchOps):
         return fused if fused is not None else super().act_and_mul(act)
 
 
-def choose_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+class EncoderOps(FusedOps):
+    """An encoder's backend: the fused kernels with no KV cache. The rotary kernel turns the k heads in place as
+    it turns the q heads (all of them taken as queries: nothing is written to a cache). ``bf16_linears``: bfloat16
+    linears under a float32 residual stream; the norms then add the linears' bfloat16 outputs and write the next
+    linear's bfloat16 input in their one pass (no casts around each GEMM)."""
+
+    mlp_rows = 0  # (an encoder's bfloat16 GEMMs on oneDNN: whole steps measured faster than pieces)
+
+    def __init__(self, kernels, bf16_linears: bool = False) -> None:
+        super().__init__(kernels)
+        self._rope = kernels.rope_write_kv
+        self._tiles = kernels.encoder_attention_tiles()
+        self.rope_write_kv = self._rope_in_place
+        if bf16_linears:  # (in float32 here: q and k rounded to bfloat16 after the rotary cost 2-4x the cosine error)
+            self.qkv_dtype = torch.float32
+            self.rms_norm = lambda h, w, eps: kernels.rms_norm(h, w, eps, True)
+            self.add_rms_norm = lambda h, d, w, eps: kernels.add_rms_norm(h, d, w, eps, True)
+            self.add_layer_norm = lambda h, d, w, b, eps: (h, kernels.add_layer_norm(h, d, w, b, eps))
+
+    def bidirectional_attention(self, q, k, v, spans, scale, radius=0):
+        """On the AMX-BF16 tiles (``encoder_attention``) where they run, for bfloat16 q, k, v (what bfloat16
+        linears give: no rounding added but the probabilities') and heads of a multiple of 32; not with a window
+        shorter than a text (EmbeddingGemma's sliding layers on long texts)."""
+        if (self._tiles and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+                and not (radius and max(e - s for s, e in spans) > radius + 1)):
+            return self.kernels.encoder_attention(q, k, v, torch.tensor(spans, dtype=torch.long), scale)
+        return bidirectional_attention(q, k, v, spans, scale, radius)
+
+    def _rope_in_place(self, qkv, positions, cos, sin, slots, k_cache, v_cache, nq: int, nkv: int) -> None:
+        t, d = qkv.shape[0], qkv.shape[1] // (nq + 2 * nkv)
+        none = qkv.new_empty(1, 1, 1, d)  # a one-slot "cache" the kernel checks the head size against
+        self._rope(qkv[:, : (nq + nkv) * d], positions, cos, sin, torch.zeros(t, dtype=torch.long), none, none,
+                   nq + nkv, 0)
+
+
+def choose_ops(device: torch.device, dtype: torch.dtype, encoder: bool = False,
+               linear_dtype: torch.dtype | None = None) -> TorchOps:
     """The fused kernels where they run (CPU, float32 or bfloat16 activations, the kernels built: ``cpu_ops``,
-    asked only there), else torch."""
+    asked only there), else torch. ``encoder``: no KV cache to write (``EncoderOps``; ``linear_dtype``: its
+    linears' dtype where not ``dtype``)."""
     kernels = cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
-    return FusedOps(kernels) if kernels is not None else TorchOps()
+    if kernels is None:
+        return TorchOps()
+    if encoder:
+        return EncoderOps(kernels, dtype == torch.float32 and linear_dtype == torch.bfloat16)
+    return FusedOps(kernels)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from pagedllm.layers.encoder_layer import PostNormLayer
 from pagedllm.layers.linear import tensor_bytes
-from pagedllm.layers.ops import TorchOps
+from pagedllm.layers.ops import choose_ops
 from pagedllm.layers.weights import LinearBuild, WeightSource
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.decoder import CausalLM
@@ -34,13 +34,13 @@ class BidirectionalLM(CausalLM):
         if cfg.attn_softcap:
             raise ValueError(f"{cfg.arch}: attention soft-capping is not supported in an encoder")
         super().__init__(cfg, weights, device, dtype, build, causal=False)
-        self.ops = TorchOps()  # the fused rotary writes the KV cache that an encoder does not keep
+        self.ops = choose_ops(device, dtype, encoder=True, linear_dtype=build.linear_dtype if build else None)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         """input_ids, positions: (T,), each span a whole text -> final hidden states (T, H)."""
         none = [(None, None)] * len(self.layers)
-        return self._layers(input_ids, positions, none, [spans] * (max(self.kv_group) + 1))
+        return self._layers(input_ids, positions, none, [spans] * (max(self.kv_group) + 1)).to(self.dtype)
 
 
 class BertEncoder:
@@ -53,7 +53,7 @@ class BertEncoder:
         """``build.linear_dtype``: the linears' weights in this dtype (bfloat16 GEMMs under float32 activations)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.num_heads = self.num_kv_heads = cfg.num_heads  # (what the runner sizes its cache tensors by)
-        self.ops = TorchOps()
+        self.ops = choose_ops(device, dtype, encoder=True, linear_dtype=build.linear_dtype if build else None)
         src = WeightSource(weights, device, dtype, build or LinearBuild())
         self.embed = src.norm("embed")  # (tables: float rows in the model's dtype, as the norms)
         self.pos_embed = src.norm("pos_embed")
@@ -85,8 +85,9 @@ class BertEncoder:
         if self.type_embed is not None:
             h = h + self.type_embed
         h = self.ops.layer_norm(h + self.pos_embed[positions], *self.embed_norm, self.cfg.rms_norm_eps)
+        x = h
         for layer in self.layers:
-            h = layer(h, spans, self.ops)
+            h, x = layer(h, x, spans, self.ops)
         return h
 
 

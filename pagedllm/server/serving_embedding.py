@@ -9,12 +9,15 @@ for the primary's (a failure is an error, not a fallback)."""
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import struct
 import time
 import uuid
 
+import msgspec
 from fastapi import Request
+from fastapi.responses import Response
 
 from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.engine.llm_engine import as_prompt_list
@@ -37,6 +40,12 @@ def _cosine(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b)) / (na * nb) if na > 0 and nb > 0 else 0.0
 
 
+@functools.lru_cache(maxsize=None)
+def _pooling_params(pooling: str) -> SamplingParams:
+    """An embedding request's parameters (frozen: one per pooling, not validated again for every request)."""
+    return SamplingParams(max_tokens=1, pooling=pooling)
+
+
 class OpenAIServingEmbedding(OpenAIServing):
     async def _embed(self, engine: AsyncLLM, inputs: list, req, raw: Request, prompt_name: str | None = None,
                      pooling: str | None = None) -> tuple[list[list[float]], int]:
@@ -44,7 +53,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         encoded = [engine.encode_for_embedding(p, prompt_name, req.truncate_prompt_tokens) for p in inputs]
         if any(not ids for _, ids in encoded):
             raise APIError(400, "input must not contain an empty text or token list", "input")
-        params = SamplingParams(max_tokens=1, pooling=pooling or engine.default_pooling)
+        params = _pooling_params(pooling or engine.default_pooling)
         finals = await final_outputs(await self._queue(engine, encoded, params, req), raw)
         return [o.embedding for o in finals], sum(len(o.prompt_token_ids) for o in finals)
 
@@ -53,7 +62,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         """An embedding model's default: its Normalize module (sentence-transformers'); any other model: yes."""
         return engine.sentence.normalize if engine.sentence is not None else True
 
-    async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> dict:
+    async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         self.refuse_unsupported(req)
         engine = self.engine_for(model)
@@ -74,7 +83,10 @@ class OpenAIServingEmbedding(OpenAIServing):
             vec = vec[: req.dimensions] if req.dimensions else vec  # a Matryoshka prefix, normalised again
             vec = l2_normalize(vec) if normalize else vec
             data.append({"object": "embedding", "index": i, "embedding": encode_vector(vec, req.encoding_format)})
-        return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": n, "total_tokens": n}}
+        body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": n, "total_tokens": n}}
+        # encoded here in one call: FastAPI's walk over every float of every vector (jsonable_encoder, then json)
+        # took ~1/4 of the event loop's time per request under 32 clients of a small model
+        return Response(msgspec.json.encode(body), media_type="application/json")
 
     def _scoring_engine(self, req) -> tuple[str, AsyncLLM]:
         model = self.check_model(req.model)

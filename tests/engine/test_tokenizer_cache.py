@@ -93,3 +93,28 @@ def test_gguf_tokenizer_as_transformers_builds_it(tmp_path, monkeypatch):
     assert type(ours) is type(theirs) and ours.get_vocab() == theirs.get_vocab()
     assert ours.init_kwargs == theirs.init_kwargs and ours.all_special_tokens == theirs.all_special_tokens
     _same(ours, theirs)
+
+
+def test_text_encoder_gives_transformers_ids_without_its_batch_call():
+    """The engine's text encoder (``tokenizer.text_encoder``) calls the Rust tokenizer's single-text encode, not
+    transformers' batch path: the same ids, with and without special tokens, also after a truncating call (the
+    tokenizer keeps its truncation: then transformers' path, which resets it, runs). A class that encodes in
+    Python of its own keeps its own path."""
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    tok = tk.load_tokenizer(default_model_path())
+    encode = tk.text_encoder(tok)
+    assert encode != tok.encode  # the single-text path was chosen
+    for text in (TEXT, "", "  two  spaces", "<|im_start|>user\nHi<|im_end|>"):
+        for special in (True, False):
+            assert encode(text, add_special_tokens=special) == tok.encode(text, add_special_tokens=special)
+    tok(TEXT, truncation=True, max_length=3)  # leaves the backend truncating
+    assert tok.backend_tokenizer.truncation is not None
+    assert encode(TEXT) == tok.encode(TEXT) and len(encode(TEXT)) > 3
+
+    class Custom(Qwen2Tokenizer):
+        def encode(self, text, **kw):
+            return [7]
+
+    custom = Custom(vocab={"a": 0, "<|endoftext|>": 1}, merges=[])
+    assert tk.text_encoder(custom)("a") == [7]

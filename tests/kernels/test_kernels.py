@@ -195,6 +195,86 @@ def test_rms_norms(ops, dtype):
     _close(out, rms_norm(h + delta, w, 1e-5), dtype)
 
 
+def test_norms_of_float32_rows_under_bfloat16_linears(ops):
+    """An encoder's float32 residual rows with bfloat16 linears: the norms take the linear's bfloat16 output as
+    the delta and write the next linear's bfloat16 input: the same numbers as adding in float32 (torch), then
+    normalising in float32 and rounding once (the cast the linear did)."""
+    torch.manual_seed(2)
+    h = torch.randn(7, 384) * 3
+    w, b = torch.rand(384) + 0.5, torch.randn(384) * 0.1
+    delta = torch.randn(7, 384).bfloat16()
+    ref = rms_norm(h + delta, w, 1e-6)
+    for out_bf16 in (False, True):
+        h2 = h.clone()
+        out = ops.add_rms_norm(h2, delta, w, 1e-6, out_bf16)
+        assert torch.equal(h2, h + delta)  # float32 rows, the bfloat16 delta added exactly as torch adds it
+        assert out.dtype == (torch.bfloat16 if out_bf16 else torch.float32)
+        _close(out, ref, torch.bfloat16 if out_bf16 else torch.float32)
+        if out_bf16:  # one rounding of the float32 result
+            assert (out == ref.bfloat16()).float().mean() > 0.99
+    assert torch.equal(ops.rms_norm(h, w, 1e-6, True).float(), ops.rms_norm(h, w, 1e-6).bfloat16().float())
+    # BERT's post-norm: LayerNorm(h + delta) in place, and its bfloat16 copy
+    h2 = h.clone()
+    x = ops.add_layer_norm(h2, delta, w, b, 1e-12)
+    ref = F.layer_norm(h + delta, (384,), w, b, 1e-12)
+    _close(h2, ref, torch.float32)
+    assert x.dtype == torch.bfloat16 and torch.equal(x, h2.bfloat16())
+    h2 = h.clone()
+    ops.add_layer_norm(h2, delta.float(), w, b, 1e-12)  # a float32 delta too
+    _close(h2, ref, torch.float32)
+    with pytest.raises(RuntimeError, match="residual branch"):
+        ops.add_rms_norm(h.bfloat16(), delta.float(), w, 1e-6)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(12, 12, 32), (3, 1, 256), (4, 2, 64)])
+def test_encoder_attention_tiles_match_sdpa(ops, hq, hkv, d):
+    """An encoder's attention on AMX-BF16 tiles (BERT's heads of 32, EmbeddingGemma's 256 with one kv head):
+    each text's rows attend to all of its rows, whatever the length (partial tiles of keys and queries, one-row
+    texts), within the bfloat16 rounding of the probabilities and the output of the float32 reference."""
+    if not ops.encoder_attention_tiles():  # (a CPU without AMX-BF16: the encoder keeps torch's SDPA, tested below)
+        with pytest.raises(RuntimeError, match="AMX-BF16"):
+            ops.encoder_attention(*(torch.zeros(1, 1, 32, dtype=torch.bfloat16),) * 3, torch.tensor([[0, 1]]), 1.0)
+        return
+    from pagedllm.layers.attention import bidirectional_attention
+    torch.manual_seed(d)
+    lens = [1, 5, 16, 17, 31, 32, 33, 150, 247]
+    spans, s = [], 0
+    for n in lens:
+        spans.append((s, s + n))
+        s += n
+    qkv = (torch.randn(s, (hq + 2 * hkv) * d) * 2).bfloat16()  # strided views of one projection, as the model's
+    q = qkv[:, : hq * d].view(s, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(s, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(s, hkv, d)
+    out = ops.encoder_attention(q, k, v, torch.tensor(spans), d ** -0.5).float()
+    ref = bidirectional_attention(q.float(), k.float(), v.float(), spans, d ** -0.5)
+    rel = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert rel < 6e-3, rel  # (bfloat16 output rounding alone: ~3e-3)
+    a, e = spans[7]  # a text alone: bitwise its numbers in the batch
+    one = ops.encoder_attention(q[a:e], k[a:e], v[a:e], torch.tensor([[0, e - a]]), d ** -0.5)
+    assert torch.equal(one, out[a:e].bfloat16())
+    with pytest.raises(RuntimeError, match="span"):
+        ops.encoder_attention(q, k, v, torch.tensor([[0, s + 1]]), 1.0)
+
+
+def test_encoder_ops_rotary_in_place_matches_torch(ops):
+    """EncoderOps turns q and k in place with the fused rotary kernel (no cache written): the torch rotary's
+    numbers."""
+    from pagedllm.layers.ops import EncoderOps
+    torch.manual_seed(4)
+    t, nq, nkv, d = 9, 3, 1, 64
+    rot = RotaryEmbedding(d, 512, 10000.0, torch.device("cpu"), torch.float32)
+    qkv = torch.randn(t, (nq + 2 * nkv) * d)
+    pos = torch.tensor([0, 1, 2, 3, 0, 1, 5, 6, 7])
+    ref = qkv.clone()
+    TorchOps().rope_write_kv(ref, pos, *TorchOps().step_rotary(rot, pos), None, None, None, nq, nkv)
+    enc = EncoderOps(ops)
+    got = qkv.clone()
+    enc.rope_write_kv(got, pos, *enc.step_rotary(rot, pos), None, None, None, nq, nkv)
+    _close(got, ref, torch.float32)
+    assert torch.equal(got[:, (nq + nkv) * d:], qkv[:, (nq + nkv) * d:])  # v untouched
+
+
 def test_float32_norm_weight_multiplies_in_float32(ops):
     """Gemma's RMSNorm under bfloat16 activations (a float32 1 + w): x normalized and times the weight in float32,
     rounded once, as HF computes ``x * (1 + w.float())``. The torch path, rms_norm, add_rms_norm and qk_norm all

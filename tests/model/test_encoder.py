@@ -12,7 +12,7 @@ import torch
 from helpers import ARCH_MODULES, encoder_gguf, sentence_model
 from pagedllm import LLM
 from pagedllm.model.sentence import read_sentence_modules
-from pagedllm.kernels import cpu_info
+from pagedllm.kernels import cpu_info, cpu_ops
 from pagedllm.worker.plan import encoder_linear_dtype
 
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a",
@@ -58,11 +58,15 @@ def test_length_limit_and_truncation(model):
     assert np.abs(np.array(got.embedding) - st.encode(long)).max() <= 1e-5  # truncated as sentence-transformers
 
 
-def test_default_is_bf16_linears_only_with_bf16_dot_products(model):
+def test_default_is_bf16_linears_only_with_bf16_dot_products(model, monkeypatch):
     assert encoder_linear_dtype(frozenset({"avx2", "avx512_bf16"}))[0] == torch.bfloat16
     assert encoder_linear_dtype(frozenset({"amx_bf16"}))[0] == torch.bfloat16
     assert encoder_linear_dtype(frozenset({"avx2", "fma"}))[0] is None
-    _, path, st = model
+    kind, path, st = model
+    kernels, tiles = cpu_ops(), []
+    if kernels is not None and kernels.encoder_attention_tiles():  # BERT's attention on them (bfloat16 q, k, v)
+        real = kernels.encoder_attention
+        monkeypatch.setattr(kernels, "encoder_attention", lambda *a: tiles.append(1) or real(*a))
     llm = LLM(model=str(path))
     runtime = llm.engine.runtime
     want = encoder_linear_dtype(cpu_info()[1])[0]
@@ -71,6 +75,9 @@ def test_default_is_bf16_linears_only_with_bf16_dot_products(model):
     got = np.array([o.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
     ref = st.encode(TEXTS)
     assert ((got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)).min() >= 0.9999
+    # where the tiles run, BERT's default path used them (Gemma's q and k are rotated in float32: torch's SDPA)
+    assert bool(tiles) == (kind == "bert" and kernels is not None and kernels.encoder_attention_tiles()
+                           and runtime.get("linear_dtype") == "bfloat16")
 
 
 def test_sentence_modules_old_and_new_layouts(tmp_path):

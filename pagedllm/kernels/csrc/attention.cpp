@@ -258,13 +258,19 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 // WT: the weight's dtype. The normalized row is rounded to T before the weight multiplies it when WT is T (HF's
 // llama: weight * x.to(dtype)); a float32 weight under bfloat16 activations multiplies the float32 row, rounded
 // once at the end (HF's gemma: x * (1 + w.float()) in float32).
-template <typename T, typename WT = T>
-void rms_norm_impl(T* out, T* h, const T* delta, const WT* w, int64_t rows, int64_t n, double eps,
+// Float32 rows (an encoder's residual stream under bfloat16 linears) may also take a bfloat16 delta (DT: a linear's
+// output, added exactly as torch adds it) and write a bfloat16 output (OT: the next linear's input, rounded once,
+// as its cast would round it): the casts around the linears fused into the norm's one pass.
+template <typename T, typename WT = T, typename DT = T, typename OT = T>
+void rms_norm_impl(OT* out, T* h, const DT* delta, const WT* w, int64_t rows, int64_t n, double eps,
                    int64_t heads = 1, int64_t stride = 0) {
   if (stride == 0) stride = n;
   constexpr bool F32 = std::is_same_v<T, float>;  // rows are read and written in place, with no float32 copies
+  static_assert(F32 || (std::is_same_v<DT, T> && std::is_same_v<OT, T>), "bfloat16 rows: delta and out alike");
+  constexpr bool MIXED = !std::is_same_v<DT, T> || !std::is_same_v<OT, T>;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(F32 ? 0 : n), d(F32 ? 0 : n), wf(std::is_same_v<WT, float> ? 0 : n);
+    std::vector<float> x(F32 && !MIXED ? 0 : n), d(F32 && std::is_same_v<DT, T> ? 0 : n),
+        wf(std::is_same_v<WT, float> ? 0 : n);
     std::vector<T> tmp(F32 ? 0 : n);
     const float* wr = as_float_row(w, wf.data(), n);
     for (int64_t r = begin; r < end; ++r) {
@@ -272,9 +278,11 @@ void rms_norm_impl(T* out, T* h, const T* delta, const WT* w, int64_t rows, int6
       T* hr = h + off;
       const float* xr;  // the row (plus delta), as float32
       if constexpr (F32) {
-        if (delta != nullptr)
+        if (delta != nullptr) {
+          const float* dr = as_float_row(delta + off, d.data(), n);
 #pragma omp simd
-          for (int64_t i = 0; i < n; ++i) hr[i] += delta[off + i];
+          for (int64_t i = 0; i < n; ++i) hr[i] += dr[i];
+        }
         xr = hr;
       } else {
         load_row(hr, x.data(), n);
@@ -289,10 +297,14 @@ void rms_norm_impl(T* out, T* h, const T* delta, const WT* w, int64_t rows, int6
       }
       const float ss = dot(xr, xr, n);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-      if constexpr (F32) {
+      if constexpr (F32 && std::is_same_v<OT, float>) {
         float* o = out + off;  // may be hr itself (element by element: in place is safe)
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inv * wr[i];
+      } else if constexpr (F32) {  // float32 row, bfloat16 out
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) x[i] = xr[i] * inv * wr[i];
+        store_row(x.data(), out + off, n);
       } else {
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) x[i] *= inv;
@@ -308,24 +320,43 @@ void rms_norm_impl(T* out, T* h, const T* delta, const WT* w, int64_t rows, int6
   });
 }
 
-at::Tensor rms_norm_common(at::Tensor& h, const at::Tensor* delta, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm_common(at::Tensor& h, const at::Tensor* delta, const at::Tensor& weight, double eps,
+                           bool out_bf16) {
   check_cpu(h, "hidden");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "hidden must be contiguous (T, H)");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == h.size(1) &&
                   (weight.scalar_type() == h.scalar_type() || weight.scalar_type() == at::kFloat),
               "weight must be (H,) in the hidden dtype or float32");
   if (delta != nullptr)
-    TORCH_CHECK(delta->is_contiguous() && delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(),
-                "the residual branch must be contiguous and shaped like hidden");
-  auto out = at::empty_like(h);
+    TORCH_CHECK(delta->is_contiguous() && delta->sizes() == h.sizes() &&
+                    (delta->scalar_type() == h.scalar_type() || delta->scalar_type() == at::kBFloat16),
+                "the residual branch must be contiguous and shaped like hidden, in its dtype or bfloat16");
+  auto out = at::empty_like(h, out_bf16 ? h.options().dtype(at::kBFloat16) : h.options());
   const int64_t rows = h.size(0), n = h.size(1);
+  if (h.scalar_type() == at::kFloat) {  // float32 rows: the delta and the output in float32 or bfloat16
+    TORCH_CHECK(weight.scalar_type() == at::kFloat, "float32 hidden rows take a float32 weight");
+    dispatch_float_bf16(delta ? delta->scalar_type() : at::kFloat, "rms_norm (delta)", [&](auto dtag) {
+      using DT = decltype(dtag);
+      dispatch_float_bf16(out.scalar_type(), "rms_norm (out)", [&](auto otag) {
+        using OT = decltype(otag);
+        rms_norm_impl<float, float, DT, OT>(out.data_ptr<OT>(), h.data_ptr<float>(),
+                                            delta ? delta->data_ptr<DT>() : nullptr, weight.data_ptr<float>(),
+                                            rows, n, eps);
+      });
+    });
+    return out;
+  }
+  TORCH_CHECK(delta == nullptr || delta->scalar_type() == h.scalar_type(),
+              "bfloat16 hidden rows take a bfloat16 delta");
   dispatch_float_bf16(h.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    dispatch_float_bf16(weight.scalar_type(), "rms_norm (weight)", [&](auto wtag) {  // T's, or float32
-      using WT = decltype(wtag);
-      rms_norm_impl<T, WT>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
-                           weight.data_ptr<WT>(), rows, n, eps);
-    });
+    if constexpr (!std::is_same_v<T, float>) {
+      dispatch_float_bf16(weight.scalar_type(), "rms_norm (weight)", [&](auto wtag) {  // T's, or float32
+        using WT = decltype(wtag);
+        rms_norm_impl<T, WT>(out.data_ptr<T>(), h.data_ptr<T>(), delta ? delta->data_ptr<T>() : nullptr,
+                             weight.data_ptr<WT>(), rows, n, eps);
+      });
+    }
   });
   return out;
 }
@@ -483,6 +514,204 @@ int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // n == 0 is refused by the caller
 }
 
+
+// ------------------------------------------------------------------ an encoder's attention on AMX bfloat16 tiles
+// Each text's rows attend to all of its rows (both ways, no cache). torch's SDPA runs a small head (BERT's 32
+// dimensions) at ~0.1 T multiply-adds/s here; on the tiles the products are nearly free and the softmax's exps are
+// the work. Per (text, kv head): K packed as B tiles of the scores (16 keys x 32 dimensions each: row r holds
+// each key's dimension pair 2r, 2r + 1), V as B tiles of the output (32 keys x 16 dimensions: row r holds each
+// dimension of keys 2r, 2r + 1); then per block of 16 queries: the whole score rows (16 x keys, float32 sums of
+// the bfloat16 products), a two-pass softmax in float32 (exps by vexp), the probabilities rounded to bfloat16, and
+// the output's float32 sums divided by each row's sum, rounded to bfloat16 once. q, k and v are what the bfloat16
+// linears gave (no rounding of their own); the probabilities' rounding is the one step torch's float32 path lacks.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    defined(__linux__)
+#define PAGEDLLM_ENC_AMX 1
+
+struct alignas(64) EncTileCfg {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// 2^t for t <= 0 (clamped at -126): 2^round(t) times 2^f, |f| <= 1/2, by its Taylor polynomial of degree 5
+// (relative error < 3e-6: the probabilities are rounded to bfloat16, 8 bits, before they weigh the values)
+inline __m512 enc_exp2(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Tiles: 0 = A (queries, or probabilities), 1 and 2 = B (alternating), 4-7 = C: up to 4 independent sums at once
+// (one tile's chain of dependent tdpbf16ps would wait on each product's latency).
+#define PAGEDLLM_ENC_C(j, OP)    \
+  do {                           \
+    switch (j) {                 \
+      case 0: OP(4); break;      \
+      case 1: OP(5); break;      \
+      case 2: OP(6); break;      \
+      default: OP(7); break;     \
+    }                            \
+  } while (0)
+
+// rows [s, s + n) of one kv head hk and its query heads; q, k, v: (T, H, D) bfloat16 with unit head stride
+void encoder_attention_text(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t qs,
+                            int64_t ks, int64_t vs, int64_t os, int64_t s, int64_t n, int64_t hk, int64_t group,
+                            int64_t D, float scale) {
+  const int64_t n16 = round_up(n, 16), n32 = round_up(n, 32), dc32 = D / 32, dc16 = D / 16;
+  std::vector<uint16_t> kb(n16 * D), vb(n32 * D), qb(16 * D), p(2 * 16 * n32);
+  std::vector<float> sc(16 * n16);
+  alignas(64) float ot[16][16];
+  // K: tile (key block b, dimension chunk c) row r, column j = key 16 b + j's dimensions 32 c + 2 r, + 1: a gather
+  // of one 32-bit pair per key (keys past n: zeros)
+  const __m512i key_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int>(ks / 2)));
+  for (int64_t b = 0; b < n16 / 16; ++b) {
+    const __mmask16 live = __mmask16((1u << std::min<int64_t>(n - 16 * b, 16)) - 1);
+    for (int64_t c = 0; c < dc32; ++c) {
+      const int* src = reinterpret_cast<const int*>(k + (s + 16 * b) * ks + hk * D + 32 * c);
+      uint16_t* t = kb.data() + (b * dc32 + c) * 512;
+      for (int64_t r = 0; r < 16; ++r)
+        _mm512_storeu_si512(t + 32 * r,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, key_rows, src + r, 4));
+    }
+  }
+  // V: tile (key pair block b, dimension chunk c) row r = keys 32 b + 2 r, + 1 of dimensions 16 c .. 16 c + 15,
+  // interleaved (one word permute of the two rows)
+  const __m512i pairs = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                          0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
+                                          0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
+  for (int64_t b = 0; b < n32 / 32; ++b)
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t k0 = 32 * b + 2 * r;
+      for (int64_t c = 0; c < dc16; ++c) {
+        const __m512i e0 = k0 < n ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                        reinterpret_cast<const __m256i*>(v + (s + k0) * vs + hk * D + 16 * c)))
+                                  : _mm512_setzero_si512();
+        const __m512i e1 = k0 + 1 < n ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                            reinterpret_cast<const __m256i*>(v + (s + k0 + 1) * vs + hk * D + 16 * c)))
+                                      : _mm512_setzero_si512();
+        _mm512_storeu_si512(vb.data() + (b * dc16 + c) * 512 + 32 * r, _mm512_permutex2var_epi16(e0, pairs, e1));
+      }
+    }
+  // per query block: its scores (tiles), then the previous block's output (tiles: its probabilities were stored
+  // long before, so the tile loads do not wait on the vector stores), then its softmax (vector unit)
+  float inv[2][16];
+  auto scores = [&](int64_t hq, int64_t q0) {
+    // the queries' A tiles straight from q; a last block of fewer than 16 rows from a zero-padded copy
+    const uint16_t* qa = q + (s + q0) * qs + hq * D;
+    int64_t qstride = qs;
+    if (q0 + 16 > n) {
+      for (int64_t i = 0; i < 16; ++i) {
+        if (q0 + i < n)
+          std::memcpy(qb.data() + i * D, qa + i * qs, D * sizeof(uint16_t));
+        else
+          std::memset(qb.data() + i * D, 0, D * sizeof(uint16_t));
+      }
+      qa = qb.data();
+      qstride = D;
+    }
+    for (int64_t b0 = 0; b0 < n16 / 16; b0 += 4) {  // 16 queries x 16 keys per C tile, 4 key blocks at once
+      const int64_t nb = std::min<int64_t>(4, n16 / 16 - b0);
+      for (int64_t j = 0; j < nb; ++j) PAGEDLLM_ENC_C(j, _tile_zero);
+      for (int64_t c = 0; c < dc32; ++c) {
+        _tile_loadd(0, qa + 32 * c, qstride * sizeof(uint16_t));
+        for (int64_t j = 0; j < nb; ++j) {
+          const uint16_t* bt = kb.data() + ((b0 + j) * dc32 + c) * 512;
+#define PAGEDLLM_ENC_MUL(C)             \
+  do {                                  \
+    if (j % 2 == 0) {                   \
+      _tile_loadd(1, bt, 64);           \
+      _tile_dpbf16ps(C, 0, 1);          \
+    } else {                            \
+      _tile_loadd(2, bt, 64);           \
+      _tile_dpbf16ps(C, 0, 2);          \
+    }                                   \
+  } while (0)
+          PAGEDLLM_ENC_C(j, PAGEDLLM_ENC_MUL);
+        }
+      }
+      for (int64_t j = 0; j < nb; ++j) {
+        float* dst = sc.data() + 16 * (b0 + j);
+#define PAGEDLLM_ENC_ST(C) _tile_stored(C, dst, n16 * sizeof(float))
+        PAGEDLLM_ENC_C(j, PAGEDLLM_ENC_ST);
+#undef PAGEDLLM_ENC_ST
+      }
+    }
+  };
+  const int64_t full = n / 16 * 16;
+  const __mmask16 tail = __mmask16((1u << (n - full)) - 1);
+  const vf k2 = vset1(scale * 1.44269504088896341f);
+  auto softmax = [&](int64_t buf) {  // each row over its n keys, as powers of 2
+    for (int64_t i = 0; i < 16; ++i) {
+      const float* row = sc.data() + i * n16;
+      vf m = vset1(-INFINITY);
+      for (int64_t j = 0; j < full; j += 16) m = vmax(m, vload(row + j));
+      if (tail) m = _mm512_mask_max_ps(m, tail, m, vload(row + full));
+      const vf mk2 = vmul(vset1(vhmax(m)), k2);  // (scale > 0)
+      vf sum = vzero();
+      uint16_t* pr = p.data() + (buf * 16 + i) * n32;
+      for (int64_t j = 0; j < full; j += 16) {
+        const vf e = enc_exp2(_mm512_fmsub_ps(vload(row + j), k2, mk2));
+        sum = vadd(sum, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+      }
+      int64_t j = full;
+      if (tail) {
+        const vf e = _mm512_maskz_mov_ps(tail, enc_exp2(_mm512_fmsub_ps(vload(row + j), k2, mk2)));
+        sum = vadd(sum, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+        j += 16;
+      }
+      for (; j < n32; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm256_setzero_si256());
+      inv[buf][i] = 1.f / vsum(sum);
+    }
+  };
+  auto output = [&](int64_t hq, int64_t q0, int64_t buf) {  // 16 queries x 16 dimensions per C tile, 4 at once
+    const uint16_t* pb = p.data() + buf * 16 * n32;
+    for (int64_t c0 = 0; c0 < dc16; c0 += 4) {
+      const int64_t nc = std::min<int64_t>(4, dc16 - c0);
+      for (int64_t j = 0; j < nc; ++j) PAGEDLLM_ENC_C(j, _tile_zero);
+      for (int64_t b = 0; b < n32 / 32; ++b) {
+        _tile_loadd(0, pb + 32 * b, n32 * sizeof(uint16_t));
+        for (int64_t j = 0; j < nc; ++j) {
+          const uint16_t* bt = vb.data() + (b * dc16 + c0 + j) * 512;
+          PAGEDLLM_ENC_C(j, PAGEDLLM_ENC_MUL);
+        }
+      }
+      for (int64_t j = 0; j < nc; ++j) {
+#define PAGEDLLM_ENC_ST(C) _tile_stored(C, ot, 64)
+        PAGEDLLM_ENC_C(j, PAGEDLLM_ENC_ST);
+#undef PAGEDLLM_ENC_ST
+        for (int64_t i = 0; i < std::min<int64_t>(16, n - q0); ++i) {
+          const vf y = vmul(_mm512_load_ps(ot[i]), vset1(inv[buf][i]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (s + q0 + i) * os + hq * D + 16 * (c0 + j)),
+                              (__m256i)_mm512_cvtneps_pbh(y));
+        }
+      }
+    }
+  };
+#undef PAGEDLLM_ENC_MUL
+  // the blocks of all query heads of this kv head in one sequence: block t = (head t / nqb, rows 16 (t % nqb))
+  const int64_t nqb = n16 / 16, total = group * nqb;
+  for (int64_t t = 0; t <= total; ++t) {
+    if (t < total) scores(hk * group + t / nqb, 16 * (t % nqb));
+    if (t > 0) output(hk * group + (t - 1) / nqb, 16 * ((t - 1) % nqb), (t - 1) % 2);
+    if (t < total) softmax(t % 2);
+  }
+}
+#undef PAGEDLLM_ENC_C
+#endif
+
 }  // namespace
 
 namespace pagedllm {
@@ -515,13 +744,61 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-at::Tensor rms_norm(at::Tensor h, const at::Tensor& weight, double eps) {
-  return rms_norm_common(h, nullptr, weight, eps);
+at::Tensor rms_norm(at::Tensor h, const at::Tensor& weight, double eps, bool out_bf16) {
+  return rms_norm_common(h, nullptr, weight, eps, out_bf16);
 }
 
 // h += delta in place; returns rms_norm(h) * weight
-at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, double eps) {
-  return rms_norm_common(h, &delta, weight, eps);
+at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, double eps, bool out_bf16) {
+  return rms_norm_common(h, &delta, weight, eps, out_bf16);
+}
+
+// BERT's post-norm step: h = LayerNorm(h + delta) * weight + bias in place (float32 rows; delta float32 or
+// bfloat16, a linear's output), and a bfloat16 copy of the new rows (the next linear's input, rounded once):
+// the add, the norm and the cast in one pass over the rows
+at::Tensor add_layer_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, const at::Tensor& bias,
+                          double eps) {
+  check_cpu(h, "hidden");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat,
+              "hidden must be contiguous float32 (T, H)");
+  TORCH_CHECK(delta.is_contiguous() && delta.sizes() == h.sizes() &&
+                  (delta.scalar_type() == at::kFloat || delta.scalar_type() == at::kBFloat16),
+              "delta must be contiguous, shaped like hidden, float32 or bfloat16");
+  TORCH_CHECK(weight.is_contiguous() && bias.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  bias.scalar_type() == at::kFloat && weight.numel() == h.size(1) && bias.numel() == h.size(1),
+              "weight and bias must be float32 (H,)");
+  auto out = at::empty_like(h, h.options().dtype(at::kBFloat16));
+  const int64_t rows = h.size(0), n = h.size(1);
+  const float* w = weight.data_ptr<float>();
+  const float* b = bias.data_ptr<float>();
+  dispatch_float_bf16(delta.scalar_type(), "add_layer_norm (delta)", [&](auto dtag) {
+    using DT = decltype(dtag);
+    const DT* dp = delta.data_ptr<DT>();
+    float* hp = h.data_ptr<float>();
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> d(std::is_same_v<DT, float> ? 0 : n);
+      for (int64_t r = begin; r < end; ++r) {
+        float* x = hp + r * n;
+        const float* dr = as_float_row(dp + r * n, d.data(), n);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          x[i] += dr[i];
+          sum += x[i];
+        }
+        const float mean = sum / static_cast<float>(n);
+        float var = 0.f;
+#pragma omp simd reduction(+ : var)
+        for (int64_t i = 0; i < n; ++i) var += (x[i] - mean) * (x[i] - mean);
+        const float rstd = 1.f / std::sqrt(var / static_cast<float>(n) + static_cast<float>(eps));
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mean) * rstd * w[i] + b[i];
+        store_row(x, op + r * n, n);
+      }
+    });
+  });
+  return out;
 }
 
 void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, int64_t nq, int64_t nkv,
@@ -540,8 +817,9 @@ void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_wei
     T* q = qkv.data_ptr<T>();
     dispatch_float_bf16(q_weight.scalar_type(), "qk_norm (weights)", [&](auto wtag) {  // T's, or float32
       using WT = decltype(wtag);
-      rms_norm_impl<T, WT>(q, q, nullptr, q_weight.data_ptr<WT>(), T_ * nq, D, eps, nq, stride);
-      rms_norm_impl<T, WT>(q + nq * D, q + nq * D, nullptr, k_weight.data_ptr<WT>(), T_ * nkv, D, eps, nkv, stride);
+      const T* none = nullptr;  // (no delta)
+      rms_norm_impl<T, WT>(q, q, none, q_weight.data_ptr<WT>(), T_ * nq, D, eps, nq, stride);
+      rms_norm_impl<T, WT>(q + nq * D, q + nq * D, none, k_weight.data_ptr<WT>(), T_ * nkv, D, eps, nkv, stride);
     });
   });
 }
@@ -621,6 +899,63 @@ std::string isa() {
 #endif
   if (amx_enabled()) s += "+amx";  // qlinear's tiles on AMX (built for it, and the OS grants the tile state)
   return s;
+}
+
+
+bool encoder_attention_tiles() {
+#if defined(PAGEDLLM_ENC_AMX)
+  return bf16_tiles_enabled();
+#else
+  return false;
+#endif
+}
+
+// q (T, Hq, D), k and v (T, Hkv, D): bfloat16 views with unit head and dimension strides (of the qkv rows);
+// spans (B, 2) int64 [start, end) of each text; returns (T, Hq, D) bfloat16.
+at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
+                             double scale) {
+  TORCH_CHECK(encoder_attention_tiles(), "encoder_attention: no AMX-BF16 tiles here (encoder_attention_tiles())");
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    check_cpu(*t, "q/k/v");
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kBFloat16 && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "q, k and v must be bfloat16 (T, H, D) with contiguous heads");
+  }
+  const int64_t T_ = q.size(0), hq = q.size(1), hkv = k.size(1), D = q.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T_ && k.size(2) == D && hkv > 0 && hq % hkv == 0 && D % 32 == 0,
+              "k and v must be (T, Hkv, D) with Hq a multiple of Hkv and D a multiple of 32");
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 2 && spans.is_contiguous(),
+              "spans must be contiguous int64 (B, 2)");
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t B = spans.size(0);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(0 <= sp[2 * b] && sp[2 * b] < sp[2 * b + 1] && sp[2 * b + 1] <= T_, "span ", b, " outside the rows");
+  auto out = at::empty({T_, hq, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+#if defined(PAGEDLLM_ENC_AMX)
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t group = hq / hkv;
+  // items: (text, kv head), longest texts first so that the last items to finish are short
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return sp[2 * a + 1] - sp[2 * a] > sp[2 * b + 1] - sp[2 * b]; });
+  parallel_claims(B * hkv, 1, [&](int64_t begin, int64_t end) {
+    EncTileCfg cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = order[it / hkv], h = it % hkv;
+      encoder_attention_text(qp, kp, vp, op, q.stride(0), k.stride(0), v.stride(0), hq * D, sp[2 * b],
+                             sp[2 * b + 1] - sp[2 * b], h, group, D, static_cast<float>(scale));
+    }
+  });
+#endif
+  return out;
 }
 
 }  // namespace pagedllm

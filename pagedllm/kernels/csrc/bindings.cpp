@@ -50,8 +50,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "C (B, H, N) float32), the states updated in place in the pool (S, H, P, N) at the slots; returns y "
         "(B, H, P) with the D skip", py::arg("x"), py::arg("dt"), py::arg("b"), py::arg("c"), py::arg("a_neg"),
         py::arg("d"), py::arg("pool"), py::arg("slots"), nogil);
-  m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
-  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h)", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm (out_bf16: float32 rows normalised into bfloat16)", py::arg("h"),
+        py::arg("weight"), py::arg("eps"), py::arg("out_bf16") = false, nogil);
+  m.def("add_rms_norm", &add_rms_norm, "h += delta in place (delta in h's dtype, or bfloat16 under float32 rows), "
+        "then RMSNorm(h) (out_bf16: into bfloat16)", py::arg("h"), py::arg("delta"), py::arg("weight"),
+        py::arg("eps"), py::arg("out_bf16") = false, nogil);
+  m.def("encoder_attention", &encoder_attention, "an encoder's attention on AMX-BF16 tiles: each span's rows attend "
+        "to all of its rows (bfloat16 q, k, v (T, H, D); spans (B, 2) int64)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("spans"), py::arg("scale"), nogil);
+  m.def("encoder_attention_tiles", &encoder_attention_tiles, "whether encoder_attention runs here (built with "
+        "AMX-BF16 and the tile state granted)");
+  m.def("add_layer_norm", &add_layer_norm, "h = LayerNorm(h + delta) in place (float32 rows, a float32 or bfloat16 "
+        "delta); returns the new rows in bfloat16", nogil);
   m.def("qk_norm", &qk_norm, "RMSNorm of each q head and each k head of qkv's rows, in place", nogil);
   m.def("rope_write_kv", &rope_write_kv, "rotary on q (in place) and k; k and v written to the cache", nogil);
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up", nogil);

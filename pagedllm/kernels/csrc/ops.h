@@ -14,8 +14,10 @@ namespace pagedllm {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window, double softcap, const std::optional<at::Tensor>& sinks);
-at::Tensor rms_norm(at::Tensor h, const at::Tensor& weight, double eps);
-at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, double eps);
+at::Tensor rms_norm(at::Tensor h, const at::Tensor& weight, double eps, bool out_bf16);
+at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, double eps, bool out_bf16);
+at::Tensor add_layer_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight, const at::Tensor& bias,
+                          double eps);
 void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, int64_t nq, int64_t nkv,
              double eps);
 void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -50,6 +52,9 @@ at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_
 std::string isa();
 bool amx_enabled();
 bool bf16_tiles_enabled();
+bool encoder_attention_tiles();
+at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
+                             double scale);
 bool set_qlinear_amx(bool on);
 
 }  // namespace pagedllm
