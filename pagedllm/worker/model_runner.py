@@ -79,6 +79,9 @@ def keep_freed_memory() -> bool:
 # prompt logprobs: logits are computed this many rows at a time (a 2048-token chunk of a 150k vocabulary at once
 # would take 1.2 GB)
 PROMPT_LOGIT_ROWS = 256
+# an encoder's step rows padded to a multiple of this (``_forward_step``): oneDNN's GEMMs are built per row count
+# (kept in its cache) and run fastest at multiples of their blocks; 64 rows are ~3% of a 2048-token step
+ENCODER_ROW_ALIGN = 64
 
 
 class _Forward(NamedTuple):
@@ -391,10 +394,17 @@ class ModelRunner:
         if not step.input_ids:
             return None
         if self.arch.encoder:  # whole texts, nothing cached: each prompt is a span of the flat batch
-            ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
-            pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
             spans = sorted([(a, b) for a, b, _ in step.prefills] + [(r, r + 1) for r in step.decode_rows])
-            return _Forward(ids, pos, None, self.model.forward(ids, pos, spans), None, None)
+            # the rows padded to a multiple of ENCODER_ROW_ALIGN by one more "text" of token 0 at position 0
+            # (computed, then dropped): oneDNN builds a GEMM for each new row count (~12 ms a shape here, against
+            # ~1.2 ms to run one of a 2000-row step's linears) and runs counts off its blocks slower, so a server's
+            # steps, each with its own total of tokens, spent more time building GEMMs than running them
+            t = len(step.input_ids)
+            pad = -t % ENCODER_ROW_ALIGN
+            ids = torch.tensor(step.input_ids + [0] * pad, dtype=torch.long, device=self.device)
+            pos = torch.tensor(step.positions + [0] * pad, dtype=torch.long, device=self.device)
+            hidden = self.model.forward(ids, pos, spans + ([(t, t + pad)] if pad else []))[:t]
+            return _Forward(ids[:t], pos[:t], None, hidden, None, None)
         input_ids, positions, meta, rows = self._step_tensors(step)
         state_meta = None
         if self.num_state_slots:  # restored snapshots first: a slot zeroed now may have been one

@@ -13,6 +13,7 @@ from helpers import ARCH_MODULES, encoder_gguf, sentence_model
 from pagedllm import LLM
 from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.kernels import cpu_info, cpu_ops
+from pagedllm.worker.model_runner import ENCODER_ROW_ALIGN
 from pagedllm.worker.plan import encoder_linear_dtype
 
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "a",
@@ -34,8 +35,11 @@ def test_vectors_equal_sentence_transformers(model):
     assert not llm.engine.core.config.cache.enable_prefix_caching  # nothing is cached for a text computed whole
     together = np.array([o.embedding for o in llm.embed(TEXTS, use_tqdm=False)])  # one step, all texts
     assert np.abs(together - st.encode(TEXTS)).max() <= 1e-5
+    rows, forward = [], runner.model.forward
+    runner.model.forward = lambda ids, pos, spans: rows.append(len(ids)) or forward(ids, pos, spans)
     alone = np.array([llm.embed(t, use_tqdm=False)[0].embedding for t in TEXTS])
-    assert np.abs(alone - together).max() <= 1e-6
+    assert np.abs(alone - together).max() <= 1e-6  # (each step padded to its own number of rows)
+    assert rows and all(r % ENCODER_ROW_ALIGN == 0 for r in rows), rows  # the rows oneDNN's GEMMs are built for
     if kind == "gemma":  # its prompts, by name, as sentence-transformers prepends them
         for name in ("query", "document"):
             got = np.array([o.embedding for o in llm.embed(TEXTS, prompt_name=name, use_tqdm=False)])
