@@ -521,9 +521,10 @@ int64_t argmax_row(const float* x, int64_t n) {
 // the work. Per (text, kv head): K packed as B tiles of the scores (16 keys x 32 dimensions each: row r holds
 // each key's dimension pair 2r, 2r + 1), V as B tiles of the output (32 keys x 16 dimensions: row r holds each
 // dimension of keys 2r, 2r + 1); then per block of 16 queries: the whole score rows (16 x keys, float32 sums of
-// the bfloat16 products), a two-pass softmax in float32 (exps by vexp), the probabilities rounded to bfloat16, and
-// the output's float32 sums divided by each row's sum, rounded to bfloat16 once. q, k and v are what the bfloat16
-// linears gave (no rounding of their own); the probabilities' rounding is the one step torch's float32 path lacks.
+// the bfloat16 products), a two-pass softmax in float32 (powers of 2: enc_exp2), the probabilities rounded to
+// bfloat16, and the output's float32 sums divided by each row's sum, rounded to bfloat16 once. q, k and v are what
+// the bfloat16 linears gave (no rounding of their own); the probabilities' rounding is the one step torch's float32
+// path lacks.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
     defined(__linux__)
 #define PAGEDLLM_ENC_AMX 1
