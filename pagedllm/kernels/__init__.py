@@ -216,7 +216,7 @@ def cpu_ops():
         return None
     try:
         ops = build(target_march(), unity=os.environ.get("PAGEDLLM_CPU_UNITY") == "1")
-        if os.environ.get("PAGEDLLM_CPU_AMX", "1") == "0":  # qlinear on the AVX-512 tiles even where AMX is there
+        if os.environ.get("PAGEDLLM_CPU_AMX", "1") == "0":  # no AMX: qlinear on the AVX-512 tiles, encoders on SDPA
             ops.set_qlinear_amx(False)
         return ops
     except Exception as e:  # no compiler, or a failed build: the torch path still works

@@ -7,7 +7,8 @@ one ``forward``:
 - ``EncoderOps``: the same kernels for an encoder (no KV cache), and its attention on AMX-BF16 tiles where there;
 - ``TorchOps``: the same arithmetic as torch operations (CUDA, float16, a CPU without a compiler).
 
-Both keep the same in-place conventions: ``add_rms_norm`` adds into the residual stream ``h``; ``qk_norm`` and
+All keep the same in-place conventions: ``add_rms_norm`` adds into the residual stream ``h`` (``add_layer_norm``
+returns the new rows, which ``EncoderOps`` writes over ``h``); ``qk_norm`` and
 ``rope_write_kv`` rewrite the q and k heads inside the fused qkv projection's output. ``choose_ops`` is the choice
 the model is built with.
 """
@@ -149,22 +150,23 @@ class EncoderOps(FusedOps):
 
     mlp_rows = 0  # (an encoder's bfloat16 GEMMs on oneDNN: whole steps measured faster than pieces)
 
-    def __init__(self, kernels, bf16_linears: bool = False) -> None:
+    def __init__(self, kernels, bf16_linears: bool = False, final_norm: torch.Tensor | None = None) -> None:
+        """``final_norm``: the weight of the norm whose rows are the model's output (pooled, not a linear's input:
+        kept in float32)."""
         super().__init__(kernels)
         self._rope = kernels.rope_write_kv
-        self._tiles = kernels.encoder_attention_tiles()
         self.rope_write_kv = self._rope_in_place
         if bf16_linears:  # (in float32 here: q and k rounded to bfloat16 after the rotary cost 2-4x the cosine error)
             self.qkv_dtype = torch.float32
-            self.rms_norm = lambda h, w, eps: kernels.rms_norm(h, w, eps, True)
-            self.add_rms_norm = lambda h, d, w, eps: kernels.add_rms_norm(h, d, w, eps, True)
+            self.rms_norm = lambda h, w, eps: kernels.rms_norm(h, w, eps, w is not final_norm)
+            self.add_rms_norm = lambda h, d, w, eps: kernels.add_rms_norm(h, d, w, eps, w is not final_norm)
             self.add_layer_norm = lambda h, d, w, b, eps: (h, kernels.add_layer_norm(h, d, w, b, eps))
 
     def bidirectional_attention(self, q, k, v, spans, scale, radius=0):
         """On the AMX-BF16 tiles (``encoder_attention``) where they run, for bfloat16 q, k, v (what bfloat16
         linears give: no rounding added but the probabilities') and heads of a multiple of 32; not with a window
         shorter than a text (EmbeddingGemma's sliding layers on long texts)."""
-        if (self._tiles and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+        if (q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and self.kernels.encoder_attention_tiles()
                 and not (radius and max(e - s for s, e in spans) > radius + 1)):
             return self.kernels.encoder_attention(q, k, v, torch.tensor(spans, dtype=torch.long), scale)
         return bidirectional_attention(q, k, v, spans, scale, radius)
@@ -177,13 +179,13 @@ class EncoderOps(FusedOps):
 
 
 def choose_ops(device: torch.device, dtype: torch.dtype, encoder: bool = False,
-               linear_dtype: torch.dtype | None = None) -> TorchOps:
+               linear_dtype: torch.dtype | None = None, final_norm: torch.Tensor | None = None) -> TorchOps:
     """The fused kernels where they run (CPU, float32 or bfloat16 activations, the kernels built: ``cpu_ops``,
     asked only there), else torch. ``encoder``: no KV cache to write (``EncoderOps``; ``linear_dtype``: its
-    linears' dtype where not ``dtype``)."""
+    linears' dtype where not ``dtype``; ``final_norm``: its last norm's weight)."""
     kernels = cpu_ops() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
     if kernels is None:
         return TorchOps()
     if encoder:
-        return EncoderOps(kernels, dtype == torch.float32 and linear_dtype == torch.bfloat16)
+        return EncoderOps(kernels, dtype == torch.float32 and linear_dtype == torch.bfloat16, final_norm)
     return FusedOps(kernels)

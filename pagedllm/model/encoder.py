@@ -34,7 +34,8 @@ class BidirectionalLM(CausalLM):
         if cfg.attn_softcap:
             raise ValueError(f"{cfg.arch}: attention soft-capping is not supported in an encoder")
         super().__init__(cfg, weights, device, dtype, build, causal=False)
-        self.ops = choose_ops(device, dtype, encoder=True, linear_dtype=build.linear_dtype if build else None)
+        self.ops = choose_ops(device, dtype, encoder=True, linear_dtype=build.linear_dtype if build else None,
+                              final_norm=self.norm)  # (the pooled rows stay float32)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

@@ -83,6 +83,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             vec = vec[: req.dimensions] if req.dimensions else vec  # a Matryoshka prefix, normalised again
             vec = l2_normalize(vec) if normalize else vec
             data.append({"object": "embedding", "index": i, "embedding": encode_vector(vec, req.encoding_format)})
+        if not all(math.isfinite(x) for vec in vectors for x in vec):  # (JSON has no NaN: msgspec would write null)
+            raise APIError(500, "the model produced a non-finite vector")
         body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": n, "total_tokens": n}}
         # encoded here in one call: FastAPI's walk over every float of every vector (jsonable_encoder, then json)
         # took ~1/4 of the event loop's time per request under 32 clients of a small model

@@ -912,7 +912,9 @@ bool encoder_attention_tiles() {
 }
 
 // q (T, Hq, D), k and v (T, Hkv, D): bfloat16 views with unit head and dimension strides (of the qkv rows);
-// spans (B, 2) int64 [start, end) of each text; returns (T, Hq, D) bfloat16.
+// spans (B, 2) int64 [start, end) of each text, disjoint; returns (T, Hq, D) bfloat16, rows outside every span
+// unwritten. Runs where encoder_attention_tiles() (AMX-BF16 built and granted, and qlinear's AMX not turned off:
+// PAGEDLLM_CPU_AMX=0 / set_qlinear_amx(False) turn off both).
 at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
                              double scale) {
   TORCH_CHECK(encoder_attention_tiles(), "encoder_attention: no AMX-BF16 tiles here (encoder_attention_tiles())");
@@ -924,8 +926,11 @@ at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t T_ = q.size(0), hq = q.size(1), hkv = k.size(1), D = q.size(2);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T_ && k.size(2) == D && hkv > 0 && hq % hkv == 0 && D % 32 == 0,
               "k and v must be (T, Hkv, D) with Hq a multiple of Hkv and D a multiple of 32");
+  check_cpu(spans, "spans");
   TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 2 && spans.is_contiguous(),
               "spans must be contiguous int64 (B, 2)");
+  TORCH_CHECK(k.stride(0) % 2 == 0 && scale > 0, "k's row stride must be even (pairs of dimensions are gathered) "
+              "and the scale positive");
   const int64_t* sp = spans.data_ptr<int64_t>();
   const int64_t B = spans.size(0);
   for (int64_t b = 0; b < B; ++b)

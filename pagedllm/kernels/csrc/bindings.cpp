@@ -59,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "to all of its rows (bfloat16 q, k, v (T, H, D); spans (B, 2) int64)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("spans"), py::arg("scale"), nogil);
   m.def("encoder_attention_tiles", &encoder_attention_tiles, "whether encoder_attention runs here (built with "
-        "AMX-BF16 and the tile state granted)");
+        "AMX-BF16, the tile state granted, AMX not turned off by set_qlinear_amx)");
   m.def("add_layer_norm", &add_layer_norm, "h = LayerNorm(h + delta) in place (float32 rows, a float32 or bfloat16 "
         "delta); returns the new rows in bfloat16", nogil);
   m.def("qk_norm", &qk_norm, "RMSNorm of each q head and each k head of qkv's rows, in place", nogil);
