@@ -27,7 +27,11 @@ ACT_DTYPE = torch.bfloat16
 QBLOCK = 32  # input channels per block of BlockQuantLinear
 SUBBLOCK = 16  # the smallest group it runs: a scale (and offset) per half block
 KSUPER = 256  # inputs per GGUF K-quant super-block
-STRIPE_ROWS = 512  # weight rows decoded to bfloat16 at a time by BlockQuantLinear's large steps (1.5 MiB at K=1536)
+# weight rows decoded to bfloat16 at a time by BlockQuantLinear's large steps (6 MiB at K=1536): oneDNN's AMX GEMM
+# splits a call's work into chunks by its M and N, and on 2 threads a 512-row stripe with 512-1152 rows of
+# activations (K=1536; 384-1280 at K=8960) is one chunk, on one core; 2048-row stripes keep both busy there
+# (docs/benchmarks.md)
+STRIPE_ROWS = 2048
 assert STRIPE_ROWS % 16 == 0  # whole groups of 8 rows, also for the gate and the up half of a gated stripe
 
 

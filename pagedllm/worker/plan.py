@@ -33,9 +33,10 @@ BF16_STEP_MIN_TOKENS = 256
 # same numerics as the stripes, under the same verdict), steps from BF16_TILE_MIN_ROWS rows (by the weights' code
 # bits) run on them and the stripes wait for BF16_TILES_STEP_MIN_TOKENS rows. Below those rows the int8 tiles' float
 # step per block and row costs less than decoding each weight; above them oneDNN's GEMM on decoded stripes, which
-# keeps the activations in cache, wins (the 1.5B's layers, Sapphire Rapids: docs/benchmarks.md)
+# keeps the activations in cache, wins: from ~600 rows on the 1.5B's layers (~400 on the 0.5B's) with stripes of
+# ``quant.linear.STRIPE_ROWS`` (Sapphire Rapids: docs/benchmarks.md)
 BF16_TILE_MIN_ROWS = {4: 64, 8: 32}
-BF16_TILES_STEP_MIN_TOKENS = 1024
+BF16_TILES_STEP_MIN_TOKENS = 640
 
 
 def choose_device(requested: str) -> torch.device:
