@@ -105,6 +105,21 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 
 
+# a hybrid model's recurrent-state pools hold at most this many bytes of slots (``state_slots``): Granite 4.0-H
+# Micro keeps 72 MiB a sequence, so 320 slots would be 23 GiB once snapshots filled them
+STATE_POOL_BYTES = 4 << 30
+
+
+def state_slots(bytes_per_slot: int, max_num_seqs: int, prefix_caching: bool) -> tuple[int, int]:
+    """A hybrid model's recurrent-state slots, and how many of them running requests may hold (the rest keep
+    prefix snapshots while free): a slot per running sequence and, with prefix caching, a quarter more for
+    snapshots; at most ``STATE_POOL_BYTES`` of them (beyond the slots, requests wait for one). The engine's
+    (``worker.model_runner``) and the simulator's count."""
+    snapshots = max(2, max_num_seqs // 4) if prefix_caching else 0
+    slots = min(max_num_seqs + snapshots, max(4, STATE_POOL_BYTES // bytes_per_slot))
+    return slots, slots - min(snapshots, max(2, slots // 5))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""

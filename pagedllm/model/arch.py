@@ -75,8 +75,9 @@ class ModelArchConfig:
     rotary_dim: int = 0  # dimensions of each q/k head the rotary turns (the first ones; 0: all of head_dim)
     attn_output_gate: bool = False  # attention output times sigmoid(a per-channel gate from q's projection) (qwen3.5)
     # Gated DeltaNet ("linear" layers: Qwen 3.5, Qwen3-Next): key/value heads and sizes, the short convolution's
-    # kernel, and whether the value heads are tiled over the key heads (llama.cpp's GGUF order: v head j reads key
-    # head j % key heads) or grouped (HF's: j // (value heads / key heads))
+    # kernel (also LFM2's "conv" and Mamba-2's "mamba" layers', whose weights carry it: the simulator sizes their
+    # states from it), and whether the value heads are tiled over the key heads (llama.cpp's GGUF order: v head j
+    # reads key head j % key heads) or grouped (HF's: j // (value heads / key heads))
     linear_num_k_heads: int = 0
     linear_num_v_heads: int = 0
     linear_k_head_dim: int = 0
@@ -178,6 +179,28 @@ class ModelArchConfig:
 
     def state_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.has_state(i)]
+
+    def state_pools(self, layer: int) -> tuple[tuple[tuple[int, ...], bool], ...]:
+        """Per sequence, (shape, float32?) of each state pool of state layer ``layer``, as its layer module sizes
+        them from its weights (``state_shapes`` of ``layers.gated_deltanet`` / ``mamba2`` / ``short_conv``): the
+        convolution's last K - 1 inputs (in the activations' dtype) and the recurrent state (float32)."""
+        kind, k = self.layer_types[layer], self.linear_conv_kernel
+        if kind == "linear":
+            nv, dk, dv = self.linear_num_v_heads, self.linear_k_head_dim, self.linear_v_head_dim
+            return ((2 * self.linear_num_k_heads * dk + nv * dv, k - 1), False), ((nv, dk, dv), True)
+        if kind == "mamba":
+            inner = self.mamba_heads * self.mamba_head_dim
+            return (((inner + 2 * self.mamba_groups * self.mamba_state, k - 1), False),
+                    ((self.mamba_heads, self.mamba_head_dim, self.mamba_state), True))
+        if kind == "conv":
+            return (((self.hidden_size, k - 1), False),)
+        raise ValueError(f"layer {layer} ({kind}) keeps no state")
+
+    def state_bytes_per_slot(self, act_bytes: int) -> int:
+        """One sequence's states over every state layer: float32 recurrent states, ``act_bytes`` per value of the
+        convolution inputs."""
+        return sum(math.prod(shape) * (4 if f32 else act_bytes)
+                   for i in self.state_layers() for shape, f32 in self.state_pools(i))
 
     def kv_groups(self) -> KVGroups:
         own = [None if self.has_state(i) or self.kv_source(i) != i else self.window(i) for i in range(self.num_layers)]

@@ -23,10 +23,12 @@ from pagedllm.sim.ladder import QUOTED_70B_A100X2, LadderConfig, ladder_markdown
 from pagedllm.sim.model_profile import PRESETS, SCHEMES, get_scheme, human_bytes, human_count, load_model_profile
 from pagedllm.sim.naive import simulate_static
 from pagedllm.sim.simulator import EngineSettings, SpecDecoding, simulate
-from pagedllm.sim.trace import LengthDist, Workload, load_trace, synthetic, w1, with_shared_prefix
+from pagedllm.sim.trace import W1_OUTPUT_LEN, LengthDist, Workload, load_trace, synthetic, w1, with_shared_prefix
 from pagedllm.sim.validate import DEFAULT_CLIENT_JITTER_S, load_measured, validate, validation_markdown
 
 LADDER_SHARED_PREFIX = 400
+
+OUTPUT = "128-256"  # --output-len of the synthetic workloads
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients (bench serve's "
                    "--max-concurrency)")
     w.add_argument("--prompt-len", default="100-300", help="N or LOW-HIGH (uniform), before the shared prefix")
-    w.add_argument("--output-len", default="128-256", help="N or LOW-HIGH (uniform)")
+    w.add_argument("--output-len", default=None, help="N or LOW-HIGH (uniform; default 128-256; --workload w1: N, "
+                   "default its 128)")
     w.add_argument("--shared-prefix-len", type=int, default=None,
                    help=f"tokens of a system prompt shared by every request (default 0; {LADDER_SHARED_PREFIX} with "
                         "--ladder)")
@@ -128,9 +131,10 @@ def _workload(args, shared_default: int) -> Workload:
     if args.trace:
         w = load_trace(args.trace, args.concurrency)
     elif args.workload == "w1":
-        w = w1(args.concurrency or 32)
+        w = w1(args.concurrency or 32, output_len=int(args.output_len) if args.output_len else W1_OUTPUT_LEN)
     else:
-        w = synthetic(args.num_requests, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
+        w = synthetic(args.num_requests, LengthDist.parse(args.prompt_len),
+                      LengthDist.parse(args.output_len or OUTPUT),
                       args.rate, args.concurrency, shared, args.seed, args.num_prefixes)
         return replace(w, client_jitter_s=jitter)
     return replace(with_shared_prefix(w, shared), client_jitter_s=jitter)
@@ -145,14 +149,21 @@ def _settings(args) -> EngineSettings:
                           args.enable_chunked_prefill, args.max_model_len, spec=spec)
 
 
-def _describe_deployment(dep: Deployment, block_size: int) -> str:
-    plan = dep.memory_plan(block_size)
+def _describe_deployment(dep: Deployment, settings: EngineSettings) -> str:
+    plan = dep.memory_plan(settings.block_size, settings.max_num_seqs, settings.enable_prefix_caching)
     hw = dep.hardware
     cal = "calibrated (bench roofline)" if hw.calibrated else "uncalibrated datasheet profile"
-    return (f"{dep.model.name} ({human_count(dep.model.num_params)} params), {dep.scheme.name} weights "
-            f"{human_bytes(dep.weight_bytes)}, KV {dep.kv_dtype} {human_bytes(dep.kv_bytes_per_token_device * dep.tp)}"
-            f"/token on {dep.tp} x {hw.name} [{cal}]: KV pool {human_bytes(plan.kv_pool_per_device)} per device = "
-            f"{plan.kv_tokens:,} tokens")
+    out = (f"{dep.model.name} ({human_count(dep.model.num_params)} params), {dep.scheme.name} weights "
+           f"{human_bytes(dep.weight_bytes)}, KV {dep.kv_dtype} {human_bytes(dep.kv_bytes_per_token_device * dep.tp)}"
+           f"/token on {dep.tp} x {hw.name} [{cal}]: KV pool {human_bytes(plan.kv_pool_per_device)} per device = "
+           f"{plan.kv_tokens:,} tokens")
+    if plan.state_slots:
+        out += (f"; recurrent states ({len(dep.model.state_layers())} layers) "
+                f"{human_bytes(plan.state_bytes_per_slot)}/sequence x {plan.state_slots} slots = "
+                f"{human_bytes(plan.state_bytes_per_device)}"
+                + (f" ({plan.state_live_slots} for running sequences, the rest for prefix snapshots)"
+                   if plan.state_live_slots < plan.state_slots else ""))
+    return out
 
 
 def _summary_table(s) -> str:
@@ -163,7 +174,9 @@ def _summary_table(s) -> str:
             ("duration (s)", f"{s.duration_s:.2f}"), ("steps", f"{s.num_steps}"),
             ("KV usage max / mean", f"{100 * s.kv_usage_max:.1f}% / {100 * s.kv_usage_mean:.1f}%"),
             ("preemptions", f"{s.preemptions}"), ("prefix cache hit rate", f"{100 * s.prefix_hit_rate:.1f}%"),
-            ("memory: weights + KV pool", f"{human_bytes(s.weights_bytes)} + {human_bytes(s.kv_pool_bytes)}"),
+            ("memory: weights + KV pool", f"{human_bytes(s.weights_bytes)} + {human_bytes(s.kv_pool_bytes)}"
+                                          + (f" + {human_bytes(s.state_pool_bytes)} of recurrent states"
+                                             if s.state_pool_bytes else "")),
             ("$ per million output tokens", f"{s.cost_per_m_tokens:.3f} at ${s.price_per_device_hour:.2f}/device-hour "
                                             f"x {s.num_devices}")]
     if s.spec_mean_accepted is not None:
@@ -260,7 +273,8 @@ def plan_replicas(dep: Deployment, settings: EngineSettings, rate: float, slo_p9
     simulated alone at rate / replicas (a router that spreads Poisson arrivals evenly); with the summary of that
     replica. None when even ``max_replicas`` do not."""
     def one(n: int):
-        wl = synthetic(args.num_requests, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
+        wl = synthetic(args.num_requests, LengthDist.parse(args.prompt_len),
+                       LengthDist.parse(args.output_len or OUTPUT),
                        rate / n, None, args.shared_prefix_len or 0, args.seed, args.num_prefixes)
         s = simulate(dep, wl, settings, args.seed).summary
         return s if s.p99_ttft_s <= slo_p99_ttft_s else None
@@ -282,11 +296,12 @@ def _plan(args, dep: Deployment, settings: EngineSettings, result: dict) -> None
     if args.calibrate:
         with open(args.calibrate) as f:
             threads = json.load(f).get("threads")
-    print(_describe_deployment(dep, settings.block_size))
-    mem = dep.weight_bytes + dep.memory_plan(settings.block_size).kv_pool_per_device * dep.num_devices
+    print(_describe_deployment(dep, settings))
+    plan = dep.memory_plan(settings.block_size, settings.max_num_seqs, settings.enable_prefix_caching)
+    mem = dep.weight_bytes + (plan.kv_pool_per_device + plan.state_bytes_per_device) * dep.num_devices
     print(f"workload per replica: Poisson arrivals, prompts {args.prompt_len} tokens"
           + (f" + a {args.shared_prefix_len}-token shared prefix" if args.shared_prefix_len else "")
-          + f", outputs {args.output_len}; SLO p99 TTFT <= {args.slo_p99_ttft_s:g} s\n")
+          + f", outputs {args.output_len or OUTPUT}; SLO p99 TTFT <= {args.slo_p99_ttft_s:g} s\n")
     unit = "cores" if threads else "devices"
     rows = ["| requests/s | replicas | " + unit + " | memory (weights + KV) | p99 / mean TTFT (s) | output tok/s per "
             "replica |", "|---|---|---|---|---|---|"]
@@ -308,7 +323,7 @@ def _plan(args, dep: Deployment, settings: EngineSettings, result: dict) -> None
 
 def _one(args, dep: Deployment, settings: EngineSettings, result: dict) -> None:
     wl = _workload(args, 0)
-    print(_describe_deployment(dep, settings.block_size))
+    print(_describe_deployment(dep, settings))
     if args.replicas > 1:
         print(f"{args.replicas} replicas of it behind a router ({args.routing}), each with its own KV cache")
     print(wl.describe() + "\n")

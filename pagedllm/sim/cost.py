@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pagedllm.config import state_slots
 from pagedllm.sim.hardware import HardwareProfile
 from pagedllm.sim.kvcalc import kv_dtype_bytes
 from pagedllm.model.arch import KVGroups, tp_layout
@@ -80,20 +81,33 @@ class Deployment:
         block tables)."""
         return block_size * self.kv_bytes_per_token_layer * self.model.kv_layout.slots
 
-    def memory_plan(self, block_size: int = 16) -> "MemoryPlan":
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """A hybrid model's recurrent states of one sequence (0: no state layers): float32 states, the
+        convolutions' inputs in the activations' dtype, as the engine's pools (``config.state_slots``)."""
+        return self.model.state_bytes_per_slot(self.hardware.activation_bytes) if self.model.state_layers() else 0
+
+    def memory_plan(self, block_size: int = 16, max_num_seqs: int = 64, prefix_caching: bool = True) -> "MemoryPlan":
+        """Weights, the activation reserve, a hybrid model's state slots (as many as the engine keeps for
+        ``max_num_seqs`` sequences, ``config.state_slots``) and the KV pool in what is left (or the fixed
+        ``kv_cache_bytes``, the state slots beside it as on the CPU engine, within memory)."""
         hw = self.hardware
         reserve = self.activation_reserve_bytes
         if reserve is None:
             reserve = hw.activation_reserve_bytes
         budget = hw.memory_bytes * self.gpu_memory_utilization
-        left = budget - self.weight_bytes_per_device - reserve
+        slots = live = 0
+        if self.state_bytes_per_slot:
+            slots, live = state_slots(self.state_bytes_per_slot, max_num_seqs, prefix_caching)
+        left = budget - self.weight_bytes_per_device - reserve - slots * self.state_bytes_per_slot
         pool = min(self.kv_cache_bytes, max(left, 0)) if self.kv_cache_bytes is not None else max(left, 0)
         per_block = self.kv_bytes_per_block(block_size)
         blocks = int(pool // per_block)
         return MemoryPlan(budget_per_device=budget, weights_per_device=self.weight_bytes_per_device,
                           reserve_per_device=reserve, kv_pool_per_device=blocks * per_block,
                           kv_bytes_per_token_device=self.kv_bytes_per_token_device, num_blocks=blocks,
-                          block_size=block_size, num_devices=self.tp, kv_layout=self.model.kv_layout)
+                          block_size=block_size, num_devices=self.tp, kv_layout=self.model.kv_layout,
+                          state_slots=slots, state_live_slots=live, state_bytes_per_slot=self.state_bytes_per_slot)
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,15 @@ class MemoryPlan:
     block_size: int
     num_devices: int
     kv_layout: KVGroups | None = None  # None: one group of every layer
+    # a hybrid model's recurrent-state slots (``config.state_slots``): all, those running requests may hold (the
+    # rest keep prefix snapshots), and one slot's bytes
+    state_slots: int = 0
+    state_live_slots: int = 0
+    state_bytes_per_slot: int = 0
+
+    @property
+    def state_bytes_per_device(self) -> int:
+        return self.state_slots * self.state_bytes_per_slot
 
     @property
     def kv_tokens(self) -> int:
@@ -131,8 +154,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> float:
-        """Weights + KV pool over all devices."""
-        return (self.weights_per_device + self.kv_pool_per_device) * self.num_devices
+        """Weights + KV pool (+ state slots) over all devices."""
+        return (self.weights_per_device + self.kv_pool_per_device + self.state_bytes_per_device) * self.num_devices
 
 
 def _keys_attended(q: int, c0: int, window: int) -> float:
@@ -242,6 +265,10 @@ class CostModel:
             by_window.setdefault(window, []).append((hd // tp, i in own))
         self._windows = [(w, len(v), sum(o for _, o in v), sum(hd for hd, _ in v)) for w, v in sorted(by_window.items())]
         self._attn_rate = hw.peak_flops(hw.attention_dtype) * hw.attention_efficiency
+        # a hybrid model's state layers: the recurrences' FLOPs per token (at attention's rate: vector and small
+        # matrix work, as the fused kernel's), and one sequence's states, read and written once per step
+        self._state_flops = m.state_flops_per_token() if m.state_layers() else 0.0
+        self._state_bytes = deployment.state_bytes_per_slot
 
     def _gemm(self, name: str, rows: int, flops: float, nbytes: float, fmt) -> OpTime:
         hw = self.dep.hardware
@@ -277,6 +304,10 @@ class CostModel:
                     # every layer reads its (or its source's) cache rows; those with K/V of their own write theirs
                     a_bytes += self._kv_layer * (layers * read + own * 2 * q) + 2 * q * hd * self._act
             ops.append(OpTime("attention", a_flops, a_bytes, a_flops / self._attn_rate, a_bytes / self._bw))
+            if self._state_bytes:  # every sequence's states read and written once (a prefill chunk's scan too)
+                s_flops = self._state_flops * rows
+                s_bytes = 2 * self._state_bytes * len(work)
+                ops.append(OpTime("state", s_flops, s_bytes, s_flops / self._attn_rate, s_bytes / self._bw))
             e_bytes = rows * m.hidden_size * (self._embed_bpw / tp + self._act)
             ops.append(OpTime("embedding", 0.0, e_bytes, 0.0, e_bytes / self._bw))
         if sampled:

@@ -69,6 +69,7 @@ class Summary:
     num_steps: int = 0
     prefill_tokens_computed: int = 0
     spec_mean_accepted: float | None = None  # accepted drafts per verify step
+    state_pool_bytes: float = 0.0  # a hybrid model's recurrent-state slots (all devices and replicas)
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -79,7 +80,7 @@ class Summary:
 
     @property
     def memory_bytes(self) -> float:
-        return self.weights_bytes + self.kv_pool_bytes
+        return self.weights_bytes + self.kv_pool_bytes + self.state_pool_bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -43,8 +43,10 @@ class ModelProfile:
     """A model the simulator runs: the engine's own reading of its shapes (``ModelArchConfig``, from the same
     parser the loader uses: its layer windows, per-layer head shapes, shared K/V and KV layout included), a name, and
     the tensor formats of the GGUF file it was read from. The cost model knows attention layers (grouped-query, any
-    head shape per layer, sliding windows, K/V shared across layers), gated MLPs and mixtures of experts (the
-    active experts' FLOPs, the chosen experts' bytes); ``_from_arch`` refuses layers with a recurrent state."""
+    head shape per layer, sliding windows, K/V shared across layers), gated MLPs, mixtures of experts (the
+    active experts' FLOPs, the chosen experts' bytes) and layers with a recurrent state per sequence instead of K/V
+    (Gated DeltaNet, Mamba-2, LFM2's short convolution: their projections, the recurrence's FLOPs per token, the
+    state read and written once per sequence and step, the state slots' memory)."""
 
     name: str
     arch: ModelArchConfig
@@ -81,7 +83,32 @@ class ModelProfile:
 
     def kv_layers(self) -> list[int]:
         """The layers that keep K/V of their own."""
-        return [i for i in range(self.num_layers) if self.arch.kv_source(i) == i]
+        return [i for i in range(self.num_layers) if self.arch.kv_source(i) == i and not self.arch.has_state(i)]
+
+    def state_layers(self) -> list[int]:
+        """The layers that keep a recurrent state per sequence instead of K/V."""
+        return self.arch.state_layers()
+
+    def state_bytes_per_slot(self, act_bytes: int) -> int:
+        """One sequence's recurrent states over every state layer (the engine's slot: ``ModelArchConfig``)."""
+        return self.arch.state_bytes_per_slot(act_bytes)
+
+    def state_flops_per_token(self) -> float:
+        """The recurrences' FLOPs per token, over the state layers, outside their projections: Gated DeltaNet per
+        value head the decay, S k, the rank-1 update and S q over its Dk x Dv state (~7 Dk Dv); Mamba-2 per head
+        the decay, the x B update and C S over its P x N state (~5 P N); every layer its convolution (2 K per
+        channel) and gates."""
+        a, out = self.arch, 0.0
+        for i in self.state_layers():
+            (conv, _), *rest = a.state_pools(i)
+            out += 2 * conv[0] * (conv[1] + 1)
+            if a.layer_types[i] == "linear":
+                out += 7 * a.linear_num_v_heads * a.linear_k_head_dim * a.linear_v_head_dim
+            elif a.layer_types[i] == "mamba":
+                out += 5 * a.mamba_heads * a.mamba_head_dim * a.mamba_state
+            else:  # LFM2's gated short convolution: B * x, then C * the convolution
+                out += 2 * self.hidden_size
+        return out
 
     def kv_token_layers(self, seq_len: int) -> int:
         """Layer-tokens of K/V a sequence of ``seq_len`` tokens keeps: all of them in a full layer, at most its
@@ -92,16 +119,14 @@ class ModelProfile:
     def attention_layers(self) -> list[tuple[int, int]]:
         """(window, query heads x head size) of every attention layer (those reading another's K/V included)."""
         a = self.arch
-        return [(a.window(i), a.num_heads * a.layer_head_dim(i)) for i in range(self.num_layers)]
+        return [(a.window(i), a.num_heads * a.layer_head_dim(i)) for i in range(self.num_layers) if not a.has_state(i)]
 
     def linear_groups(self) -> tuple[LinearGroup, ...]:
         """The layers' linears, alike ones counted together."""
         a, h = self.arch, self.hidden_size
         counts: dict[tuple, int] = {}
         for i in range(self.num_layers):
-            d = a.layer_head_dim(i)
-            q, kv = a.num_heads * d, (2 * a.layer_kv_heads(i) * d if a.kv_source(i) == i else 0)
-            kinds = [("qkv", h, q + kv, 1, 1), ("o", q, h, 1, 1)]
+            kinds = self._mixer_linears(i)
             experts = a.num_experts and i >= a.first_dense_layers
             if not experts or a.moe_beside_mlp:
                 kinds += [("mlp_up", h, 2 * a.intermediate_size, 1, 1), ("mlp_down", a.intermediate_size, h, 1, 1)]
@@ -118,6 +143,27 @@ class ModelProfile:
         if a.per_layer_input_size:  # the model's projection of the hidden state to every layer's inputs, once
             counts[("ple_proj", h, self.num_layers * a.per_layer_input_size, 1, 1)] = 1
         return tuple(LinearGroup(name, i, o, n, c, k) for (name, i, o, c, k), n in counts.items())
+
+    def _mixer_linears(self, i: int) -> list[tuple]:
+        """Layer i's linears before its MLP, as (name, in, out, copies, active): an attention layer's q/k/v (with
+        Qwen 3.5's output gate, a second q's width) and output projection; a state layer's input projection (Gated
+        DeltaNet: the convolved q/k/v, z, b and a; Mamba-2: z, x/B/C and dt; a short convolution: B, C, x) and
+        output projection."""
+        a, h = self.arch, self.hidden_size
+        kind = a.layer_types[i] if a.layer_types else "full"
+        if kind == "linear":
+            nv, value = a.linear_num_v_heads, a.linear_num_v_heads * a.linear_v_head_dim
+            conv = a.state_pools(i)[0][0][0]
+            return [("state_in", h, conv + value + 2 * nv, 1, 1), ("state_out", value, h, 1, 1)]
+        if kind == "mamba":
+            inner = a.mamba_heads * a.mamba_head_dim
+            return [("state_in", h, 2 * inner + 2 * a.mamba_groups * a.mamba_state + a.mamba_heads, 1, 1),
+                    ("state_out", inner, h, 1, 1)]
+        if kind == "conv":
+            return [("state_in", h, 3 * h, 1, 1), ("state_out", h, h, 1, 1)]
+        d = a.layer_head_dim(i)
+        q, kv = a.num_heads * d, (2 * a.layer_kv_heads(i) * d if a.kv_source(i) == i else 0)
+        return [("qkv", h, q * (2 if a.attn_output_gate else 1) + kv, 1, 1), ("o", q, h, 1, 1)]
 
     @property
     def linear_params(self) -> int:
@@ -275,14 +321,6 @@ _PRESETS = (
 PRESETS = MappingProxyType({p.name: p for p in _PRESETS})
 
 
-def _from_arch(cfg: ModelArchConfig, name: str, path: str, scheme: "QuantScheme | None" = None) -> ModelProfile:
-    """The shapes of the model loader's own reading of a checkpoint (``model.arch``: one parser for both)."""
-    if cfg.hybrid_state:
-        raise ValueError(f"{path}: models with linear-attention (recurrent state) layers are not simulated yet (the "
-                         "cost model knows attention layers and their KV, not a per-sequence state)")
-    return ModelProfile(name, cfg, scheme)
-
-
 def from_hf_config(path: str) -> ModelProfile:
     """A HuggingFace ``config.json`` (or the directory holding it), read as the model loader reads it."""
     if os.path.isdir(path):
@@ -292,7 +330,7 @@ def from_hf_config(path: str) -> ModelProfile:
     if "text_config" in c:  # multimodal wrappers keep the language model's config inside
         c = {"model_type": c.get("model_type")} | c["text_config"]  # the text model's own type where it says
     name = c.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf-model"
-    return _from_arch(config_from_hf(c), name, path)
+    return ModelProfile(name, config_from_hf(c))  # (the model loader's own reading of the checkpoint)
 
 
 def _gguf_format(type_name: str, block: int, type_size: int) -> WeightFormat:
@@ -337,8 +375,8 @@ def from_gguf(path: str) -> ModelProfile:
     linear = fmt_of[max(layer_bytes, key=layer_bytes.get)]
     embed = fmt_of.get("__embed", FORMATS["bf16"])
     head = fmt_of.get("__head", embed)
-    return _from_arch(config_from_gguf(meta, path), str(reader.get("general.name") or os.path.basename(path)), path,
-                      QuantScheme(f"gguf:{linear.name}", linear, embed, head))
+    return ModelProfile(str(reader.get("general.name") or os.path.basename(path)), config_from_gguf(meta, path),
+                        QuantScheme(f"gguf:{linear.name}", linear, embed, head))
 
 
 def load_model_profile(spec: str) -> ModelProfile:

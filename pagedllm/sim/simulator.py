@@ -22,7 +22,7 @@ from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request
 from pagedllm.routing import ReplicaRouter
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sim.cost import CostModel, Deployment, SeqWork, work_from_scheduler_output
+from pagedllm.sim.cost import CostModel, Deployment, MemoryPlan, SeqWork, work_from_scheduler_output
 from pagedllm.sim.metrics import RequestRecord, Summary, summarize
 from pagedllm.sim.trace import Workload
 
@@ -193,11 +193,13 @@ class _Engine:
     """One replica: the real scheduler and KV cache manager, its cost model, and the step it is running."""
 
     def __init__(self, dep: Deployment, settings: EngineSettings, num_blocks: int, max_len: int,
-                 rng: random.Random) -> None:
+                 rng: random.Random, plan: MemoryPlan) -> None:
         spec = settings.spec
-        # the model's own KV layout: a block table per layer group, sliding groups freeing what left their window
+        # the model's own KV layout: a block table per layer group, sliding groups freeing what left their window;
+        # a hybrid model's state slots (a running request holds one; prefix hits restore the free ones' snapshots)
         self.kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching,
-                                 windows=dep.model.kv_layout.windows)
+                                 windows=dep.model.kv_layout.windows, num_state_slots=plan.state_slots,
+                                 state_live_slots=plan.state_live_slots)
         self.sched = Scheduler(
             SchedulerConfig(max_num_batched_tokens=settings.max_num_batched_tokens,
                             max_num_seqs=settings.max_num_seqs, enable_chunked_prefill=settings.enable_chunked_prefill),
@@ -255,7 +257,7 @@ def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = Eng
     """The workload on ``replicas`` engines of deployment ``dep`` (each with its own KV cache), a request going to
     one at its arrival by ``routing`` (``pagedllm.routing``: the balancer's policies)."""
     model = dep.model
-    plan = dep.memory_plan(settings.block_size)
+    plan = dep.memory_plan(settings.block_size, settings.max_num_seqs, settings.enable_prefix_caching)
     num_blocks = settings.num_blocks or plan.num_blocks
     if num_blocks < 1:
         raise ValueError(f"{model.name} ({dep.scheme.name}, {plan.weights_per_device / 2**30:.1f} GiB of weights per "
@@ -267,7 +269,7 @@ def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = Eng
         if r.prompt_len + r.output_len > max_len:
             raise ValueError(f"a request of {r.prompt_len} + {r.output_len} tokens exceeds max_model_len {max_len}")
     rng = random.Random(seed)
-    engines = [_Engine(dep, settings, num_blocks, max_len, rng) for _ in range(replicas)]
+    engines = [_Engine(dep, settings, num_blocks, max_len, rng, plan) for _ in range(replicas)]
     router = ReplicaRouter(replicas, routing)
     arrivals = _Arrivals(workload, rng)
     reqs = workload.requests
@@ -327,6 +329,7 @@ def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = Eng
         num_steps=sum(len(e.step_times) for e in engines),
         prefill_tokens_computed=sum(e.prefill_computed for e in engines),
         spec_mean_accepted=sum(e.runner.num_accepted for e in engines) / verifies if verifies else None,
+        state_pool_bytes=plan.state_bytes_per_device * dep.num_devices * replicas,
     )
     records.sort(key=lambda r: r.arrival_s)
     timeline = sorted(p for e in engines for p in e.timeline) if replicas > 1 else engines[0].timeline

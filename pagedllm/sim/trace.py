@@ -169,6 +169,6 @@ W1_PROMPT_TOKENS = (120, 150, 133, 128, 113, 113, 188, 120, 111, 170, 125, 123, 
 W1_OUTPUT_LEN = 128
 
 
-def w1(concurrency: int | None = 32, client_jitter_s: float = 0.0) -> Workload:
-    return closed_loop(list(W1_PROMPT_TOKENS), W1_OUTPUT_LEN, concurrency or len(W1_PROMPT_TOKENS), "W1",
+def w1(concurrency: int | None = 32, client_jitter_s: float = 0.0, output_len: int = W1_OUTPUT_LEN) -> Workload:
+    return closed_loop(list(W1_PROMPT_TOKENS), output_len, concurrency or len(W1_PROMPT_TOKENS), "W1",
                        client_jitter_s)

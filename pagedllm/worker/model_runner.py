@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedllm.config import EngineConfig, resolve_model_path
+from pagedllm.config import EngineConfig, resolve_model_path, state_slots
 from pagedllm.distributed.launcher import join_tensor_parallel, rank_device
 from pagedllm.distributed.sharding import check_shardable, shard_weights
 from pagedllm.errors import TensorParallelError
@@ -43,9 +43,6 @@ from pagedllm.worker.plan import BF16_STEP_MIN_TOKENS, DTYPES, choose_device, lo
 from pagedllm.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
-
-# the recurrent-state pools' ceiling (a hybrid model's slots: min(what the batch wants, this / a slot's bytes))
-STATE_POOL_BYTES = 4 << 30
 
 # prefill chunks with at most this much context run through the fused row kernel (see ``_step_tensors``)
 # (up to this context the row kernel is at least as fast as the tiled matmuls, and much faster for many short
@@ -149,16 +146,12 @@ class ModelRunner:
             raise ValueError(f"{arch.arch}: speculative decoding with linear-attention (recurrent state) layers is "
                              "not supported yet (a rejected draft would have advanced the state)")
         self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
-        # a hybrid model: a recurrent state per running sequence, and (prefix caching) a quarter more that keep
-        # prefix snapshots while free; on CPU beside the KV budget, committed as they are used, and at most
-        # STATE_POOL_BYTES of them (Granite 4.0-H Micro keeps 72 MiB a sequence: 320 slots would be 23 GiB once
-        # snapshots filled them); beyond the slots, requests wait for one
-        seqs = config.scheduler.max_num_seqs
+        # a hybrid model: a recurrent state per running sequence, and (prefix caching) more that keep prefix
+        # snapshots while free (``config.state_slots``); on CPU beside the KV budget, committed as they are used
         self.num_state_slots = self.state_live_slots = 0  # (live: the slots running requests may claim)
         if arch.hybrid_state:
-            snapshots = max(2, seqs // 4) if config.cache.enable_prefix_caching else 0
-            self.num_state_slots = min(seqs + snapshots, max(4, STATE_POOL_BYTES // self.kv.state_bytes_per_slot))
-            self.state_live_slots = self.num_state_slots - min(snapshots, max(2, self.num_state_slots // 5))
+            self.num_state_slots, self.state_live_slots = state_slots(
+                self.kv.state_bytes_per_slot, config.scheduler.max_num_seqs, config.cache.enable_prefix_caching)
         num_blocks = self.kv.budget_blocks(self.num_state_slots * self.kv.state_bytes_per_slot)
         if self.tp is not None:
             num_blocks = self._tp_agree(num_blocks)

@@ -231,8 +231,8 @@ def test_swap_preemption_carries_the_state(tiny):
 
 
 def test_what_the_recurrent_state_does_not_support_is_refused(tiny):
-    """Speculative decoding (a rejected draft would have advanced the state), tensor parallelism and the simulator
-    stop with their names."""
+    """Speculative decoding (a rejected draft would have advanced the state) and tensor parallelism stop with
+    their names (the simulator sizes hybrids: test_hybrid_simulated.py)."""
     from pagedllm.model.arch import tp_layout
     from pagedllm.model.loader import load_gguf
 
@@ -242,10 +242,6 @@ def test_what_the_recurrent_state_does_not_support_is_refused(tiny):
     cfg, _ = load_gguf(path)
     with pytest.raises(ValueError, match="linear-attention"):
         tp_layout(cfg, 2)
-    from pagedllm.sim.model_profile import load_model_profile
-
-    with pytest.raises(ValueError, match="not simulated yet"):  # the simulator's cost model has no state
-        load_model_profile(path)
 
 
 def test_serves_through_the_openai_api(tiny, tmp_path_factory, llm):
@@ -334,13 +330,13 @@ def test_offline_scoring_runs_the_state_layers(tiny):
 def test_state_pools_are_capped_and_requests_wait_for_a_slot(tiny, monkeypatch):
     """The state pools hold at most ``STATE_POOL_BYTES`` (here 5 slots' worth): more prompts than slots still all
     finish with the reference's tokens, never more sequences running than slots, nothing leaked."""
-    from pagedllm.worker import model_runner
+    from pagedllm import config
 
     model, _, path = tiny
     probe = LLM(model=path, max_model_len=128, dtype="float32")
     per_slot = probe.engine.core.runner.kv.state_bytes_per_slot
     del probe
-    monkeypatch.setattr(model_runner, "STATE_POOL_BYTES", 5 * per_slot)
+    monkeypatch.setattr(config, "STATE_POOL_BYTES", 5 * per_slot)
     capped = LLM(model=path, max_model_len=128, dtype="float32")
     runner = capped.engine.core.runner
     assert runner.num_state_slots == 5 and runner.state_live_slots == 3

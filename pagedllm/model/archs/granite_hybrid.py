@@ -19,6 +19,7 @@ def from_gguf(meta: GGUFMeta) -> dict:
     heads, inner = int(meta.kv("ssm.time_step_rank")), int(meta.kv("ssm.inner_size"))
     out = {"layer_types": types, **_mamba(heads, inner // heads, int(meta.kv("ssm.group_count")),
                                           int(meta.kv("ssm.state_size"))),
+           "linear_conv_kernel": int(meta.kv("ssm.conv_kernel", 4)),
            "embed_scale": float(meta.kv("embedding_scale", 1.0)), "attn_scale": float(meta.kv("attention.scale", 1.0)),
            "residual_scale": float(meta.kv("residual_scale", 1.0)), "logit_scale": float(meta.kv("logit_scale", 1.0))}
     if not meta.kv("rope.scaling.finetuned", False):  # the converter's flag for "uses rotary"
@@ -44,6 +45,7 @@ def from_hf(hf: dict) -> dict:
     types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * layers
     out = {"layer_types": tuple("mamba" if t in ("mamba", "linear_attention") else "full" for t in types),
            **_mamba(heads, head_dim, hf.get("mamba_n_groups", 1), hf.get("mamba_d_state", 256)),
+           "linear_conv_kernel": hf.get("mamba_d_conv", 4),
            "embed_scale": float(hf.get("embedding_multiplier", 1.0)),
            "attn_scale": float(hf.get("attention_multiplier", 1.0)),
            "residual_scale": float(hf.get("residual_multiplier", 1.0)),

@@ -23,13 +23,15 @@ def _ff_dim(hf: dict) -> int:
 def from_gguf(meta: GGUFMeta) -> dict:
     kv = meta.kv("attention.head_count_kv")
     per_layer = list(kv) if hasattr(kv, "__len__") else [kv] * int(meta.kv("block_count"))
-    return {"layer_types": tuple("conv" if int(n) == 0 else "full" for n in per_layer), "qk_norm": True}
+    return {"layer_types": tuple("conv" if int(n) == 0 else "full" for n in per_layer), "qk_norm": True,
+            "linear_conv_kernel": int(meta.kv("shortconv.l_cache", 3))}
 
 
 def from_hf(hf: dict) -> dict:
     types = hf.get("layer_types") or ["full_attention" if i in hf.get("full_attn_idxs", ()) else "conv"
                                       for i in range(hf["num_hidden_layers"])]
     return {"layer_types": tuple("conv" if t == "conv" else "full" for t in types), "qk_norm": True,
+            "linear_conv_kernel": hf.get("conv_L_cache", 3),
             "intermediate_size": _ff_dim(hf), "rms_norm_eps": hf.get("norm_eps", 1e-5),
             "tie_word_embeddings": hf.get("tie_word_embeddings", hf.get("tie_embedding", True))}
 
