@@ -43,6 +43,10 @@ class StateMetadata:
     # every sequence (decode rows and prefill chunks), for the fused kernel: (B, 5) long rows of [first row, rows,
     # slot, snapshot after this many rows (0: none), snapshot slot]
     seqs: torch.Tensor | None = None
+    # speculative decoding: the model keeps each state layer's input rows ``keep_rows`` in ``kept`` (layer -> rows),
+    # from which the rows of accepted tokens are computed again after a rejection (``CausalLM.replay_states``)
+    keep_rows: torch.Tensor | None = None
+    kept: dict | None = None
 
 
 def decode_conv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

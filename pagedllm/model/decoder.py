@@ -82,6 +82,7 @@ class CausalLM:
                        if cfg.attn_temperature_scale else None)
         self.norm = src.norm("norm")
         self.kv_group = cfg.kv_groups().group  # per layer: its KV group (the metadata it reads, when a list)
+        self.state_layers = frozenset(cfg.state_layers())  # layers with a recurrent state (reading the state meta)
         self.layers: list[DecoderLayer] = []
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
@@ -187,11 +188,22 @@ class CausalLM:
         ple = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, h, ops)  # (T, L, size)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
+        keep = metas[-1] if self.state_layers and metas[-1] is not None and metas[-1].kept is not None else None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             nxt = self.layers[i + 1].input_norm if i < last else self.norm
+            if keep is not None and i in self.state_layers:  # the state layer's input rows, for a replay
+                keep.kept[i] = x[keep.keep_rows]
             x = layer(x, h, positions, rots.get(id(layer.attn.rotary)), kv, metas[self.kv_group[i]], nxt, ops,
                       None if ple is None else ple[:, i])
         return x
+
+    @torch.inference_mode()
+    def replay_states(self, kept: dict, state_meta: StateMetadata, kv_caches: list) -> None:
+        """Run each state layer's mixer again over its kept input rows (``StateMetadata.kept``) as ``state_meta``
+        lays them out, for the states alone (outputs dropped): speculative decoding's rewind to the accepted
+        tokens, from the states as they were before the step."""
+        for i, x in kept.items():
+            self.layers[i].attn(x, None, None, kv_caches[i], state_meta, self.ops)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows; with tensor parallelism each rank looks up the ids in its vocabulary slice (zeros

@@ -221,6 +221,15 @@ class KVCache:
             for pool in (t for pools in self.state_caches for t in pools):
                 pool.index_fill_(0, idx, 0)
 
+    def state_rows(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """A copy of these slots' states, pool by pool (what ``put_state_rows`` writes back)."""
+        return [pool.index_select(0, slots) for pools in self.state_caches for pool in pools]
+
+    def put_state_rows(self, saved: list[torch.Tensor], idx: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write rows ``idx`` of a ``state_rows`` copy back into ``slots``."""
+        for pool, rows in zip((t for pools in self.state_caches for t in pools), saved):
+            pool.index_copy_(0, slots, rows.index_select(0, idx))
+
     def copy_states(self, pairs: list[list[int]]) -> None:
         """Copy slot src's states to slot dst, for each [src, dst] (a prefix-cache snapshot restored)."""
         if pairs:

@@ -88,6 +88,7 @@ class _Forward(NamedTuple):
     hidden: torch.Tensor  # (rows, hidden) after the final norm
     logits: torch.Tensor | None  # (rows to sample, vocab) float32
     prompt_logprobs: list[SampledTokenLogprobs] | None  # rank 0: per prompt row (``StepInputs.prompt_rows``)
+    rewind: tuple | None = None  # drafts verified on a hybrid: (states before the step, state layers' input rows)
 
 
 class ModelRunner:
@@ -142,9 +143,10 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model" and rank == 0:
             # with tensor parallelism: whole, on rank 0 only
             self.draft_model = load_draft_model(spec.model, arch, max_len, self.device, self.dtype, self.kv_dtype)
-        if arch.hybrid_state and spec is not None:
-            raise ValueError(f"{arch.arch}: speculative decoding with linear-attention (recurrent state) layers is "
-                             "not supported yet (a rejected draft would have advanced the state)")
+        if self.draft_model is not None and self.draft_model.cfg.hybrid_state:
+            raise ValueError(f"the draft model ({self.draft_model.cfg.arch}) has recurrent-state layers: a draft "
+                             "model's states are not rewound after rejected tokens (use ngram speculation, or an "
+                             "attention-only draft model)")
         self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
         # a hybrid model: a recurrent state per running sequence, and (prefix caching) more that keep prefix
         # snapshots while free (``config.state_slots``); on CPU beside the KV budget, committed as they are used
@@ -313,12 +315,15 @@ class ModelRunner:
             return ModelRunnerOutput()
 
         step, groups = StepInputs.from_scheduler_output(so, self.block_size)
-        fwd = self._run_step(step, self._prompt_targets(groups.prompt))
+        verify = self._verified_states(so) if self.num_state_slots else []
+        fwd = self._run_step(step, self._prompt_targets(groups.prompt), verify)
         out = ModelRunnerOutput()
         if fwd is None:  # KV swaps only
             return out
         if groups.sample:
             self._sample(so, fwd.logits, groups.sample, out)
+        if fwd.rewind is not None:
+            self._rewind_states(verify, fwd.rewind, out.sampled_token_ids)
         for s, first, n in groups.prompt:
             out.prompt_logprobs[s.req_id] = fwd.prompt_logprobs[first : first + n]
         for s, first, n in groups.pool:
@@ -329,6 +334,43 @@ class ModelRunner:
             out.spec_token_ids = self.proposer.propose(so, out.sampled_token_ids, self.requests,
                                                        self.structured)
         return out
+
+    @staticmethod
+    def _verified_states(so: SchedulerOutput) -> list[tuple[str, int, int, int, int]]:
+        """A hybrid model's sequences that verify drafts this step: (request, state slot, first row, rows, drafts).
+        Their states advance over every draft; after a rejection they are rewound (``_rewind_states``)."""
+        out, start = [], 0
+        for s in so.scheduled:
+            if s.num_spec_tokens and s.state_slot >= 0:
+                out.append((s.req_id, s.state_slot, start, len(s.token_ids), s.num_spec_tokens))
+            start += len(s.token_ids)
+        return out
+
+    def _rewind_states(self, verify: list, rewind: tuple, sampled: dict[str, list[int]]) -> None:
+        """After a verify step: each sequence that rejected drafts gets the states it had before the step back,
+        then its state layers run again over the rows of its accepted tokens (their inputs kept by the forward
+        pass), so that its states end after its last accepted token, as its KV cache does."""
+        saved, kept = rewind
+        redo, offset = [], 0  # (index in verify, its rows' offset in the kept rows, rows to keep)
+        for j, (rid, _, _, n, k) in enumerate(verify):
+            new = sampled.get(rid)
+            valid = n - k + (len(new) - 1 if new else 0)  # the rows before the drafts, then the accepted drafts
+            if valid < n:
+                redo.append((j, offset, valid))
+            offset += n
+        if not redo:
+            return
+        dev = self.device
+        idx = torch.tensor([j for j, _, _ in redo], device=dev)
+        slots = torch.tensor([verify[j][1] for j, _, _ in redo], dtype=torch.long, device=dev)
+        self.kv.put_state_rows(saved, idx, slots)
+        rows = torch.cat([torch.arange(o, o + v) for _, o, v in redo]).to(dev)
+        prefills, start = [], 0
+        for (j, _, v), slot in zip(redo, slots.tolist()):
+            prefills.append(StatePrefill(start, start + v, slot))
+            start += v
+        meta = self._state_meta([], [], prefills)
+        self.model.replay_states({i: x[rows] for i, x in kept.items()}, meta, self.kv.kv_caches)
 
     def _prompt_targets(self, prompt_groups: list[tuple]) -> tuple[list[int], list[int]]:
         """Per prompt row of the step: the prompt token whose logprob it gives, and how many top alternatives
@@ -363,11 +405,11 @@ class ModelRunner:
                 vec = self.pool_head(vec)
             out.pooled[s.req_id] = vec.tolist()
 
-    def _run_step(self, step: StepInputs, prompt_targets=None) -> _Forward | None:
+    def _run_step(self, step: StepInputs, prompt_targets=None, verify=()) -> _Forward | None:
         """Rank 0's part of a step that every rank runs. With tensor parallelism rank 0 first hands the step to
         the other ranks; a failure after that leaves the ranks out of step, so it is fatal for the engine."""
         if self.tp is None:
-            return self._forward_step(step, prompt_targets)
+            return self._forward_step(step, prompt_targets, verify)
         self.tp.check()
         try:
             self.tp.send_step(step.pack())
@@ -379,7 +421,7 @@ class ModelRunner:
             self.tp.fail(msg)
             raise TensorParallelError(msg) from e
 
-    def _forward_step(self, step: StepInputs, prompt_targets=None) -> _Forward | None:
+    def _forward_step(self, step: StepInputs, prompt_targets=None, verify=()) -> _Forward | None:
         """What every rank runs for a step: KV block swaps, the forward pass, the logits of the rows to sample
         and of the prompt rows (rank 0, which has ``prompt_targets``, turns those into prompt logprobs)."""
         if step.swap_out or step.swap_in or step.state_swap_out or step.state_swap_in:
@@ -399,15 +441,21 @@ class ModelRunner:
             hidden = self.model.forward(ids, pos, spans + ([(t, t + pad)] if pad else []))[:t]
             return _Forward(ids[:t], pos[:t], None, hidden, None, None)
         input_ids, positions, meta, rows = self._step_tensors(step)
-        state_meta = None
+        state_meta = rewind = None
         if self.num_state_slots:  # restored snapshots first: a slot zeroed now may have been one
             self.kv.copy_states(step.state_copies)
             self.kv.reset_states(step.fresh_states)
             state_meta = self._state_metadata(step)
+            if verify:  # drafts to verify: their states as they are now, and their rows' inputs to each state layer
+                dev = self.device
+                saved = self.kv.state_rows(torch.tensor([v[1] for v in verify], dtype=torch.long, device=dev))
+                state_meta.keep_rows = torch.cat([torch.arange(v[2], v[2] + v[3]) for v in verify]).to(dev)
+                state_meta.kept = {}
+                rewind = (saved, state_meta.kept)
         hidden = self.model.forward(input_ids, positions, self.kv.kv_caches, meta, state_meta)
         logits = self.model.compute_logits(hidden[rows]) if step.logit_rows else None
         prompt_lps = self._prompt_logprobs(hidden, step.prompt_rows, prompt_targets) if step.prompt_rows else None
-        return _Forward(input_ids, positions, meta, hidden, logits, prompt_lps)
+        return _Forward(input_ids, positions, meta, hidden, logits, prompt_lps, rewind)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[int], targets) -> list[SampledTokenLogprobs] | None:
         """Raw logprobs (no sampling settings applied, as vLLM's prompt logprobs) of each row's target token,
@@ -486,16 +534,21 @@ class ModelRunner:
 
     def _state_metadata(self, step: StepInputs) -> StateMetadata:
         """Which state slot each sequence of the step reads and writes (the linear layers')."""
+        return self._state_meta(step.decode_rows, step.decode_states, [
+            StatePrefill(a, b, slot, n, save) for (a, b, _), slot, n, save in zip(
+                step.prefills, step.prefill_states, step.prefill_save_rows, step.prefill_save_slots)],
+            len(step.input_ids))
+
+    def _state_meta(self, rows: list[int], slots: list[int], prefills: list[StatePrefill],
+                    num_rows: int = -1) -> StateMetadata:
+        """The state layers' metadata: one-row sequences at ``rows`` (their ``slots``), then ``prefills``."""
         dev = self.device
-        rows = step.decode_rows
         meta = StateMetadata(
-            decode_rows=None if rows == list(range(len(step.input_ids))) else torch.tensor(rows, device=dev),
-            decode_slots=torch.tensor(step.decode_states, dtype=torch.long, device=dev), num_decodes=len(rows))
-        meta.prefills = [StatePrefill(a, b, slot, n, save) for (a, b, _), slot, n, save in zip(
-            step.prefills, step.prefill_states, step.prefill_save_rows, step.prefill_save_slots)]
+            decode_rows=None if rows == list(range(num_rows)) else torch.tensor(rows, dtype=torch.long, device=dev),
+            decode_slots=torch.tensor(slots, dtype=torch.long, device=dev), num_decodes=len(rows), prefills=prefills)
         if self.model.ops.fused:
-            seqs = [[r, 1, s, 0, -1] for r, s in zip(rows, step.decode_states)]
-            seqs += [[p.start, p.end - p.start, p.slot, p.save_rows, p.save_slot] for p in meta.prefills]
+            seqs = [[r, 1, s, 0, -1] for r, s in zip(rows, slots)]
+            seqs += [[p.start, p.end - p.start, p.slot, p.save_rows, p.save_slot] for p in prefills]
             meta.seqs = torch.tensor(seqs, dtype=torch.long, device=dev).view(-1, 5)
         return meta
 

@@ -231,14 +231,14 @@ def test_swap_preemption_carries_the_state(tiny):
 
 
 def test_what_the_recurrent_state_does_not_support_is_refused(tiny):
-    """Speculative decoding (a rejected draft would have advanced the state) and tensor parallelism stop with
-    their names (the simulator sizes hybrids: test_hybrid_simulated.py)."""
+    """A draft model with recurrent-state layers (its states are not rewound after rejections; the target's are:
+    test_hybrid_speculative.py) and tensor parallelism stop with their names."""
     from pagedllm.model.arch import tp_layout
     from pagedllm.model.loader import load_gguf
 
     _, d, path = tiny
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(model=path, max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="the draft model .* has recurrent-state layers"):
+        LLM(max_model_len=128, speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
     cfg, _ = load_gguf(path)
     with pytest.raises(ValueError, match="linear-attention"):
         tp_layout(cfg, 2)
