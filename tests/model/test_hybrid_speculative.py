@@ -20,15 +20,24 @@ PROMPTS = [[(i * 37) % 5000 + 100 for i in range(24)] * 2, [7, 8, 9, 10, 11] * 6
            [300 + i % 7 for i in range(30)]]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def hybrid(request, tmp_path_factory, llm):
+def _hybrid(family: str, tmp_path_factory, llm) -> tuple[str, list]:
     """(the HF directory, each prompt's greedy tokens from the model alone)."""
-    d = tmp_path_factory.mktemp(request.param)
-    model = FAMILIES[request.param](llm.engine.core.vocab_size)
+    d = tmp_path_factory.mktemp(family)
+    model = FAMILIES[family](llm.engine.core.vocab_size)
     model.save_pretrained(d, safe_serialization=True)
     llm.get_tokenizer().save_pretrained(d)
     alone = LLM(model=str(d), dtype="float32", max_model_len=256)
     return str(d), [o.outputs[0].token_ids for o in alone.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hybrid(request, tmp_path_factory, llm):
+    return _hybrid(request.param, tmp_path_factory, llm)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory, llm):
+    return _hybrid("qwen35", tmp_path_factory, llm)
 
 
 def _check(d: str, want: list, spec: dict, torch_ops: bool = False, **kw):
@@ -76,10 +85,11 @@ def test_every_number_of_accepted_drafts_rewinds_to_the_right_token(hybrid, monk
     assert len(by_pos) == 3 and by_pos[2] > 0 and by_pos[0] > by_pos[1] > by_pos[2]  # ... after 0 to 3 accepted
 
 
-def test_a_draft_model_with_chunked_prefill_and_preemption(hybrid):
-    """SmolLM2 drafting for a random model: nearly every draft is rejected, so nearly every verify step
-    rewinds; small steps and a small KV pool add chunked prompts and preemptions (recomputed from the start)."""
-    d, want = hybrid
+def test_a_draft_model_with_chunked_prefill_and_preemption(qwen35):
+    """SmolLM2 drafting for a random Qwen 3.5: nearly every draft is rejected, so nearly every verify step
+    rewinds; small steps and a small KV pool add chunked prompts and preemptions (recomputed from the start). (The
+    other families' rewinds: the oracle test above.)"""
+    d, want = qwen35
     st = _check(d, want, {"method": "draft_model", "model": "default", "num_speculative_tokens": 3},
                 max_num_batched_tokens=32, num_gpu_blocks_override=14, max_model_len=128)
     assert st.spec_num_drafts > 20 and st.spec_num_accepted_tokens < st.spec_num_draft_tokens
