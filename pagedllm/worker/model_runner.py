@@ -413,7 +413,7 @@ class ModelRunner:
         self.tp.check()
         try:
             self.tp.send_step(step.pack())
-            return self._forward_step(step, prompt_targets)
+            return self._forward_step(step, prompt_targets, verify)
         except TensorParallelError:
             raise
         except Exception as e:
