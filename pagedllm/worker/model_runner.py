@@ -366,7 +366,7 @@ class ModelRunner:
         self.kv.put_state_rows(saved, idx, slots)
         rows = torch.cat([torch.arange(o, o + v) for _, o, v in redo]).to(dev)
         prefills, start = [], 0
-        for (j, _, v), slot in zip(redo, slots.tolist()):
+        for (_, _, v), slot in zip(redo, slots.tolist()):
             prefills.append(StatePrefill(start, start + v, slot))
             start += v
         meta = self._state_meta([], [], prefills)
