@@ -100,8 +100,8 @@ class ModelProfile:
         channel) and gates."""
         a, out = self.arch, 0.0
         for i in self.state_layers():
-            (conv, _), *rest = a.state_pools(i)
-            out += 2 * conv[0] * (conv[1] + 1)
+            channels, history = a.state_pools(i)[0][0]  # the convolution's pool: (channels, K - 1)
+            out += 2 * channels * (history + 1)
             if a.layer_types[i] == "linear":
                 out += 7 * a.linear_num_v_heads * a.linear_k_head_dim * a.linear_v_head_dim
             elif a.layer_types[i] == "mamba":
