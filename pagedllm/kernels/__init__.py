@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -147,17 +148,55 @@ def build(march: str = "native", verbose: bool = False, unity: bool = False):
     """Compiles (or loads the cached build of) the kernels for ``-march=march``; raises on a failed build.
     ``unity``: the sources as one compile unit (``PAGEDLLM_CPU_UNITY=1``; the x86-level tests build three levels
     side by side)."""
-    from torch.utils.cpp_extension import load  # 0.2 s of setuptools: only where the kernels are built or loaded
-
     sources = SOURCES
     key = build_key(march)
     if unity:
         sources = (_unity(Path(tempfile.gettempdir()), f"unity_{march}_{key}"),)
         key += "_unity"
     name = f"pagedllm_cpu_ops_{_ident(march)}_{key}"  # a module name: no "-", "." or "+"
+    cached = _import_built(name)
+    if cached is not None:
+        return cached
+    from torch.utils.cpp_extension import load  # setuptools, 0.65 s: only where the kernels are built
+
     with _build_lock(name):
         return load(name=name, sources=[str(s) for s in sources], extra_cflags=build_cflags(march),
                     extra_ldflags=["-fopenmp"], verbose=verbose)
+
+
+def extensions_dir(name: str) -> Path:
+    """The folder where torch's extension loader builds the module ``name`` (``_get_build_directory``'s rule:
+    ``$TORCH_EXTENSIONS_DIR``, else torch's user cache folder's ``torch_extensions/py311_cpu``), found without
+    importing ``torch.utils.cpp_extension`` (which imports setuptools: 0.65 s of every start)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch import _appdirs
+
+        accel = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None
+                 else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
+                            f"{py}_{accel}")
+    return Path(root) / name
+
+
+def _import_built(name: str):
+    """The module ``name`` imported from its built file, as torch's loader imports it once its build is done, or
+    None where there is none (or it does not import: then the loader, under the build lock, builds it). The name
+    hashes the sources and flags (``build_key``), so a file of that name is that build."""
+    import importlib.util
+
+    path = extensions_dir(name) / f"{name}{'.pyd' if os.name == 'nt' else '.so'}"  # torch's LIB_EXT
+    if not path.is_file() or (path.parent / "lock").exists():  # none, or a build under way (or interrupted)
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError as e:  # e.g. a file cut short by a killed link: built again
+        logger.warning("the built kernels %s do not load (%s); building them again", path, e)
+        return None
 
 
 @contextlib.contextmanager

@@ -835,6 +835,28 @@ def test_a_lock_left_by_an_interrupted_build_does_not_hang_the_next_start(ops):
     assert "left by a kernel build that was interrupted" in run.stderr
 
 
+def test_a_built_module_loads_without_the_extension_loader(ops, tmp_path, monkeypatch):
+    """A start whose kernels are built imports the module from torch's extensions folder itself: not
+    ``torch.utils.cpp_extension``, whose setuptools import cost 0.65 s of every start. The folder is the one torch's
+    loader builds in, with and without ``TORCH_EXTENSIONS_DIR``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from pagedllm.kernels import extensions_dir
+
+    assert extensions_dir(ops.__name__) == Path(_get_build_directory(ops.__name__, False))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extensions_dir("m") == Path(_get_build_directory("m", False)) == tmp_path / "m"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    run = subprocess.run([sys.executable, "-c", "import sys; from pagedllm.kernels import cpu_ops; "
+                          "print(cpu_ops().__name__, 'setuptools' in sys.modules, 'torch.utils.cpp_extension' in "
+                          "sys.modules)"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split() == [ops.__name__, "False", "False"], run.stdout + run.stderr
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v_tiled", [False, True])
 def test_gated_delta_rows_match_the_layers_torch_path(ops, dtype, v_tiled):
