@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedllm.sim.cli import run
 
         return run(argv[1:])
+    if argv[:1] in (["serve"], ["generate"], ["chat"]):
+        from pagedllm.quant.verdicts import start_sha256_for_command
+
+        start_sha256_for_command(argv[1:])  # before the parser's imports (torch), on the idle core
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -128,6 +128,26 @@ def start_sha256(path: str) -> None:
     t.start()
 
 
+def start_sha256_for_command(argv: list[str]) -> None:
+    """``serve`` / ``generate`` / ``chat`` (or the api_server module's flags: ``command`` None) of a GGUF file
+    whose numerics are left to the verdicts (``--activation-bits`` or ``--large-step-weights`` auto): start hashing
+    the file before the engine's imports (torch, the server: ~2 s of one core, the other idle), instead of beside the
+    weights' packing, which takes both. Reads the flags as argparse would (``--model F``, ``--model=F``); a command
+    line it misreads only hashes later, in ``load_and_plan``."""
+    def flag(name: str, default: str | None) -> str | None:
+        for i, a in enumerate(argv):
+            if a == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(name + "="):
+                return a[len(name) + 1:]
+        return default
+
+    model = flag("--model", None)
+    auto = "auto" in (flag("--activation-bits", "auto"), flag("--large-step-weights", "auto"))
+    if model and model.endswith(".gguf") and auto and os.path.isfile(model):
+        start_sha256(model)
+
+
 def file_sha256(path: str) -> str:
     """The file's sha256, computed once per file version (path, size, modification time) and kept in the cache
     directory's ``sha256.json`` (hashing the 1.1 GB Qwen2.5-Coder 1.5B takes about a second)."""

@@ -59,6 +59,29 @@ def test_verdicts_follow_the_contents_and_their_order(tmp_path, monkeypatch):
     assert key not in verdicts._pending and calls == [1]
 
 
+def test_a_serve_command_starts_hashing_its_file_before_the_engine_imports(tmp_path, monkeypatch):
+    """`pagedllm serve --model F.gguf` (and generate, chat, the api_server module) starts the verdicts' hash before
+    the parser imports torch: in the CLI's first lines, for a GGUF file whose numerics are left to the verdicts."""
+    import subprocess
+    import sys
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(200))
+    started = []
+    monkeypatch.setattr(verdicts, "start_sha256", started.append)
+    for argv in (["--model", str(f)], [f"--model={f}", "--port", "1"], ["--model", str(f), "--activation-bits", "8"],
+                 ["--activation-bits=16", "--large-step-weights", "blocks", "--model", str(f)],
+                 ["--model", str(tmp_path / "missing.gguf")], ["--model", str(tmp_path)], ["--port", "1"]):
+        verdicts.start_sha256_for_command(argv)
+    assert started == [str(f)] * 3  # not where both paths are pinned, nor for a missing file or a directory
+    # the CLI: the hash is under way (or done) before torch is imported, and a bad flag still fails as before
+    code = ("import sys; from pagedllm.cli.main import main; from pagedllm.quant import verdicts; "
+            "verdicts.start_sha256 = lambda p: print('hash', p, 'torch' in sys.modules) or sys.exit(0); "
+            f"main(['serve', '--model', {str(f)!r}])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.stdout.split() == ["hash", str(f), "False"], run.stdout + run.stderr
+
+
 def test_the_shipped_table_covers_the_fetched_and_embedded_files():
     """Every file `pagedllm fetch` pins (and the embedded default) has its shipped verdicts: a new pin needs its
     gate measured and entered, or a user of it would get the default instead of what was measured."""

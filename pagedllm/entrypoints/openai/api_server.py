@@ -6,11 +6,14 @@ import argparse
 import logging
 import sys
 
-from pagedllm.engine.arg_utils import add_engine_args
-from pagedllm.server.cli_args import add_server_args, run_server
-
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedllm.quant.verdicts import start_sha256_for_command
+
+    start_sha256_for_command(sys.argv[1:] if argv is None else list(argv))  # before the imports below (torch)
+    from pagedllm.engine.arg_utils import add_engine_args
+    from pagedllm.server.cli_args import add_server_args, run_server
+
     p = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server")
     add_server_args(p)
     add_engine_args(p)
