@@ -58,11 +58,12 @@ MAY_IMPORT = {
     "bench": LOW | {"core", "worker", "engine", "metrics", "server", "eval", "quantize", "reference"},
 }
 # Imports inside a function are allowed only for optional heavy third-party modules (a command that does not need
-# them starts without them), and in the two dispatchers that load a subcommand's modules on demand.
+# them starts without them), and in the dispatchers that load a subcommand's modules on demand (the api_server module:
+# its engine imports come after the verdict hash has started, ``quant.verdicts.start_sha256_for_command``).
 LAZY_OK = {"torch", "transformers", "tqdm", "matplotlib", "numpy", "hypothesis", "schemathesis", "gguf",
            "safetensors", "uvicorn", "psutil", "pydoc_data", "sentence_transformers",
            "llguidance"}  # llguidance.hf imports transformers: a server start does not need it before a constraint
-LAZY_DISPATCHERS = {"pagedllm/__init__.py", "pagedllm/cli/main.py"}
+LAZY_DISPATCHERS = {"pagedllm/__init__.py", "pagedllm/cli/main.py", "pagedllm/entrypoints/openai/api_server.py"}
 
 
 def _library_modules():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -184,8 +185,6 @@ def _import_built(name: str):
     """The module ``name`` imported from its built file, as torch's loader imports it once its build is done, or
     None where there is none (or it does not import: then the loader, under the build lock, builds it). The name
     hashes the sources and flags (``build_key``), so a file of that name is that build."""
-    import importlib.util
-
     path = extensions_dir(name) / f"{name}{'.pyd' if os.name == 'nt' else '.so'}"  # torch's LIB_EXT
     if not path.is_file() or (path.parent / "lock").exists():  # none, or a build under way (or interrupted)
         return None
