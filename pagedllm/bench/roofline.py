@@ -83,6 +83,26 @@ def block_kernel_rows(arch, batches=(1, 8, 32)) -> list[dict]:
     return rows
 
 
+def layer_linear_rows(model, dtype: torch.dtype, rows=(1, 8, 32, 128, 512, 2048)) -> dict[int, float]:
+    """Milliseconds of one forward's decoder-layer linears at each row count, each linear as the engine built it
+    (so each row count runs the path the engine runs there: the block kernels, bfloat16 tiles or stripes, a dense
+    copy): the simulator's GEMM curve up to prefill-sized steps."""
+    lins = [lin for name, lin in model.linears().items() if name.startswith("layers.")]
+    out = {}
+    for m in rows:
+        xs = {}
+        for lin in lins:
+            if lin.in_features not in xs:
+                xs[lin.in_features] = torch.randn(m, lin.in_features, dtype=dtype)
+
+        def forward():
+            for lin in lins:
+                lin(xs[lin.in_features])
+
+        out[m] = _time(forward, min_time=0.2, warmup=1) * 1e3
+    return out
+
+
 def decode_read_bytes(model) -> int:
     """Weight bytes one single-row decode step reads: packed weights where a layer has them (not its dense copy
     for large steps), and the LM head (a tied embedding only through it)."""
@@ -153,29 +173,41 @@ def main(args: argparse.Namespace) -> int:
         for r in blocks:
             print(f"{r['in']:6d} {r['out']:6d} {r['batch']:5d} {r['us']:8.1f} {r['weight_gbs']:12.1f} "
                   f"{100 * r['weight_gbs'] / res['bandwidth_gbs']:12.1f}% {r['gmacs']:8.1f}")
+    res["layer_linears_ms"] = layer_linear_rows(runner.model, dtype)
+    print("\nthe decoder layers' linears as the engine built them, one forward (ms by rows): " + ", ".join(
+        f"{m}: {ms:.2f}" for m, ms in res["layer_linears_ms"].items()))
     weight_bytes = decode_read_bytes(runner.model)
     res["dtype"] = str(dtype).replace("torch.", "")
-    res["prompt_len"] = args.prompt_len
+    lens = args.prompt_len
+    res["prompt_len"] = lens[0]
     res["rows"] = []
+    capacity = runner.num_blocks * llm.engine.config.cache.block_size  # tokens the KV cache holds
     print(f"\nengine: {res['runtime']['weights']}, dtype {res['dtype']}, KV cache {res['runtime']['kv_cache_dtype']}; "
           f"{weight_bytes / 2**20:.0f} MiB of weights read per single-row step "
-          f"({runner.model.weight_bytes() / 2**20:.0f} MiB held); prompts of {args.prompt_len} tokens")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'model-shape ceiling':>20} {'MFU vs ceiling':>15} "
-          f"{'MFU vs peak':>12}")
+          f"({runner.model.weight_bytes() / 2**20:.0f} MiB held); prompts of {', '.join(map(str, lens))} tokens")
+    print(f"{'prompt':>6} {'batch':>5} {'step ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'model-shape ceiling':>20} "
+          f"{'MFU vs ceiling':>15} {'MFU vs peak':>12}")
     peak = res[f"peak_gflops_{res['dtype']}"] if f"peak_gflops_{res['dtype']}" in res else res["peak_gflops_float32"]
-    for b in args.batch_sizes:
-        step, ctx = engine_decode(llm, b, args.prompt_len)
-        tok_s = b / step
-        gflops = tok_s * flops_per_token(arch, int(ctx)) / 1e9
-        ceiling = model_linear_gflops(arch, b, dtype)
-        row = {"batch": b, "step_ms": step * 1000, "tok_s": tok_s, "gflops": gflops, "ceiling_gflops": ceiling,
-               "mfu_vs_ceiling": gflops / ceiling, "mfu_vs_peak": gflops / peak}
-        if b == 1:
-            kv_bytes = 2 * arch.num_layers * ctx * arch.num_kv_heads * arch.head_dim * runner.kv_dtype.itemsize
-            row["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step / 1e9 / res["bandwidth_gbs"]
-        res["rows"].append(row)
-        print(f"{b:5d} {step * 1000:8.1f} {tok_s:8.1f} {gflops:8.1f} {ceiling:20.1f} {100 * row['mfu_vs_ceiling']:14.1f}% "
-              f"{100 * row['mfu_vs_peak']:11.1f}%")
+    ceilings = {}
+    for plen in lens:
+        for b in args.batch_sizes:
+            if b * (plen + 40) > capacity:
+                print(f"{plen:6d} {b:5d}  skipped: {b} x {plen + 40} tokens exceed the KV cache's {capacity}")
+                continue
+            step, ctx = engine_decode(llm, b, plen)
+            tok_s = b / step
+            gflops = tok_s * flops_per_token(arch, int(ctx)) / 1e9
+            if b not in ceilings:
+                ceilings[b] = model_linear_gflops(arch, b, dtype)
+            ceiling = ceilings[b]
+            row = {"prompt_len": plen, "batch": b, "step_ms": step * 1000, "tok_s": tok_s, "gflops": gflops,
+                   "ceiling_gflops": ceiling, "mfu_vs_ceiling": gflops / ceiling, "mfu_vs_peak": gflops / peak}
+            if b == 1:
+                kv_bytes = 2 * arch.num_layers * ctx * arch.num_kv_heads * arch.head_dim * runner.kv_dtype.itemsize
+                row["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step / 1e9 / res["bandwidth_gbs"]
+            res["rows"].append(row)
+            print(f"{plen:6d} {b:5d} {step * 1000:8.1f} {tok_s:8.1f} {gflops:8.1f} {ceiling:20.1f} "
+                  f"{100 * row['mfu_vs_ceiling']:14.1f}% {100 * row['mfu_vs_peak']:11.1f}%")
     b1 = next((r for r in res["rows"] if r["batch"] == 1), None)
     if b1:
         print(f"\nbatch 1: {100 * b1['bandwidth_fraction']:.1f}% of the bandwidth roofline "
@@ -186,7 +218,9 @@ def main(args: argparse.Namespace) -> int:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--prompt-len", type=int, default=64, help="tokens of each decode's prompt (its context)")
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[64, 320],
+                   help="tokens of each decode's prompt (its context); the decode steps run at each (two lengths let "
+                        "the simulator's calibration fit attention's cost)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     add_dtype_arg(p)
     add_result_json_arg(p)

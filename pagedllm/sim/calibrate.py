@@ -7,9 +7,14 @@ What the roofline JSON measures and what each becomes:
   block kernel at 1, 4, ..., 256 rows; else the ``block_kernel`` rows at batch 1 / 8 / 32): the integer GEMM
   path's peak (the fastest rate measured), its efficiency by row count (the points that are compute-bound), and
   the attainable bandwidth fraction (the one-row point, which streams the weights);
-- ``rows`` (engine decode steps at batch 1 / 8 / 32, context ~78 tokens): after subtracting the roofline terms
-  the cost model predicts for those steps, a line ``fixed + per_row x batch`` fitted to the rest (least squares
-  on relative errors) gives the per-step overhead and the per-row overhead.
+- ``layer_linears_ms`` (runs since 2026-12-06: the engine's decoder-layer linears as built, at 1-2048 rows, each
+  row count on the path the engine runs there) takes the place of those kernel timings where present: the GEMM
+  curve then reaches prefill-sized steps (bfloat16 tiles and stripes on AMX CPUs, not the integer kernel's rate);
+- ``rows`` (engine decode steps at batch 1 / 8 / 32, context ~78 tokens; each row's own ``prompt_len`` where the
+  run had several): after subtracting the roofline terms the cost model predicts for those steps, a line
+  ``fixed + per_row x batch`` fitted to the rest (least squares on relative errors) gives the per-step overhead and
+  the per-row overhead. Steps at two contexts or more also fit attention's efficiency (a grid from 0.01 to 1, each
+  with its own overheads, the smallest relative error kept); one context keeps the assumed 0.3.
 
 A decode row is one token of one sequence, so decode steps cannot tell per-token costs (norms, rotary, KV writes:
 paid by every prefill token too) from per-sequence costs (sampling, detokenization, scheduling: paid once per
@@ -83,6 +88,8 @@ def _least_squares(xs: list[float], ys: list[float], ws: list[float]) -> tuple[f
 
 def _gemm_points(d: dict, model: ModelProfile) -> tuple[dict[int, float], str]:
     """Seconds of one forward's decoder-layer linears at each measured row count."""
+    if d.get("layer_linears_ms"):  # the engine's own linears, each row count on the path it runs there
+        return {int(k): v / 1e3 for k, v in d["layer_linears_ms"].items()}, "the engine's layer linears"
     plan = (d.get("runtime") or {}).get("weight_plan") or {}
     layers = ((plan.get("timings_ms") or {}).get("layers") or {}).get("block")
     if layers:
@@ -129,7 +136,6 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
         peak, bw_eff, curve = bf16, 0.6, ()
         notes.append("no integer-kernel timings in the file: the bf16 peak at 0.65 stands in for the GEMM path")
     kv = ROOFLINE_KV_DTYPES.get((d.get("runtime") or {}).get("kv_cache_dtype"), "fp32")
-    context = d.get("prompt_len", 64) + ROOFLINE_DECODE_STEPS_OFFSET
     cpu = d.get("cpu") or {}
     desc = f"{cpu.get('model', 'CPU')} ({', '.join(cpu.get('flags', []))}), {d.get('threads', '?')} threads"
     base = HardwareProfile(
@@ -140,24 +146,44 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
         seq_overhead_s=0.0, token_overhead_s=0.0, activation_bytes=4, attention_dtype="fp32", default_kv_dtype=kv,
         activation_reserve_bytes=0, price_per_hour=price_per_hour, calibrated=True, source="bench roofline",
     )
-    rows = sorted((r["batch"], r["step_ms"] / 1e3) for r in d.get("rows", []))
-    dep = Deployment(base, model, scheme, kv_dtype=kv, kv_cache_bytes=CPU_KV_CACHE_BYTES)
-    bare = CostModel(dep, include_overheads=False)
-    predicted = {b: bare.decode_step(b, context - 1).time_s for b, _ in rows}
-    if rows:
-        # relative errors count: step times span 10x from batch 1 to 32
-        fixed, per_row = _least_squares([b for b, _ in rows], [t - predicted[b] for b, t in rows],
-                                        [1 / t**2 for _, t in rows])
-        if per_row < 0:
-            fixed, per_row = sum(t - predicted[b] for b, t in rows) / len(rows), 0.0
-        fixed = max(fixed, 0.0)
-    else:
-        fixed, per_row = 0.003, 0.0
+    # (batch, context of a timed step, seconds): a row's own prompt length where the run had several
+    rows = sorted((r["batch"], r.get("prompt_len", d.get("prompt_len", 64)) + ROOFLINE_DECODE_STEPS_OFFSET,
+                   r["step_ms"] / 1e3) for r in d.get("rows", []))
+    fitted = _fit_overheads(base, model, scheme, kv, rows)
+    if len({c for _, c, _ in rows}) > 1:  # steps at two contexts or more: attention's cost is measured, not assumed
+        fitted = min((_fit_overheads(base.with_overrides(attention_efficiency=e), model, scheme, kv, rows)
+                      for e in ATTENTION_EFFICIENCY_GRID), key=lambda f: f[0])
+        notes.append(f"attention efficiency {fitted[1].attention_efficiency:.3g}, fitted from decode steps at "
+                     f"contexts of {', '.join(str(c) for c in sorted({c for _, c, _ in rows}))} tokens")
+    _, base, fixed, per_row, fit = fitted
+    if not rows:
         notes.append("no engine decode rows in the file: overheads default to 3 ms per step")
     profile = base.with_overrides(step_overhead_s=fixed, seq_overhead_s=per_row * (1 - token_share),
                                   token_overhead_s=per_row * token_share)
-    fit = tuple((b, t, predicted[b] + fixed + per_row * b) for b, t in rows)
     return Calibration(profile, model, scheme, fixed, per_row, token_share, fit, tuple(notes), kv)
+
+
+# attention efficiencies tried where the decode steps came at several contexts: 0.01 to 1, log-spaced
+ATTENTION_EFFICIENCY_GRID = tuple(10 ** (-2 + 2 * i / 40) for i in range(41))
+
+
+def _fit_overheads(base: HardwareProfile, model: ModelProfile, scheme: QuantScheme, kv: str, rows: list):
+    """The per-step and per-row overheads that, added to ``base``'s roofline terms, fit the decode steps ``rows``
+    ((batch, context, seconds)) best in relative terms (step times span 10x from batch 1 to 32) -> (sum of squared
+    relative errors, base, fixed, per row, ((batch, measured, fitted) per row))."""
+    dep = Deployment(base, model, scheme, kv_dtype=kv, kv_cache_bytes=CPU_KV_CACHE_BYTES)
+    bare = CostModel(dep, include_overheads=False)
+    predicted = [bare.decode_step(b, c - 1).time_s for b, c, _ in rows]
+    if rows:
+        fixed, per_row = _least_squares([b for b, _, _ in rows], [t - p for (_, _, t), p in zip(rows, predicted)],
+                                        [1 / t**2 for _, _, t in rows])
+        if per_row < 0:
+            fixed, per_row = sum(t - p for (_, _, t), p in zip(rows, predicted)) / len(rows), 0.0
+        fixed = max(fixed, 0.0)
+    else:
+        fixed, per_row = 0.003, 0.0
+    fit = tuple((b, t, p + fixed + per_row * b) for (b, _, t), p in zip(rows, predicted))
+    return sum((f / t - 1) ** 2 for _, t, f in fit), base, fixed, per_row, fit
 
 
 def load_roofline(path: str) -> dict:

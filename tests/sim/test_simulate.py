@@ -276,6 +276,35 @@ def test_cpu_calibration_follows_the_roofline_runs_kv_dtype_and_context():
     assert longer.fixed_overhead_s + 32 * longer.row_overhead_s < fp32.fixed_overhead_s + 32 * fp32.row_overhead_s
 
 
+def test_cpu_calibration_fits_attention_from_two_contexts_and_takes_the_engines_linears():
+    """Decode steps at two contexts (`bench roofline --prompt-len 64 320`, the default) let the fit measure
+    attention's cost instead of assuming it: steps made by the cost model with attention at 0.1 of the fp32 peak and
+    known overheads are fitted back to that efficiency. The engine's own layer linears (`layer_linears_ms`, every
+    row count on the path the engine runs there) become the GEMM curve, up to prefill-sized steps."""
+    from pagedllm.sim.calibrate import ROOFLINE_DECODE_STEPS_OFFSET
+
+    d = load_roofline(ROOFLINE)
+    truth = cpu_profile_from_roofline(d).profile.with_overrides(attention_efficiency=0.1, step_overhead_s=0.004,
+                                                                seq_overhead_s=0.0001, token_overhead_s=0.0001)
+    model = CostModel(Deployment(truth, PRESETS["smollm2-135m"], SCHEMES["q4_1"], kv_dtype="fp32",
+                                 kv_cache_bytes=1 << 30))
+    rows = [{"prompt_len": p, "batch": b,
+             "step_ms": 1e3 * model.decode_step(b, p + ROOFLINE_DECODE_STEPS_OFFSET - 1).time_s}
+            for p in (64, 320) for b in (1, 8, 32)]
+    cal = cpu_profile_from_roofline({**d, "rows": rows})
+    assert cal.profile.attention_efficiency == pytest.approx(0.1, rel=0.13)  # the grid's step is 12%
+    assert any("attention efficiency" in n for n in cal.notes)
+    for _, measured, fitted in cal.fit_rows:
+        assert fitted == pytest.approx(measured, rel=0.02)
+    one_context = cpu_profile_from_roofline({**d, "rows": [r for r in rows if r["prompt_len"] == 64]})
+    assert one_context.profile.attention_efficiency == 0.3  # one context: the assumption stands
+    # the engine's linears as measured: 8 rows at a third of the per-row rate of 2048 rows
+    layers = {"1": 2.0, "8": 6.0, "32": 12.0, "128": 30.0, "512": 100.0, "2048": 400.0}
+    curve = dict(cpu_profile_from_roofline({**d, "layer_linears_ms": layers}).profile.gemm_efficiency_curve)
+    assert sorted(curve) == [8, 32, 128, 512, 2048] and curve[2048] == 1.0
+    assert curve[8] == pytest.approx((8 / 6.0) / (2048 / 400.0))
+
+
 def test_calibrated_cpu_predicts_measured_bench_serve_within_20_percent():
     measured = load_measured(MEASURED)
     assert tuple(measured["workload"]["prompt_tokens"]) == W1_PROMPT_TOKENS
