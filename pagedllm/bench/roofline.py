@@ -99,7 +99,8 @@ def layer_linear_rows(model, dtype: torch.dtype, rows=(1, 8, 32, 128, 512, 2048)
             for lin in lins:
                 lin(xs[lin.in_features])
 
-        out[m] = _time(forward, min_time=0.2, warmup=1) * 1e3
+        with torch.inference_mode():  # as the engine's forward runs
+            out[m] = _time(forward, min_time=0.2, warmup=1) * 1e3
     return out
 
 
@@ -128,7 +129,10 @@ def flops_per_token(arch, context: int) -> float:
     return lin + attn
 
 
-def engine_decode(llm, batch: int, prompt_len: int = 64, steps: int = 24) -> tuple[float, float]:
+DECODE_STEPS = 24  # timed decode steps of engine_decode (after 2 warm-up steps; each request asks 8 more tokens)
+
+
+def engine_decode(llm, batch: int, prompt_len: int = 64, steps: int = DECODE_STEPS) -> tuple[float, float]:
     """Seconds per decode step with `batch` running requests; returns (step time, mean context)."""
 
     eng = llm.engine
@@ -181,7 +185,7 @@ def main(args: argparse.Namespace) -> int:
     lens = args.prompt_len
     res["prompt_len"] = lens[0]
     res["rows"] = []
-    capacity = runner.num_blocks * llm.engine.config.cache.block_size  # tokens the KV cache holds
+    block_size = llm.engine.config.cache.block_size
     print(f"\nengine: {res['runtime']['weights']}, dtype {res['dtype']}, KV cache {res['runtime']['kv_cache_dtype']}; "
           f"{weight_bytes / 2**20:.0f} MiB of weights read per single-row step "
           f"({runner.model.weight_bytes() / 2**20:.0f} MiB held); prompts of {', '.join(map(str, lens))} tokens")
@@ -191,8 +195,9 @@ def main(args: argparse.Namespace) -> int:
     ceilings = {}
     for plen in lens:
         for b in args.batch_sizes:
-            if b * (plen + 40) > capacity:
-                print(f"{plen:6d} {b:5d}  skipped: {b} x {plen + 40} tokens exceed the KV cache's {capacity}")
+            need = b * -(-(plen + DECODE_STEPS + 8) // block_size)  # blocks: each request's prompt and tokens
+            if need > runner.num_blocks:
+                print(f"{plen:6d} {b:5d}  skipped: {need} KV blocks, the cache holds {runner.num_blocks}")
                 continue
             step, ctx = engine_decode(llm, b, plen)
             tok_s = b / step

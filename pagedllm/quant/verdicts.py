@@ -129,13 +129,15 @@ def start_sha256(path: str) -> None:
 
 
 def start_sha256_for_command(argv: list[str]) -> None:
-    """``serve`` / ``generate`` / ``chat`` (or the api_server module's flags: ``command`` None) of a GGUF file
-    whose numerics are left to the verdicts (``--activation-bits`` or ``--large-step-weights`` auto): start hashing
-    the file before the engine's imports (torch, the server: ~2 s of one core, the other idle), instead of beside the
-    weights' packing, which takes both. Reads the flags as argparse would (``--model F``, ``--model=F``); a command
-    line it misreads only hashes later, in ``load_and_plan``."""
+    """The flags of ``serve`` / ``generate`` / ``chat`` (or of the api_server module) for a GGUF file whose numerics
+    are left to the verdicts (``--activation-bits`` or ``--large-step-weights`` auto): start hashing the file before
+    the engine's imports (torch, the server: ~2 s of one core, the other idle), instead of beside the weights'
+    packing, which takes both. Reads the flags as argparse would (``--model F``, ``--model=F``, the last one
+    given); not for ``--data-parallel-size`` N > 1 (the replicas hash it, the balancer does not). A command line it
+    misreads only hashes later, in ``load_and_plan``."""
     def flag(name: str, default: str | None) -> str | None:
-        for i, a in enumerate(argv):
+        for i in range(len(argv) - 1, -1, -1):
+            a = argv[i]
             if a == name and i + 1 < len(argv):
                 return argv[i + 1]
             if a.startswith(name + "="):
@@ -144,6 +146,8 @@ def start_sha256_for_command(argv: list[str]) -> None:
 
     model = flag("--model", None)
     auto = "auto" in (flag("--activation-bits", "auto"), flag("--large-step-weights", "auto"))
+    if flag("--data-parallel-size", "1") not in ("1", "0"):
+        return
     if model and model.endswith(".gguf") and auto and os.path.isfile(model):
         start_sha256(model)
 

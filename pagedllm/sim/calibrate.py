@@ -10,8 +10,8 @@ What the roofline JSON measures and what each becomes:
 - ``layer_linears_ms`` (runs since 2026-12-06: the engine's decoder-layer linears as built, at 1-2048 rows, each
   row count on the path the engine runs there) takes the place of those kernel timings where present: the GEMM
   curve then reaches prefill-sized steps (bfloat16 tiles and stripes on AMX CPUs, not the integer kernel's rate);
-- ``rows`` (engine decode steps at batch 1 / 8 / 32, context ~78 tokens; each row's own ``prompt_len`` where the
-  run had several): after subtracting the roofline terms the cost model predicts for those steps, a line
+- ``rows`` (engine decode steps at batch 1 / 8 / 32 / 64, context ~78 tokens, and ~334 in runs since 2026-12-06:
+  each row's own ``prompt_len`` where the run had several): after subtracting the roofline terms the cost model predicts for those steps, a line
   ``fixed + per_row x batch`` fitted to the rest (least squares on relative errors) gives the per-step overhead and
   the per-row overhead. Steps at two contexts or more also fit attention's efficiency (a grid from 0.01 to 1, each
   with its own overheads, the smallest relative error kept); one context keeps the assumed 0.3.
@@ -25,6 +25,7 @@ the roofline data (see docs/simulate.md for how the predictions move with it).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.sim.cost import CostModel, Deployment
@@ -110,7 +111,9 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
                               token_share: float = DEFAULT_TOKEN_SHARE, memory_bytes: int = 16 * GIB,
                               price_per_hour: float = 0.10, attention_efficiency: float = 0.3) -> Calibration:
     """Fit the ``cpu-local`` profile to a roofline result (``model`` / ``scheme``: what roofline ran, by default
-    the embedded SmolLM2-135M Q4_1 file)."""
+    the embedded SmolLM2-135M Q4_1 file). ``attention_efficiency``: the assumption where the decode steps came at
+    one context; with several it is fitted, this value breaking ties (efficiencies at which attention is bound by
+    bandwidth predict the same steps)."""
     if not 0 <= token_share <= 1:
         raise ValueError(f"token_share must be in [0, 1], got {token_share}")
     for k in ("bandwidth_gbs", "peak_gflops_float32", "peak_gflops_bfloat16"):
@@ -151,8 +154,12 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
                    r["step_ms"] / 1e3) for r in d.get("rows", []))
     fitted = _fit_overheads(base, model, scheme, kv, rows)
     if len({c for _, c, _ in rows}) > 1:  # steps at two contexts or more: attention's cost is measured, not assumed
-        fitted = min((_fit_overheads(base.with_overrides(attention_efficiency=e), model, scheme, kv, rows)
-                      for e in ATTENTION_EFFICIENCY_GRID), key=lambda f: f[0])
+        fits = [_fit_overheads(base.with_overrides(attention_efficiency=e), model, scheme, kv, rows)
+                for e in ATTENTION_EFFICIENCY_GRID]
+        best = min(f[0] for f in fits)
+        # efficiencies where attention is bound by bandwidth fit alike: of those, the one nearest the assumption
+        fitted = min((f for f in fits if f[0] <= best * (1 + 1e-6) + 1e-12),
+                     key=lambda f: abs(math.log(f[1].attention_efficiency / attention_efficiency)))
         notes.append(f"attention efficiency {fitted[1].attention_efficiency:.3g}, fitted from decode steps at "
                      f"contexts of {', '.join(str(c) for c in sorted({c for _, c, _ in rows}))} tokens")
     _, base, fixed, per_row, fit = fitted

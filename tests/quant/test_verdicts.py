@@ -69,11 +69,14 @@ def test_a_serve_command_starts_hashing_its_file_before_the_engine_imports(tmp_p
     f.write_bytes(b"GGUF" + bytes(200))
     started = []
     monkeypatch.setattr(verdicts, "start_sha256", started.append)
+    (tmp_path / "d.gguf").mkdir()
     for argv in (["--model", str(f)], [f"--model={f}", "--port", "1"], ["--model", str(f), "--activation-bits", "8"],
+                 ["--model", "x.gguf", "--model", str(f)],  # argparse keeps the last
                  ["--activation-bits=16", "--large-step-weights", "blocks", "--model", str(f)],
-                 ["--model", str(tmp_path / "missing.gguf")], ["--model", str(tmp_path)], ["--port", "1"]):
+                 ["--model", str(f), "--data-parallel-size", "2"],  # the replicas hash it, not the balancer
+                 ["--model", str(tmp_path / "missing.gguf")], ["--model", str(tmp_path / "d.gguf")], ["--port", "1"]):
         verdicts.start_sha256_for_command(argv)
-    assert started == [str(f)] * 3  # not where both paths are pinned, nor for a missing file or a directory
+    assert started == [str(f)] * 4  # not where both paths are pinned, nor for a missing file or a directory
     # the CLI: the hash is under way (or done) before torch is imported, and a bad flag still fails as before
     code = ("import sys; from pagedllm.cli.main import main; from pagedllm.quant import verdicts; "
             "verdicts.start_sha256 = lambda p: print('hash', p, 'torch' in sys.modules) or sys.exit(0); "
