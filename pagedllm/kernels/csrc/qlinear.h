@@ -945,11 +945,16 @@ inline void qgroup_neon(const uint8_t* wg, const SC& sc, int64_t g, const Quanti
 #endif
 
 // Tile shapes, sized to the vector registers (32 with AVX-512, 16 with AVX2 alone): with 512-bit VNNI, ZPT pairs
-// of groups by ZMT rows, otherwise GT groups by MT rows. One or two rows (decode) run one group at a time: that
-// streams the weights in three sequential streams (codes, scales, offsets; two without offsets), which read faster
-// from memory than wider tiles' many streams.
+// of groups by ZMT rows, otherwise GT groups by MT rows. Fewer than TILE_MIN_ROWS rows (decode) run one group at a
+// time: that streams the weights in three sequential streams (codes, scales, offsets; two without offsets), which
+// read faster from memory than wider tiles' many streams.
 #if defined(PAGEDLLM_QZMM)
 constexpr int ZPT = 2, ZMT = 3;
+// rows from which the tiles run (fewer: one group at a time, row by row): with 512-bit VNNI two rows already
+// share a tile of pairs of groups (the 1.5B's decode step: 76-79 ms row by row, one row 55-62, three rows 61-67)
+constexpr int64_t TILE_MIN_ROWS = 2;
+#else
+constexpr int64_t TILE_MIN_ROWS = 3;
 #endif
 #if defined(__AVX512VL__)
 constexpr int TILE_GT = 2, TILE_MT = 3;
@@ -982,7 +987,7 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
       return qrun_amx<BITS, ROW_CHUNK>(w, sc, begin, end, gstride, xa, r0, r1, K, nb, N, y);
 #endif
     int64_t g = begin;
-    if (r1 - r0 >= TILE_MT) {
+    if (r1 - r0 >= TILE_MIN_ROWS) {
 #if defined(PAGEDLLM_QZMM)
       for (; g + 2 * ZPT <= end; g += 2 * ZPT)
         qtile512_rows<BITS, ZPT, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
@@ -1002,7 +1007,7 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
     }
     for (; g < end; ++g) qtile_rows<BITS, 1, TILE_MT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
   };
-  if (M < TILE_MT) {
+  if (M < TILE_MIN_ROWS) {
     // fewer rows than a tile stream the weights from memory: each thread takes one contiguous half (claimed runs
     // broke the streams and the prefetch-ahead)
     at::parallel_for(0, NG, 8, [&](int64_t begin, int64_t end) { groups(0, M, begin, end); });
