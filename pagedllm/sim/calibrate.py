@@ -152,16 +152,17 @@ def cpu_profile_from_roofline(d: dict, model: ModelProfile | None = None, scheme
     # (batch, context of a timed step, seconds): a row's own prompt length where the run had several
     rows = sorted((r["batch"], r.get("prompt_len", d.get("prompt_len", 64)) + ROOFLINE_DECODE_STEPS_OFFSET,
                    r["step_ms"] / 1e3) for r in d.get("rows", []))
-    fitted = _fit_overheads(base, model, scheme, kv, rows)
-    if len({c for _, c, _ in rows}) > 1:  # steps at two contexts or more: attention's cost is measured, not assumed
-        fits = [_fit_overheads(base.with_overrides(attention_efficiency=e), model, scheme, kv, rows)
-                for e in ATTENTION_EFFICIENCY_GRID]
-        best = min(f[0] for f in fits)
-        # efficiencies where attention is bound by bandwidth fit alike: of those, the one nearest the assumption
-        fitted = min((f for f in fits if f[0] <= best * (1 + 1e-6) + 1e-12),
-                     key=lambda f: abs(math.log(f[1].attention_efficiency / attention_efficiency)))
+    # steps at two contexts or more: attention's efficiency is fitted over a grid, not assumed
+    contexts = sorted({c for _, c, _ in rows})
+    effs = ATTENTION_EFFICIENCY_GRID if len(contexts) > 1 else (attention_efficiency,)
+    fits = [_fit_overheads(base.with_overrides(attention_efficiency=e), model, scheme, kv, rows) for e in effs]
+    best = min(f[0] for f in fits)
+    # efficiencies where attention is bound by bandwidth fit alike: of those, the one nearest the assumption
+    fitted = min((f for f in fits if f[0] <= best * (1 + 1e-6) + 1e-12),
+                 key=lambda f: abs(math.log(f[1].attention_efficiency / attention_efficiency)))
+    if len(contexts) > 1:
         notes.append(f"attention efficiency {fitted[1].attention_efficiency:.3g}, fitted from decode steps at "
-                     f"contexts of {', '.join(str(c) for c in sorted({c for _, c, _ in rows}))} tokens")
+                     f"contexts of {', '.join(map(str, contexts))} tokens")
     _, base, fixed, per_row, fit = fitted
     if not rows:
         notes.append("no engine decode rows in the file: overheads default to 3 ms per step")
