@@ -239,6 +239,9 @@ class ParallelConfig:
     timeout_s: float = option(
         600.0, "a collective or the start-up rendezvous waiting longer than this fails the engine",
         name="distributed_timeout_s")
+    core_share_file: str | None = option(
+        None, "a replica of `pagedllm serve --data-parallel-size N`: its file in the directory where the replicas "
+        "say which of them are idle (a step borrows the idle ones' cores: ``worker.core_share``)", cli=False)
 
     def __post_init__(self) -> None:
         m = self.distributed_init_method

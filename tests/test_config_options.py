@@ -115,9 +115,10 @@ def test_every_config_field_is_an_option():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("option"), f"{cls.__name__}.{f.name} has no option metadata"
     kwarg_only = {o.name for o in engine_options() if not o.cli}
-    # enable_kv_cache_events: set by the server's --kv-events-config (vLLM's flag), which also says where to publish
+    # enable_kv_cache_events: set by the server's --kv-events-config (vLLM's flag), which also says where to publish;
+    # core_share_file: set for each replica by the server's --data-parallel-lend-cores
     assert kwarg_only == {"served_model_name", "num_gpu_blocks_override", "num_host_blocks_override",
-                          "enable_kv_cache_events"}
+                          "enable_kv_cache_events", "core_share_file"}
 
 
 def test_torchrun_sets_the_init_method_and_world_size(monkeypatch):

@@ -131,6 +131,8 @@ class EngineCore:
                 self.kv_cache_manager.uncache_private_blocks(req)
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
             outputs.append(EngineCoreOutput(rid, [], None, finish_reason=FinishReason.ERROR, stop_reason=msg))
+        if not self.scheduler.has_unfinished_requests():
+            self.runner.went_idle()
         return outputs
 
     def _execute_isolated(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:

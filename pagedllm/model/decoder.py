@@ -12,6 +12,8 @@ backend chosen at build time (``layers.ops``: the fused CPU kernels or torch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedllm.layers.attention import Attention, AttentionMetadata, QueryTemperature
@@ -53,6 +55,8 @@ class CausalLM:
         self.kv_dtype = kv_dtype or dtype
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.tp = tp
+        # called between layers when set (the worker's: a data-parallel replica giving back borrowed cores)
+        self.between_layers: Callable[[], None] | None = None
         # this rank's share (all of it without tensor parallelism)
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.vocab_start, self.vocab_per_rank = 0, cfg.vocab_size
@@ -189,7 +193,10 @@ class CausalLM:
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
         keep = metas[-1] if self.state_layers and metas[-1] is not None and metas[-1].kept is not None else None
+        hook = self.between_layers
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            if hook is not None and i:
+                hook()
             nxt = self.layers[i + 1].input_norm if i < last else self.norm
             if keep is not None and i in self.state_layers:  # the state layer's input rows, for a replay
                 keep.kept[i] = x[keep.keep_rows]

@@ -76,6 +76,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="N engine replicas on this machine, each a process on its share of the cores, behind one "
                         "port that routes each request to one of them (--data-parallel-policy)")
+    g.add_argument("--data-parallel-lend-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="replicas lend each other their cores while idle: a step runs on its replica's share of the "
+                        "cores plus those of the replicas that have nothing to run (off: each replica pinned to its "
+                        "share)")
     g.add_argument("--data-parallel-policy", choices=POLICIES, default="cache_aware",
                    help="cache_aware: a request goes to the replica that was sent the longest start of its text "
                         "(its prefix cache holds it) unless that one is much busier than the least busy, else to the "

@@ -25,10 +25,12 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -126,7 +128,11 @@ class ReplicaSet:
 
     def __init__(self, args, n: int, policy: str) -> None:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+        self.cores = cores
         self.replicas = [Replica(i, g, _free_port()) for i, g in enumerate(core_groups(cores, n))]
+        # where the replicas say which of them are idle (``worker.core_share``), when they lend each other cores
+        self.share_dir = (tempfile.mkdtemp(prefix="pagedllm-cores-")
+                          if n > 1 and getattr(args, "data_parallel_lend_cores", False) else None)
         self.policy = policy
         self.router = ReplicaRouter(n, policy)
         self._args = args
@@ -156,18 +162,22 @@ class ReplicaSet:
                 time.sleep(0.2)
         except BaseException:
             self.kill()
+            self.remove_files()
             raise
 
     def _spawn(self, r: Replica) -> None:
         """Start replica ``r``'s process: pinned to its cores from the start (torch sizes its thread pool from the
-        affinity), in a session of its own (a terminal's Ctrl-C reaches this process only, which then drains the
+        affinity; lending cores, on the set's cores with its share as its threads), in a session of its own (a terminal's Ctrl-C reaches this process only, which then drains the
         replicas); its flags, port and index as JSON on its stdin."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
                    OMP_NUM_THREADS=str(len(r.cores)))
+        # lending cores: on the set's cores, its own share as its threads; else pinned to its share
         r.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.server.cli_args"], stdin=subprocess.PIPE, env=env,
-                                  start_new_session=True, preexec_fn=_pin(r.cores))
+                                  start_new_session=True, preexec_fn=_pin(self.cores if self.share_dir else r.cores))
         args = {k: v for k, v in vars(self._args).items() if not callable(v)}
+        if self.share_dir:
+            args["core_share_file"] = os.path.join(self.share_dir, f"replica-{r.index}.cores")
         payload = {"args": args, "index": r.index, "cores": r.cores, "port": r.port, "parent_pid": os.getpid()}
         r.proc.stdin.write(json.dumps(payload).encode())
         r.proc.stdin.close()
@@ -192,6 +202,10 @@ class ReplicaSet:
     def kill(self) -> None:
         self.signal_all(signal.SIGKILL)
         self.wait_exited(10.0)
+
+    def remove_files(self) -> None:
+        if self.share_dir:
+            shutil.rmtree(self.share_dir, ignore_errors=True)
 
     # -- routing ---------------------------------------------------------------------------------------------------
     def available(self, exclude: set[int]) -> list[Replica]:
@@ -430,6 +444,7 @@ def run_data_parallel(args) -> int:
             replicas.signal_all(signal.SIGTERM)
             if not replicas.wait_exited(drain_s + 15.0):
                 replicas.kill()
+        replicas.remove_files()
     if replicas.failed:
         print(f"error: data parallelism failed: {replicas.failed}", file=sys.stderr)
         return 1

@@ -92,6 +92,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="engines behind a router (serve --data-parallel-size, or servers behind vllm-router), each "
                         "one deployment as above with its own KV cache")
     r.add_argument("--routing", choices=POLICIES, default="cache_aware", help="how the router picks a replica")
+    r.add_argument("--lend-calibrate", metavar="ROOFLINE_JSON", default=None,
+                   help="with --replicas and --calibrate (one replica's share of the cores): the roofline of the "
+                        "whole machine; a step that starts while the other replicas are idle is priced on it, as "
+                        "`serve --data-parallel-size` replicas lend idle cores (default: each on its own share)")
     r.add_argument("--plan-rate", type=float, nargs="+", default=None, metavar="REQ_PER_S",
                    help="size a deployment: the fewest replicas that serve this many requests/s (Poisson, the "
                         "workload flags' lengths) within --slo-p99-ttft-s; one replica is simulated at its share "
@@ -330,7 +334,17 @@ def _one(args, dep: Deployment, settings: EngineSettings, result: dict) -> None:
     if args.static_batching:
         res = simulate_static(dep, wl, settings.max_model_len, settings.max_num_seqs, args.seed)
     else:
-        res = simulate(dep, wl, settings, args.seed, replicas=args.replicas, routing=args.routing)
+        lend = None
+        if args.lend_calibrate:
+            if not args.calibrate or args.replicas < 2:
+                raise ValueError("--lend-calibrate needs --calibrate (a replica's share) and --replicas N > 1")
+            whole = cpu_profile_from_roofline(load_roofline(args.lend_calibrate), token_share=args.token_share)
+            lend = replace(dep, hardware=whole.profile.with_overrides(
+                price_per_hour=args.price_per_gpu_hour, compute_efficiency=args.compute_efficiency,
+                bandwidth_efficiency=args.bandwidth_efficiency,
+                step_overhead_s=None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3))
+            print(f"idle replicas lend their cores: a step alone runs on {whole.profile.description}")
+        res = simulate(dep, wl, settings, args.seed, replicas=args.replicas, routing=args.routing, lend=lend)
     print(_summary_table(res.summary))
     result["workload"] = wl.describe()
     result.update(res.to_dict())

@@ -220,9 +220,21 @@ class _Engine:
         self.in_flight = 0
         self.running = None  # the SchedulerOutput of the step in progress
         self.busy_until: float | None = None
+        # lending (``simulate``'s ``lend``): the machine-wide cost model, and the step in progress priced on both
+        self.lend_cost: CostModel | None = None
+        self.borrowing = False
+        self.own_dt = self.lend_dt = 0.0
 
-    def start_step(self, now: float, state: dict) -> None:
-        """Schedule and price the next step at ``now`` (if there is work); it ends at ``busy_until``."""
+    def wants_step(self) -> bool:
+        return self.busy_until is None and self.sched.has_unfinished_requests()
+
+    def idle(self) -> bool:
+        """Lends its cores: no step and no request (the engine tells its runner when its last one finished)."""
+        return self.busy_until is None and not self.sched.has_unfinished_requests()
+
+    def start_step(self, now: float, state: dict, borrow: bool = False) -> None:
+        """Schedule and price the next step at ``now`` (if there is work); it ends at ``busy_until``. ``borrow``:
+        every other replica is idle, so the step runs on the whole machine's cores (``lend_cost``)."""
         if not self.sched.has_unfinished_requests():
             return
         self.clock.t = now
@@ -232,6 +244,10 @@ class _Engine:
                                f"KV cache ({self.num_blocks} blocks of {self.block_size} tokens)")
         work = work_from_scheduler_output(so)
         dt = self.cost.step_time(work)
+        self.borrowing = borrow and self.lend_cost is not None
+        if self.borrowing:
+            self.own_dt, self.lend_dt = dt, self.lend_cost.step_time(work)
+            dt = self.lend_dt
         if self.draft_cost is not None:
             dt += _draft_time(self.draft_cost, work, so.speculate, self.spec.num_speculative_tokens)
         usage = self.kv.usage()
@@ -244,18 +260,33 @@ class _Engine:
             self.prefill_computed += max(0, min(end, state[s.req_id]["req"].num_prompt_tokens) - s.num_computed_tokens)
         self.running, self.busy_until = so, now + dt
 
+    def give_back(self, now: float) -> None:
+        """A sibling started a step while this one ran on its cores: the rest of the step (its share of the work
+        left) runs on this replica's own cores, as the engine gives them back between layers."""
+        if not self.borrowing:
+            return
+        self.borrowing = False
+        left = (self.busy_until - now) * self.own_dt / self.lend_dt
+        self.step_times[-1] += now + left - self.busy_until
+        self.busy_until = now + left
+
     def finish_step(self) -> list:
         """The step in progress ends: its sampled tokens go back through the scheduler."""
         so, self.running = self.running, None
         self.clock.t, self.busy_until = self.busy_until, None
+        self.borrowing = False
         return self.sched.update_from_output(so, self.runner.execute(so, self.sched.requests))
 
 
 def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = EngineSettings(), seed: int = 0,
              system: str = "pagedllm (paged KV, continuous batching)", replicas: int = 1,
-             routing: str = "cache_aware") -> SimResult:
+             routing: str = "cache_aware", lend: Deployment | None = None) -> SimResult:
     """The workload on ``replicas`` engines of deployment ``dep`` (each with its own KV cache), a request going to
-    one at its arrival by ``routing`` (``pagedllm.routing``: the balancer's policies)."""
+    one at its arrival by ``routing`` (``pagedllm.routing``: the balancer's policies). ``lend``: the same model on
+    the whole machine (all the replicas' cores): a step that starts while every other replica is idle runs there,
+    as `serve --data-parallel-size` replicas lend idle cores (``worker.core_share``), until a sibling starts a step
+    (then the rest of it runs on the replica's own share). With more than two replicas a step borrows only when
+    all the others are idle (the engine also borrows from some: so this underrates lending there)."""
     model = dep.model
     plan = dep.memory_plan(settings.block_size, settings.max_num_seqs, settings.enable_prefix_caching)
     num_blocks = settings.num_blocks or plan.num_blocks
@@ -270,6 +301,9 @@ def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = Eng
             raise ValueError(f"a request of {r.prompt_len} + {r.output_len} tokens exceeds max_model_len {max_len}")
     rng = random.Random(seed)
     engines = [_Engine(dep, settings, num_blocks, max_len, rng, plan) for _ in range(replicas)]
+    if lend is not None and replicas > 1:
+        for e in engines:
+            e.lend_cost = CostModel(lend)
     router = ReplicaRouter(replicas, routing)
     arrivals = _Arrivals(workload, rng)
     reqs = workload.requests
@@ -310,9 +344,13 @@ def simulate(dep: Deployment, workload: Workload, settings: EngineSettings = Eng
             e.sched.add_request(req)
             e.in_flight += 1
             state[req.request_id] = {"req": req, "first": None, "cached": 0, "out": 0}
-        for e in engines:
-            if e.busy_until is None:
-                e.start_step(now, state)
+        starting = [e for e in engines if e.wants_step()]
+        if starting and replicas > 1:
+            for e in engines:  # a step on borrowed cores meets a sibling's new step: the cores go back
+                if e.busy_until is not None:
+                    e.give_back(now)
+        for e in starting:
+            e.start_step(now, state, borrow=all(x.idle() for x in engines if x is not e))
 
     start_s, end_s = arrivals.first_s, now
     span = max(end_s - start_s, 1e-12)

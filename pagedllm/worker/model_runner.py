@@ -38,6 +38,7 @@ from pagedllm.sample.structured import StructuredOutputs, grammar_masks, sync_ma
 from pagedllm.spec.proposer import DraftProposer, NgramProposer, Proposer, load_draft_model
 from pagedllm.spec.verify import accept_greedy, verify_random
 from pagedllm.worker.autotune import plan_summary
+from pagedllm.worker.core_share import CoreShare
 from pagedllm.worker.kv_cache import KVCache
 from pagedllm.worker.plan import BF16_STEP_MIN_TOKENS, DTYPES, choose_device, load_and_plan
 from pagedllm.worker.step_inputs import StepInputs
@@ -99,6 +100,9 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.tp = None  # a TPGroup when tensor_parallel_size > 1
+        # a replica of --data-parallel-size that borrows its idle siblings' cores for its steps
+        self.core_share = (CoreShare(config.parallel.core_share_file) if config.parallel.core_share_file
+                           and config.tensor_parallel_size == 1 else None)
         self.tp_workers = None  # rank 0's local worker processes (LocalWorkers), when it started them
         self.rank_weight_bytes: list[int] = []  # weight bytes held by each rank (tensor parallelism)
         self.device = choose_device(config.device)
@@ -198,6 +202,12 @@ class ModelRunner:
                         "%d heads of %d", self.tp.world_size,
                         " / ".join(f"{b / 2**20:.1f}" for b in self.rank_weight_bytes),
                         sum(self.rank_weight_bytes) / 2**20, self.model.num_kv_heads, arch.num_kv_heads)
+        if self.core_share is not None:
+            if isinstance(self.model, CausalLM):
+                self.model.between_layers = self.core_share.give_back
+            self.core_share.end_step()  # loaded: idle until its first step
+            logger.info("data parallelism: this replica runs on %d thread(s) of its own, and on the cores of the "
+                        "replicas that are idle (%s)", self.core_share.own, os.path.dirname(self.core_share.path))
 
     def describe(self) -> dict:
         """What runs: device, dtype, weight format, kernel path and the auto-chosen plan (logs, /health)."""
@@ -217,6 +227,8 @@ class ModelRunner:
         d["why"] = {k: v for k, v in p.reasons.items() if k in d}
         if p.weight_plan is not None:
             d["weight_plan"] = plan_summary(p.weight_plan)
+        if self.core_share is not None:  # the live counts (the dict itself: /health shows them as they are)
+            d["data_parallel_cores"] = self.core_share.stats
         return d
 
     # ------------------------------------------------------------------ KV cache
@@ -294,6 +306,12 @@ class ModelRunner:
 
         self._forward_step = faulty_forward_step
 
+    def went_idle(self) -> None:
+        """The engine has no request left (until the next one arrives): a data-parallel replica lends its cores
+        at once rather than after ``core_share.IDLE_AFTER_S``."""
+        if self.core_share is not None:
+            self.core_share.went_idle()
+
     def shutdown(self) -> None:
         """Rank 0 tells the other ranks to stop and waits for its local workers; any rank leaves the group.
         Without tensor parallelism there is nothing to do."""
@@ -313,7 +331,15 @@ class ModelRunner:
             self.requests[nr.req_id] = CachedRequestState(nr.req_id, nr.prompt_token_ids, sp, gen)
         if so.is_empty and not so.has_swaps:
             return ModelRunnerOutput()
+        if self.core_share is None:
+            return self._execute(so)
+        self.core_share.begin_step()  # its own cores and the idle replicas'
+        try:
+            return self._execute(so)
+        finally:
+            self.core_share.end_step()
 
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         step, groups = StepInputs.from_scheduler_output(so, self.block_size)
         verify = self._verified_states(so) if self.num_state_slots else []
         fwd = self._run_step(step, self._prompt_targets(groups.prompt), verify)

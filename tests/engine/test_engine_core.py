@@ -40,6 +40,9 @@ class FakeRunner:
     def shutdown(self) -> None:
         self.closed = True
 
+    def went_idle(self) -> None:
+        self.idle_calls = getattr(self, "idle_calls", 0) + 1
+
 
 def make_core(runner=None, **scheduler_options) -> EngineCore:
     config = EngineConfig(cache=CacheConfig(block_size=4), scheduler=SchedulerConfig(**scheduler_options))
@@ -79,7 +82,9 @@ def test_steps_finish_with_a_reason_that_is_a_string():
     core.add_request(req("b", [4, 5, 6, 7, 8]))
     core.step()
     assert sorted(core.running_request_ids()) == ["a", "b"]
+    assert not hasattr(core.runner, "idle_calls")
     done = run(core)
+    assert core.runner.idle_calls == 1  # told once, when the last request finished (a replica then lends its cores)
     assert {rid: o.finish_reason for rid, o in done.items()} == {"a": "length", "b": "length"}
     assert done["a"].finish_reason is FinishReason.LENGTH
     assert json.dumps(done["a"].finish_reason) == '"length"' and f"{done['a'].finish_reason}" == "length"

@@ -2,6 +2,7 @@
 vllm-router (the router the README's multi-machine recipe uses): every request answered, prefix-affine routing that
 beats round robin on prefix-cache hits, merged metrics, a replica killed mid-stream, a clean stop."""
 
+import argparse
 import concurrent.futures
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 from helpers import MODEL, free_port, start_server, wait_until_serving
 from pagedllm.metrics.prometheus import merge_expositions
 from pagedllm.routing import ReplicaRouter
-from pagedllm.server.data_parallel import ENGINE_HEADER, core_groups, replica_endpoint, routing_text, text_chain
+from pagedllm.server.data_parallel import ENGINE_HEADER, ReplicaSet, core_groups, replica_endpoint, routing_text, text_chain
 
 # ---------------------------------------------------------------------- units (no server)
 
@@ -70,6 +71,17 @@ def test_routing_text_keeps_a_shared_start_shared():
     assert routing_text(b'{"prompt": "hello"}').startswith('["hello')
     assert routing_text(b"not json") is None and routing_text(b"[1, 2]") is None
     assert routing_text(b'{"model": "m"}') is None
+
+
+def test_replicas_lend_cores_through_a_folder_unless_told_not_to():
+    lend = ReplicaSet(argparse.Namespace(data_parallel_lend_cores=True), 2, "cache_aware")
+    assert os.path.isdir(lend.share_dir)
+    lend.remove_files()
+    assert not os.path.exists(lend.share_dir)
+    pinned = ReplicaSet(argparse.Namespace(data_parallel_lend_cores=False), 2, "cache_aware")
+    assert pinned.share_dir is None
+    pinned.remove_files()
+    assert ReplicaSet(argparse.Namespace(data_parallel_lend_cores=True), 1, "cache_aware").share_dir is None
 
 
 def test_replica_kv_event_endpoints_do_not_collide():
@@ -136,7 +148,7 @@ def _chat(url, messages) -> httpx.Response:
     return r
 
 
-def test_two_replicas_each_on_its_core_answer_and_follow_prefixes(dp):
+def test_two_replicas_each_on_its_core_answer_follow_prefixes_and_lend_idle_cores(dp):
     _, base, _ = dp
     reps = _replicas(base)
     assert [len(r["cores"]) for r in reps] == [1, 1] and reps[0]["cores"] != reps[1]["cores"]
@@ -161,6 +173,10 @@ def test_two_replicas_each_on_its_core_answer_and_follow_prefixes(dp):
     # the balancer's /metrics: each replica's samples, labelled by engine
     metrics = httpx.get(base + "/metrics").text
     assert 'vllm:num_requests_running{engine="0"' in metrics and 'vllm:num_requests_running{engine="1"' in metrics
+    # one request at a time: the replica serving it ran steps on the idle one's core too (lent by default)
+    cores = [httpx.get(r["url"] + "/health").json()["runtime"]["data_parallel_cores"] for r in reps]
+    assert all(c["own_threads"] == 1 for c in cores)
+    assert sum(c["steps_on_borrowed_cores"] for c in cores) > 0, cores
 
 
 def test_vllm_router_cache_aware_beats_round_robin_on_prefix_hits(dp, tmp_path):

@@ -25,6 +25,8 @@ from pagedllm.sim.validate import load_measured, validate
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 ROOFLINE = os.path.join(DATA, "roofline_epyc.json")
 MEASURED = os.path.join(DATA, "serve_w1_epyc.json")
+# bench roofline on one core of the Xeon (taskset -c 0) and on both (docs/simulate.md, 2026-12-06)
+ROOFLINE_1CORE, ROOFLINE_2CORE = (os.path.join(DATA, f"roofline_spr_{n}core.json") for n in (1, 2))
 
 A100 = get_gpu_profile("a100-80gb")
 L70 = PRESETS["llama-3-70b"]
@@ -473,6 +475,35 @@ def test_replicas_share_the_load_and_cache_aware_routing_keeps_prefixes_on_one_r
     assert ca.summary.mean_ttft_s < one.mean_ttft_s
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         simulate(d, w, EngineSettings(), replicas=0)
+
+
+def test_idle_replicas_lend_their_cores(capsys):
+    """`serve --data-parallel-size` replicas lend idle cores: one client at a time on a pair of 1-core replicas runs
+    about as fast as one 2-core engine; with both replicas busy all the time, lending changes nothing."""
+    one_core = cpu_profile_from_roofline(load_roofline(ROOFLINE_1CORE)).deployment()
+    two_cores = cpu_profile_from_roofline(load_roofline(ROOFLINE_2CORE)).deployment()
+    lone = closed_loop(W1_PROMPT_TOKENS[:6], 64, 1)
+    engine = simulate(two_cores, lone, EngineSettings()).summary
+    pinned = simulate(one_core, lone, EngineSettings(), replicas=2).summary
+    lent = simulate(one_core, lone, EngineSettings(), replicas=2, lend=two_cores).summary
+    assert pinned.output_tok_s < 0.8 * engine.output_tok_s
+    assert lent.output_tok_s == pytest.approx(engine.output_tok_s, rel=0.05)
+    # 16 clients: each replica always has work, no step borrows
+    busy = closed_loop(W1_PROMPT_TOKENS[:16], 64, 16)
+    assert simulate(one_core, busy, EngineSettings(), replicas=2, lend=two_cores).summary.output_tok_s == \
+        pytest.approx(simulate(one_core, busy, EngineSettings(), replicas=2).summary.output_tok_s, rel=0.02)
+    # a step on borrowed cores that meets a sibling's new step finishes on its own share: two clients whose
+    # requests start 10 ms apart take longer than one alone, less than on one core from the start
+    two = Workload(tuple(replace(r, arrival_s=0.01 * i) for i, r in enumerate(lone.requests[:2])))
+    lent2 = simulate(one_core, two, EngineSettings(), replicas=2, lend=two_cores)
+    first = min(lent2.records, key=lambda r: r.arrival_s)
+    alone = simulate(one_core, Workload(two.requests[:1]), EngineSettings(), replicas=2, lend=two_cores).records[0]
+    solo_pinned = simulate(one_core, Workload(two.requests[:1]), EngineSettings(), replicas=2).records[0]
+    assert alone.first_token_s < first.first_token_s < solo_pinned.first_token_s
+    assert run(["--calibrate", ROOFLINE_1CORE, "--lend-calibrate", ROOFLINE_2CORE, "--replicas", "2",
+                "--workload", "w1", "--concurrency", "1", "--output-len", "16"]) == 0
+    assert "idle replicas lend their cores" in capsys.readouterr().out
+    assert run(["--calibrate", ROOFLINE_1CORE, "--lend-calibrate", ROOFLINE_2CORE]) == 2
 
 
 def test_plan_finds_the_fewest_replicas_that_meet_the_slo(capsys, tmp_path):
