@@ -83,10 +83,11 @@ def block_kernel_rows(arch, batches=(1, 8, 32)) -> list[dict]:
     return rows
 
 
-def layer_linear_rows(model, dtype: torch.dtype, rows=(1, 8, 32, 128, 512, 2048)) -> dict[int, float]:
+def layer_linear_rows(model, dtype: torch.dtype, rows=(1, 2, 4, 8, 16, 32, 128, 512, 2048)) -> dict[int, float]:
     """Milliseconds of one forward's decoder-layer linears at each row count, each linear as the engine built it
     (so each row count runs the path the engine runs there: the block kernels, bfloat16 tiles or stripes, a dense
-    copy): the simulator's GEMM curve up to prefill-sized steps."""
+    copy): the simulator's GEMM curve up to prefill-sized steps. The few-row points matter: a kernel's 4-row step
+    costs ~0.8 of its 8-row one, not half (its row tiles), which a curve starting at 8 rows priced as half."""
     lins = [lin for name, lin in model.linears().items() if name.startswith("layers.")]
     out = {}
     for m in rows:

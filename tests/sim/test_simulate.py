@@ -25,7 +25,7 @@ from pagedllm.sim.validate import load_measured, validate
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 ROOFLINE = os.path.join(DATA, "roofline_epyc.json")
 MEASURED = os.path.join(DATA, "serve_w1_epyc.json")
-# bench roofline on one core of the Xeon (taskset -c 0) and on both (docs/simulate.md, 2026-12-06)
+# bench roofline on one core of the Xeon (taskset -c 0) and on both (docs/simulate.md, 2026-12-07)
 ROOFLINE_1CORE, ROOFLINE_2CORE = (os.path.join(DATA, f"roofline_spr_{n}core.json") for n in (1, 2))
 
 A100 = get_gpu_profile("a100-80gb")
@@ -475,6 +475,22 @@ def test_replicas_share_the_load_and_cache_aware_routing_keeps_prefixes_on_one_r
     assert ca.summary.mean_ttft_s < one.mean_ttft_s
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         simulate(d, w, EngineSettings(), replicas=0)
+
+
+def test_few_row_steps_are_priced_from_their_own_linear_timings():
+    """bench roofline times the layers' linears at 2 and 4 rows too: a 4-row step's linears cost ~0.76 of the 8-row
+    ones on one core (the kernels' row tiles), which a curve starting at 8 rows priced as half."""
+    d = load_roofline(ROOFLINE_1CORE)
+    measured = d["layer_linears_ms"]
+
+    def linears_ms(data, rows):
+        ops = CostModel(cpu_profile_from_roofline(data).deployment(), include_overheads=False).decode_step(rows, 100)
+        return sum(o.time_s for o in ops.ops if o.name in ("qkv", "o", "mlp_up", "mlp_down")) * 1e3
+
+    for rows in (2, 4, 8):
+        assert linears_ms(d, rows) == pytest.approx(measured[str(rows)], rel=0.02)
+    coarse = {**d, "layer_linears_ms": {k: v for k, v in measured.items() if k not in ("2", "4", "16")}}
+    assert linears_ms(coarse, 4) < 0.7 * measured["4"]
 
 
 def test_idle_replicas_lend_their_cores(capsys):
