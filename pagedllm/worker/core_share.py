@@ -62,7 +62,11 @@ class CoreShare:
         if now - self._listed > 1.0:  # a sibling that started later (or was started again) shows up within 1 s
             self._listed = now
             folder = os.path.dirname(self.path)
-            for name in sorted(os.listdir(folder)):
+            try:
+                names = sorted(os.listdir(folder))
+            except OSError:  # the folder removed under a running replica (a tmp cleaner): the siblings it knows
+                names = []
+            for name in names:
                 p = os.path.join(folder, name)
                 if name.endswith(SUFFIX) and p != self.path and p not in self.siblings:
                     try:

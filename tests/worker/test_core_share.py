@@ -57,6 +57,11 @@ def test_a_sibling_started_later_is_found(tmp_path, threads, monkeypatch):
     assert a.lendable() == 0  # the folder is listed again at most once a second
     a._listed -= 2.0
     assert a.lendable() == 1
+    for f in tmp_path.iterdir():  # the folder removed under running replicas: the siblings they know still count
+        f.unlink()
+    tmp_path.rmdir()
+    a._listed -= 2.0
+    assert a.lendable() == 1
     a.close()
     b.close()
 
