@@ -253,7 +253,7 @@ def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(kind, levels):
         assert on == ("+amx" in ops.isa())
         assert not on or {"amx_tile", "amx_int8"} <= cpu_info()[1]  # never on a CPU without the tiles
         torch.manual_seed(0)
-        for m, dtype in ((8, torch.float32), (13, torch.float32), (16, torch.float32), (17, torch.float32),
+        for m, dtype in ((6, torch.float32), (7, torch.float32), (8, torch.float32), (13, torch.float32), (16, torch.float32), (17, torch.float32),
                          (40, torch.float32), (100, torch.float32), (33, torch.bfloat16)):
             x = torch.randn(m, k, dtype=dtype)
             ops.set_qlinear_amx(True)

@@ -27,8 +27,11 @@ namespace {
 constexpr int AMX_ROWS = 16;  // rows of an A (activation) and C tile
 // Rows from which qlinear runs on AMX (fewer than 16: one tile of that many rows). Against the VNNI tiles (2 cores,
 // Q4_0 / Q4_K / Q5_0 / Q6_K / Q8_0 weights of 2048-8960 inputs): 0.7-0.9x at 4 rows, 0.96-1.23x at 8, 1.0-1.5x at
-// 12, 1.2-1.7x from 16.
-constexpr int64_t AMX_MIN_ROWS = 8;
+// 12, 1.2-1.7x from 16. From 6 rather than 8 since the VNNI tiles take rows 3 at a time and a lone remainder row
+// re-decodes the codes: whole decode steps at 6 / 7 rows (8 as the reference) 0.95-1.0 / 1.03-1.17 of the 8-row
+// step on the VNNI tiles, 0.93 / 0.95-0.98 on AMX (Qwen2.5-Coder 0.5B and 1.5B Q4_K_M, SmolLM2 Q4_1); 5 rows (3 + 2)
+// even.
+constexpr int64_t AMX_MIN_ROWS = 6;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
