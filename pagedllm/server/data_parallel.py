@@ -167,12 +167,12 @@ class ReplicaSet:
 
     def _spawn(self, r: Replica) -> None:
         """Start replica ``r``'s process: pinned to its cores from the start (torch sizes its thread pool from the
-        affinity; lending cores, on the set's cores with its share as its threads), in a session of its own (a terminal's Ctrl-C reaches this process only, which then drains the
-        replicas); its flags, port and index as JSON on its stdin."""
+        affinity; lending cores, on all the set's cores with its share as its threads), in a session of its own (a
+        terminal's Ctrl-C reaches this process only, which then drains the replicas); its flags, port and index as
+        JSON on its stdin."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
                    OMP_NUM_THREADS=str(len(r.cores)))
-        # lending cores: on the set's cores, its own share as its threads; else pinned to its share
         r.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.server.cli_args"], stdin=subprocess.PIPE, env=env,
                                   start_new_session=True, preexec_fn=_pin(self.cores if self.share_dir else r.cores))
         args = {k: v for k, v in vars(self._args).items() if not callable(v)}

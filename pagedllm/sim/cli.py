@@ -123,10 +123,14 @@ def _hardware(args):
         if args.gpu == "cpu-local":
             raise ValueError("--gpu cpu-local needs --calibrate ROOFLINE_JSON (pagedllm bench roofline --result-json)")
         cal, hw = None, get_gpu_profile(args.gpu or "a100-80gb")
-    hw = hw.with_overrides(price_per_hour=args.price_per_gpu_hour, compute_efficiency=args.compute_efficiency,
-                           bandwidth_efficiency=args.bandwidth_efficiency,
-                           step_overhead_s=None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3)
-    return cal, hw
+    return cal, _overridden(hw, args)
+
+
+def _overridden(hw, args):
+    """``hw`` with the hardware flags the user gave."""
+    return hw.with_overrides(price_per_hour=args.price_per_gpu_hour, compute_efficiency=args.compute_efficiency,
+                             bandwidth_efficiency=args.bandwidth_efficiency,
+                             step_overhead_s=None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3)
 
 
 def _workload(args, shared_default: int) -> Workload:
@@ -339,10 +343,7 @@ def _one(args, dep: Deployment, settings: EngineSettings, result: dict) -> None:
             if not args.calibrate or args.replicas < 2:
                 raise ValueError("--lend-calibrate needs --calibrate (a replica's share) and --replicas N > 1")
             whole = cpu_profile_from_roofline(load_roofline(args.lend_calibrate), token_share=args.token_share)
-            lend = replace(dep, hardware=whole.profile.with_overrides(
-                price_per_hour=args.price_per_gpu_hour, compute_efficiency=args.compute_efficiency,
-                bandwidth_efficiency=args.bandwidth_efficiency,
-                step_overhead_s=None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3))
+            lend = replace(dep, hardware=_overridden(whole.profile, args))
             print(f"idle replicas lend their cores: a step alone runs on {whole.profile.description}")
         res = simulate(dep, wl, settings, args.seed, replicas=args.replicas, routing=args.routing, lend=lend)
     print(_summary_table(res.summary))
