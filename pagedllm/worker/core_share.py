@@ -113,7 +113,7 @@ class CoreShare:
         self.mine[:] = _SLOT.pack(self.own, 0, 0.0)
 
     def close(self) -> None:
-        self.end_step()  # its cores are free once it is gone (until it is started again)
+        self.went_idle()  # its cores are free once it is gone (until it is started again)
         for m in (self.mine, *self.siblings.values()):
             m.close()
         self.siblings.clear()

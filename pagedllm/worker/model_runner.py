@@ -313,10 +313,13 @@ class ModelRunner:
             self.core_share.went_idle()
 
     def shutdown(self) -> None:
-        """Rank 0 tells the other ranks to stop and waits for its local workers; any rank leaves the group.
-        Without tensor parallelism there is nothing to do."""
+        """Rank 0 tells the other ranks to stop and waits for its local workers; any rank leaves the group. A
+        data-parallel replica lends its cores from now on. Otherwise there is nothing to do."""
         if self.tp is not None:
             self._tp_finalizer()
+        if self.core_share is not None:
+            self.core_share.close()
+            self.core_share = None
 
     # ------------------------------------------------------------------ one step
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -41,8 +41,7 @@ def test_a_step_borrows_idle_siblings_cores_and_gives_them_back(tmp_path, thread
     time.sleep(0.06)
     assert b.begin_step() == 3  # a idle now: b borrows its core
     b.end_step()
-    a.close()  # a replica that is gone lends its cores (until it is started again)
-    time.sleep(0.06)
+    a.close()  # a replica that is gone lends its cores at once (until it is started again)
     assert b.lendable() == 1
     b.close()
 
@@ -90,5 +89,8 @@ def test_an_engine_replica_runs_its_steps_on_an_idle_siblings_cores(tmp_path, th
     busy = llm.generate(["The capital of France is"], sp)[0].outputs[0].token_ids
     assert busy == alone and set(calls) == {own}
     assert stats["steps"] == 2 * steps and stats["steps_on_borrowed_cores"] == steps
+    sibling.end_step()
+    runner.shutdown()  # a replica that stops lends its core to the others at once
+    assert sibling.lendable() == own and runner.core_share is None
     sibling.close()
 
