@@ -1,0 +1,73 @@
+"""A/B of two kernel builds on a real model's linears in decode order, in one process (the machine's noise hits both).
+
+``python3 -m tools.scripts.ab_decode_linears OLD_CSRC MODEL.gguf [M ...]`` (``git archive REV pagedllm/kernels/csrc |
+tar -x -C /tmp/old`` gives OLD_CSRC = /tmp/old/pagedllm/kernels/csrc) loads MODEL as the engine builds it, builds
+OLD_CSRC for ``-march=native``, and per row count M (default 1) runs every packed linear of the model once in
+decode order (each layer's, then the LM head; the model's weights are far larger than the caches, so a pass streams
+them from memory as a decode step does) with M random activation rows, alternating the installed build and the old
+one ``ROUNDS`` times (default 8; medians). Prints, per build and kind of layer (its code width, the head apart), the
+time of one pass and the weight bytes read per second; the outputs of both builds must be bitwise equal (every
+path keeps a row's arithmetic)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+import pagedllm.kernels as K
+from pagedllm import LLM
+from tools.scripts.kernel_build import build_source
+
+
+def weight_bytes(lin) -> int:
+    return sum(t.numel() * t.element_size() for t in (lin.codes, lin.scales, lin.offsets, lin.super_scales,
+                                                        lin.super_offsets) if t is not None)
+
+
+def main() -> None:
+    old_src, model = pathlib.Path(sys.argv[1]), sys.argv[2]
+    rows = [int(m) for m in sys.argv[3:]] or [1]
+    rounds = int(os.environ.get("ROUNDS", "8"))
+    llm = LLM(model=model, enable_prefix_caching=False)
+    new, old = K.cpu_ops(), build_source(old_src, "native")
+    print("CPU:", K.cpu_info()[0], "isa:", new.isa(), "threads:", torch.get_num_threads())
+    lins = [(n, lin) for n, lin in llm.engine.runner.model.linears().items() if n != "embed" and hasattr(lin, "codes")]
+    kind = {n: ("head" if n in ("lm_head", "head") else f"{lin.bits}-bit layers") for n, lin in lins}
+    nbytes = collections.Counter()
+    for n, lin in lins:
+        nbytes[kind[n]] += weight_bytes(lin)
+    with torch.inference_mode():
+        for m in rows:
+            xs = {lin.in_features: torch.randn(m, lin.in_features) for _, lin in lins}
+            times = {b: collections.defaultdict(list) for b in ("new", "old")}
+            outs = {}
+            for r in range(rounds):
+                for build, ops in (("new", new), ("old", old)):
+                    t = collections.Counter()
+                    for n, lin in lins:
+                        lin.ops = ops
+                        t0 = time.perf_counter()
+                        y = lin(xs[lin.in_features])
+                        t[kind[n]] += time.perf_counter() - t0
+                        if r == 0:
+                            outs.setdefault(n, []).append(y)
+                    for k, v in t.items():
+                        times[build][k].append(v)
+            for _, lin in lins:
+                lin.ops = new
+            same = all(torch.equal(a, b) for a, b in outs.values())
+            for build in ("new", "old"):
+                med = {k: statistics.median(v) for k, v in times[build].items()}
+                parts = "  ".join(f"{k} {t * 1e3:.2f} ms ({nbytes[k] / t / 1e9:.1f} GB/s)" for k, t in sorted(med.items()))
+                print(f"M={m} {build}: pass {sum(med.values()) * 1e3:.2f} ms   {parts}")
+            print(f"M={m} outputs bitwise equal: {same}")
+
+
+if __name__ == "__main__":
+    main()
