@@ -679,9 +679,9 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
 }
 
 // Rows of a tile with one activation level (8-bit activations): the registers of the fine level's sums hold a 4th
-// row, so each weight vector decoded serves 4 rows instead of 3 (the layer linears of Qwen2.5-Coder 0.5B / 1.5B and
-// Gemma 3 270M with one level, alternating in one process on a Zen 4: 4-256 rows 3-17% faster; tiles of 5 or 6 rows
-// spill registers and were slower)
+// row, so each weight vector decoded serves 4 rows instead of 3 (all linears of Qwen2.5-Coder 0.5B / 1.5B and
+// Gemma 3 270M with one level, two builds alternating in one process on a Zen 4: 8 rows 12-13%, 32 rows 11-24%
+// faster; tiles of 5 or 6 rows spill registers and were slower)
 constexpr int ZMT_ONE = 4;
 
 // Groups [g0, g0 + 2 PT) against rows [r, M), stored to y (row tiles of MT, ZMT_ONE with one activation level, then
@@ -729,10 +729,11 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
 // instructions of qtile<4, 1, 1> per block, whose one-row decode was bound by them (25 GB/s with the weights in
 // cache, below this VM's 34 GB/s of memory), and one stream of codes (a tile of two or four groups reads as many,
 // which streamed slower from memory). A block's (half block's) integer sum is the two units' lanes added, the same
-// integers as qtile's, then qtile's float steps (add_blocks): bitwise qtile's results. Measured on a Zen 4 (all
-// layer linears in decode order, alternating in one process): the 4-bit layers' one-row time 14-18% lower on
-// Qwen2.5-Coder 1.5B / 0.5B and Gemma 3 270M, 4% on SmolLM2; 8-bit codes (256 bytes a block) ran 4-16% slower this
-// way than in qtile's one or two groups, which stream near the memory's speed already, so they stay there.
+// integers as qtile's, then qtile's float steps (add_blocks): bitwise qtile's results. Measured on a Zen 4
+// (tools/scripts/ab_decode_linears.py: all linears in decode order, two builds alternating in one process): the
+// 4-bit layers' one-row time 14-17% lower on Qwen2.5-Coder 1.5B / 0.5B and Gemma 3 270M, unchanged on SmolLM2's
+// Q4_1; 8-bit codes (256 bytes a block) ran 4-16% slower this way than in qtile's one or two groups, which stream
+// near the memory's speed already, so they stay there.
 template <typename SC>
 inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row, int64_t K,
                       int64_t nb) {
