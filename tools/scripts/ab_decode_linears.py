@@ -22,12 +22,8 @@ import torch
 
 import pagedllm.kernels as K
 from pagedllm import LLM
+from pagedllm.layers.linear import tensor_bytes
 from tools.scripts.kernel_build import build_source
-
-
-def weight_bytes(lin) -> int:
-    return sum(t.numel() * t.element_size() for t in (lin.codes, lin.scales, lin.offsets, lin.super_scales,
-                                                        lin.super_offsets) if t is not None)
 
 
 def main() -> None:
@@ -41,7 +37,7 @@ def main() -> None:
     kind = {n: ("head" if n in ("lm_head", "head") else f"{lin.bits}-bit layers") for n, lin in lins}
     nbytes = collections.Counter()
     for n, lin in lins:
-        nbytes[kind[n]] += weight_bytes(lin)
+        nbytes[kind[n]] += tensor_bytes(lin._tensors())  # the packed weights (as bench roofline's decode bytes)
     with torch.inference_mode():
         for m in rows:
             xs = {lin.in_features: torch.randn(m, lin.in_features) for _, lin in lins}
