@@ -678,6 +678,39 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
     for (int r = 0; r < MT; ++r) out[p * MT + r] = acc[p][r];
 }
 
+// K-quant scales (KScales) of the groups [g0, g0 + 2 PT) widened to float32 once for all the row tiles of a call
+// (exact: D * s, so the results are bitwise those of KScales), in QScales' order from g0: a row tile's scales are
+// then plain loads, where each KPtr load_pair costs 8 conversions and multiplies per block (amortized over a tile's
+// rows only). The 1.5B's linears on a Zen 4 (ab_decode_linears): 32 / 48 / 256 rows 5% / 7% / 5% faster; at 12 rows
+// (three tiles) no gain, so it runs from three tiles up.
+template <bool OFF, int SUB>
+struct WideKScales {
+  static constexpr bool offsets = OFF;
+  static constexpr int sub = SUB;
+  const float* d;
+  const float* m;
+  int64_t nb, g0;
+  const uint8_t* table = nullptr;
+  int64_t at(int64_t g, int64_t b, int h = 0) const { return (((g - g0) * nb + b) * SUB + h) * 8; }
+  const float* dp(int64_t g, int64_t b, int h = 0) const { return d + at(g, b, h); }
+  const float* mp(int64_t g, int64_t b, int h = 0) const { return m + at(g, b, h); }
+};
+template <bool OFF, int SUB>
+WideKScales<OFF, SUB> widen(const KScales<OFF, SUB>& sc, int64_t g0, int64_t ng, std::vector<float>& buf) {
+  const int64_t n = ng * sc.nb * SUB * 8;
+  buf.resize(OFF ? 2 * n : n);
+  const WideKScales<OFF, SUB> ws{buf.data(), buf.data() + (OFF ? n : 0), sc.nb, g0};
+  for (int64_t g = g0; g < g0 + ng; ++g)
+    for (int64_t b = 0; b < sc.nb; ++b)
+      for (int h = 0; h < SUB; ++h) {
+        _mm256_storeu_ps(buf.data() + ws.at(g, b, h), load8(sc.dp(g, b, h)));
+        if constexpr (OFF) _mm256_storeu_ps(buf.data() + n + ws.at(g, b, h), load8(sc.mp(g, b, h)));
+      }
+  return ws;
+}
+template <typename SC> struct is_kscales : std::false_type {};
+template <bool OFF, int SUB> struct is_kscales<KScales<OFF, SUB>> : std::true_type {};
+
 // Rows of a tile with one activation level (8-bit activations): the registers of the fine level's sums hold a 4th
 // row, so each weight vector decoded serves 4 rows instead of 3 (all linears of Qwen2.5-Coder 0.5B / 1.5B and
 // Gemma 3 270M with one level, two builds alternating in one process on a Zen 4: 8 rows 12-13%, 32 rows 11-24%
@@ -689,6 +722,12 @@ constexpr int ZMT_ONE = 4;
 template <int BITS, int PT, int MT, typename SC, typename T>
 inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                           const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+  if constexpr (is_kscales<SC>::value) {
+    if (M - r > 2 * ZMT_ONE) {  // more than two row tiles
+      thread_local std::vector<float> buf;
+      return qtile512_rows<BITS, PT, MT>(w, widen(sc, g0, 2 * PT, buf), g0, gstride, xa, r, M, K, nb, N, y);
+    }
+  }
   __m512 out[PT * std::max(MT, ZMT_ONE)];
   float res[16];
   auto store = [&](int64_t r, int nr) {
@@ -1071,9 +1110,16 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
       // decode rows on 8-bit codes with a scale per 16 inputs (GGUF Q6_K, the Q4_K_M files' LM head and half their
       // down projections): two groups a tile. One group's chain of 4 products per half block, then its float step,
       // is latency-bound; with a scale per 32 the single group streams faster, as the tile shapes' comment says
-      // (docs/benchmarks.md, Zen 4)
-      if (r1 - r0 < TILE_MT)
+      // (docs/benchmarks.md, Zen 4). With 512-bit VNNI the two groups share each vector (qtile512, one pair): the
+      // 1.5B's head at one row 9.6 -> 8.5 ms, its Q6_K down projections 7% faster than on two 256-bit vectors
+      // (ab_decode_linears, Zen 4); Q8_0's scale per 32 ran slower in pairs there too, so it keeps one group.
+      if (r1 - r0 < TILE_MT) {
+#if defined(PAGEDLLM_QZMM)
+        for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
+#else
         for (; g + 2 <= end; g += 2) qtile_rows<BITS, 2, TILE_MT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
+#endif
+      }
     }
 #if defined(PAGEDLLM_QZMM)
     if constexpr (BITS == 4) {
