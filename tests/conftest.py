@@ -37,6 +37,7 @@ PROMPTS = [
     "<|im_start|>user\nWrite a haiku about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",
     "List of the planets of the solar system, in order from the sun: 1.",
 ]
+ALONE_MAX_TOKENS = 48  # the new tokens of each prompt in ``greedy_alone``
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +45,19 @@ def llm():
     from pagedllm import LLM
 
     return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def greedy_alone(llm):
+    """prompt -> its ``RequestOutput``: each of ``PROMPTS`` alone through the float32 engine, greedy,
+    ``ALONE_MAX_TOKENS`` new tokens with their top-5 logprobs (which leave the tokens as they are). test_hf_reference
+    checks them against transformers; the engine paths that must give a request its tokens alone (chunked prefill,
+    preemption, swap) compare with them. One sequence of single-request steps per run (~19 s on 2 cores) instead of
+    one per module."""
+    from pagedllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=ALONE_MAX_TOKENS, logprobs=5)
+    return {p: llm.generate(p, sp, use_tqdm=False)[0] for p in PROMPTS}
 
 
 @pytest.fixture(scope="session")
@@ -66,23 +80,33 @@ def hf_model():
 
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model):
-    """prompt -> (new token ids, per-step log-softmax rows as tensors), greedy, one prompt at a time."""
+    """(prompt, max_new_tokens, ours: our new token ids) -> transformers' greedy decoding of the prompt, followed
+    along ``ours``: (its new token ids, per-step log-softmax rows as tensors). One forward pass over the prompt and
+    ``ours`` gives each step's row after the same tokens as ours: while ours agree with its choices (each row's
+    argmax) they are its greedy output, and at the first difference its row is the one greedy decoding has there
+    (the tokens before being the same); nothing after a difference is compared. It ends at the first token in
+    ``generation_config.eos_token_id`` or after ``max_new_tokens``, as ``generate(do_sample=False)`` does: the same
+    check as running ``generate`` (48 single-token steps a prompt, ~3 s each on 2 cores) in one pass."""
     import torch
 
     tok, model = hf_model
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, (list, tuple)) else set() if eos is None else {eos}
     cache = {}
 
-    def run(prompt: str, max_new_tokens: int):
-        key = (prompt, max_new_tokens)
+    def run(prompt: str, max_new_tokens: int, ours: list[int]):
+        ours = list(ours)[:max_new_tokens]
+        key = (prompt, max_new_tokens, tuple(ours))
         if key not in cache:
             ids = tok(prompt, return_tensors="pt").input_ids
+            seq = torch.cat([ids, torch.tensor([ours], dtype=ids.dtype)], dim=1)
             with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                     return_dict_in_generate=True, output_logits=True,
-                                     pad_token_id=tok.eos_token_id)
-            new = out.sequences[0, ids.shape[1]:].tolist()
-            logprobs = [torch.log_softmax(l[0].float(), dim=-1) for l in out.logits]
-            cache[key] = (new, logprobs)
+                logits = model(seq).logits[0, ids.shape[1] - 1:]  # row i predicts new token i: len(ours) + 1 rows
+            rows = [torch.log_softmax(l.float(), dim=-1) for l in logits]
+            new = [int(r.argmax()) for r in rows]
+            n = min(max_new_tokens, len(new))  # ours cut short (no end token) leaves the reference longer: a failure
+            n = next((i + 1 for i, t in enumerate(new[:n]) if t in eos), n)
+            cache[key] = (new[:n], rows[:n])
         return cache[key]
 
     return run

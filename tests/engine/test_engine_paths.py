@@ -2,10 +2,10 @@
 
 import pytest
 
-from conftest import PROMPTS
+from conftest import ALONE_MAX_TOKENS, PROMPTS
 from pagedllm import LLM, SamplingParams
 
-N_NEW = 48
+N_NEW = ALONE_MAX_TOKENS  # the shared alone outputs' length (conftest's greedy_alone)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW)
 LONG_PREFIX = (
     "<|im_start|>system\nYou are a meticulous assistant for a shipping company. Always answer in one short "
@@ -15,9 +15,10 @@ LONG_PREFIX = (
 
 
 @pytest.fixture(scope="module")
-def alone(llm):
-    """Reference: each prompt alone through the default engine (itself checked against HuggingFace)."""
-    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+def alone(greedy_alone):
+    """Reference: each prompt alone through the default engine (itself checked against HuggingFace), greedy,
+    ``N_NEW`` tokens: conftest's run, which test_hf_reference checks."""
+    return {p: o.outputs[0].token_ids for p, o in greedy_alone.items()}
 
 
 def test_chunked_prefill_tiny_token_budget(alone):

@@ -1,19 +1,20 @@
 """Greedy output equals HuggingFace transformers (same GGUF weights) token for token: alone, batched, staggered."""
 
+import pytest
 
-from conftest import PROMPTS
+from conftest import ALONE_MAX_TOKENS, PROMPTS
 from helpers import assert_greedy_close
 from pagedllm import SamplingParams
 
-N_NEW = 48
+N_NEW = ALONE_MAX_TOKENS  # the shared alone outputs' length (conftest's greedy_alone)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_NEW, logprobs=5)
 
 
 def _check(outputs, hf_greedy, label):
     exact = 0
     for prompt, out in zip(PROMPTS, outputs):
-        ref_ids, ref_lp = hf_greedy(prompt, N_NEW)
         c = out.outputs[0]
+        ref_ids, ref_lp = hf_greedy(prompt, N_NEW, c.token_ids)
         top = [[t.token_id for t in lp.top] for lp in c.logprobs]
         m = assert_greedy_close(c.token_ids, top, ref_ids, ref_lp, f"{label}: {prompt[:30]!r}")
         exact += m == len(ref_ids)
@@ -22,13 +23,19 @@ def _check(outputs, hf_greedy, label):
     assert exact >= len(PROMPTS) - 1, f"{label}: only {exact}/{len(PROMPTS)} prompts matched exactly"
 
 
-def test_each_prompt_alone(llm, hf_greedy):
-    outs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS]
-    _check(outs, hf_greedy, "alone")
+@pytest.fixture(scope="module")
+def batch(llm):
+    """All prompts in one batch (shared by the batch and the text checks: one batched run)."""
+    return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
-def test_all_prompts_in_one_batch(llm, hf_greedy):
-    _check(llm.generate(PROMPTS, GREEDY, use_tqdm=False), hf_greedy, "batch")
+def test_each_prompt_alone(greedy_alone, hf_greedy):
+    """Each prompt alone (conftest's ``greedy_alone``, the same engine and settings as ``GREEDY``)."""
+    _check([greedy_alone[p] for p in PROMPTS], hf_greedy, "alone")
+
+
+def test_all_prompts_in_one_batch(batch, hf_greedy):
+    _check(batch, hf_greedy, "batch")
 
 
 def test_staggered_arrivals(llm, hf_greedy):
@@ -54,10 +61,9 @@ def test_staggered_arrivals(llm, hf_greedy):
     _check([results[f"stagger-{i}"] for i in range(len(PROMPTS))], hf_greedy, "staggered")
 
 
-def test_text_matches_reference_tokenizer(llm, hf_model):
+def test_text_matches_reference_tokenizer(batch, hf_model):
     tok, _ = hf_model
-    out = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
-    for o in out:
+    for o in batch[:4]:
         c = o.outputs[0]
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
         assert o.prompt_token_ids == tok(o.prompt).input_ids

@@ -2,14 +2,19 @@
 
 import pytest
 
-from conftest import PROMPTS
+from conftest import ALONE_MAX_TOKENS, PROMPTS
 from pagedllm import LLM, SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=ALONE_MAX_TOKENS)
 
 
-def test_swap_preemption_identical_and_no_leaks(llm):
-    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+@pytest.fixture(scope="module")
+def alone(greedy_alone):
+    """Each prompt's greedy tokens alone on the float32 engine (conftest's run, checked against HuggingFace)."""
+    return [greedy_alone[p].outputs[0].token_ids for p in PROMPTS]
+
+
+def test_swap_preemption_identical_and_no_leaks(alone):
     tight = LLM(dtype="float32", num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8, preemption_mode="swap",
                 swap_space=0.25)
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -23,8 +28,7 @@ def test_swap_preemption_identical_and_no_leaks(llm):
     assert core.scheduler.host_pool.num_free == core.scheduler.host_pool.num_blocks
 
 
-def test_swap_falls_back_to_recompute_when_host_pool_is_full(llm):
-    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+def test_swap_falls_back_to_recompute_when_host_pool_is_full(alone):
     tight = LLM(dtype="float32", num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=8, preemption_mode="swap",
                 num_host_blocks_override=3)
     outs = tight.generate(PROMPTS, GREEDY, use_tqdm=False)

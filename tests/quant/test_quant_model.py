@@ -159,7 +159,8 @@ def test_eval_cli_exit_status(tmp_path, capsys):
     rc = main(args + ["--max-ppl-increase", "0.02", "--max-accuracy-drop", "0.5"])
     out = capsys.readouterr().out
     assert rc == 0 and "PASS" in out and "| perplexity |" in out
-    rc = main(args + ["--max-ppl-increase", "-0.5"])  # demands a 50% lower perplexity: must fail
+    # demands a 50% lower perplexity: must fail (on the perplexity alone: the items, answered above, are left out)
+    rc = main(args + ["--max-ppl-increase", "-0.5", "--items", "none"])
     assert rc == 1 and "FAIL: perplexity" in capsys.readouterr().out
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
 
@@ -216,7 +217,8 @@ def test_eval_verdict_sets_activation_bits_auto(tmp_path, monkeypatch, capsys):
     assert "8-bit activations" in out and "recorded for auto: 8-bit activations pass" in out
     assert verdicts.recorded(path, 8)["passed"] is True and verdicts.recorded(path, 8)["standard"] is False
     assert bits() == 16  # a pass of a looser, shorter gate is not trusted: the shipped verdict stands
-    assert main(args + ["--max-ppl-increase", "-0.5"]) == 1  # an impossible gate: recorded as a failure
+    # an impossible gate (failed on the perplexity alone: no items): recorded as a failure
+    assert main(args + ["--max-ppl-increase", "-0.5", "--items", "none"]) == 1
     assert verdicts.recorded(path, 8)["passed"] is False
     verdicts.record(path, 8, "blocks", True, "the standard gate (as pagedllm eval records it)", standard=True)
     assert bits() == 8 and bits(activation_bits=16) == 16  # measured here: it overrides the shipped table

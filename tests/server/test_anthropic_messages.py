@@ -135,6 +135,17 @@ def test_tool_use_forced_streamed_and_tool_result_turn(client, base):
             final = stream.get_final_message()  # the SDK assembles the input from input_json_delta events
         assert final.stop_reason == "tool_use" and final.content[0].type == "tool_use"
         assert (final.content[0].name, final.content[0].input) == (call.name, call.input)
+    # the chat endpoint given the same turn in OpenAI's form renders the same prompt and answers the same (one
+    # greedy request: both forms of the result below are compared with it)
+    ref = chat(base, ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "sky": "clear"}'}],
+               tools=[{"type": "function", "function": {"name": WEATHER["name"],
+                                                        "description": WEATHER["description"],
+                                                        "parameters": WEATHER["input_schema"]}}],
+               tool_choice="none", max_tokens=40)
     # the call goes back with its result (text-block content, then a plain string) and the model answers in text
     for result in ([{"type": "text", "text": '{"temperature_c": 18, "sky": "clear"}'}],
                    '{"temperature_c": 18, "sky": "clear"}'):
@@ -144,16 +155,6 @@ def test_tool_use_forced_streamed_and_tool_result_turn(client, base):
         ans = client.messages.create(model=MODEL, max_tokens=40, messages=turn, tools=[WEATHER],
                                      tool_choice={"type": "none"}, extra_body=GREEDY)
         assert ans.stop_reason in ("end_turn", "max_tokens") and ans.content[0].type == "text"
-        # the chat endpoint given the same turn in OpenAI's form renders the same prompt and answers the same
-        ref = chat(base, ASK_WEATHER + [
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": call.id, "type": "function",
-                 "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
-            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "sky": "clear"}'}],
-                   tools=[{"type": "function", "function": {"name": WEATHER["name"],
-                                                            "description": WEATHER["description"],
-                                                            "parameters": WEATHER["input_schema"]}}],
-                   tool_choice="none", max_tokens=40)
         assert ans.content[0].text == ref["choices"][0]["message"]["content"]
         assert ans.usage.input_tokens == ref["usage"]["prompt_tokens"]
 

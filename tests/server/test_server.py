@@ -569,17 +569,25 @@ def test_sigterm_finishes_in_flight_and_exits_cleanly(server):
     proc, base, log = server
     done = {}
 
-    async def consume():
+    async def consume(streaming: asyncio.Event):
+        lines = []
         async with httpx.AsyncClient(timeout=60) as h:
+            # 240 tokens: still streaming 0.8 s after the first one at 300 tok/s (the checks below take ~0.35 s)
             async with h.stream("POST", base + "/v1/completions", headers=auth(),
-                                json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
-                                      "stream": True}) as r:  # still streaming 1.3 s in, on a fast CPU too
-                lines = [l async for l in r.aiter_lines() if l.startswith("data: ")]
+                                json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True,
+                                      "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        streaming.set()
         done["lines"] = lines
 
     async def main():
-        task = asyncio.ensure_future(consume())
-        await asyncio.sleep(1.0)
+        streaming = asyncio.Event()
+        task = asyncio.ensure_future(consume(streaming))
+        # SIGTERM once the stream is under way (its first token arrived), not after a fixed wait: every token it
+        # still has to make is waited for below
+        await asyncio.wait_for(streaming.wait(), timeout=60)
         proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         async with httpx.AsyncClient(timeout=10) as h:

@@ -34,9 +34,11 @@ def greedy_outputs(base: str, headers: dict, model: str, max_tokens: int = 24) -
     return out
 
 
-def kv_settled(base: str, headers: dict, timeout: float = 20.0) -> dict:
+def kv_settled(base: str, headers: dict, timeout: float = 20.0, gauges_within_s: float = 1.5) -> dict:
     """Poll /debug/kv until nothing runs or waits and every block is free (or the timeout); then read the
-    Prometheus gauges too. Returns the last state with ``leaked_blocks`` and ``settle_s``."""
+    Prometheus gauges too, until they are back to idle or ``gauges_within_s`` has passed (the engine loop publishes
+    them when it next wakes: at once after a step, within its 1 s idle wait otherwise). Returns the last state with
+    ``leaked_blocks`` and ``settle_s``."""
     t0 = time.monotonic()
     with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
         while True:
@@ -45,8 +47,13 @@ def kv_settled(base: str, headers: dict, timeout: float = 20.0) -> dict:
             if idle or time.monotonic() - t0 > timeout:
                 break
             time.sleep(0.2)
-        time.sleep(1.5)  # the engine loop publishes its gauges when it next wakes
-        gauges = _gauges(c.get("/metrics").text)
+        # polled, not a fixed 1.5 s wait: gauges still off idle when the time is up are what the phase reports
+        deadline = time.monotonic() + gauges_within_s
+        while True:
+            gauges = _gauges(c.get("/metrics").text)
+            if _gauges_idle(gauges) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
     kv["leaked_blocks"] = kv["num_blocks"] - kv["num_free_blocks"]
     kv["settle_s"] = round(time.monotonic() - t0, 2)
     kv["gauges"] = {k: gauges.get(k) for k in ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
@@ -62,6 +69,13 @@ def _gauges(text: str) -> dict[str, float]:
             name = line.split("{")[0].split(" ")[0]
             out[name] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _gauges_idle(g: dict[str, float]) -> bool:
+    """Nothing running or waiting, no KV block in use: what ``_kv_clean`` wants of the gauges."""
+    return (not g.get("pagedllm:num_requests_running") and not g.get("pagedllm:num_requests_waiting")
+            and not g.get("pagedllm:kv_cache_usage_perc")
+            and g.get("pagedllm:kv_cache_free_blocks") == g.get("pagedllm:kv_cache_total_blocks"))
 
 
 def _kv_clean(kv: dict) -> list[str]:
