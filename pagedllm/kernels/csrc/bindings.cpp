@@ -97,16 +97,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const py::gil_scoped_release nogil_scope;
     return gguf_k_scales(static_cast<const uint8_t*>(info.ptr), info.size, block_bytes);
   }, "Q4_K / Q5_K blocks' 6-bit sub-block scales and mins, (blocks, 16) bytes");
-  // parts: (buffer, type, rows, widen) each (type: BlockType.kernel_type(), decoder 0 for codes); buffers held by
-  // the caller for the call
+  // parts: (buffer, type, rows, widen[, drop]) each (type: BlockType.kernel_type(), decoder 0 for codes; drop: the
+  // buffer is a read-only file mapping whose passed pages may leave the resident set); buffers held by the caller
   m.def("pack_parts", [](const py::list& parts, int64_t bits, int64_t K) {
     std::vector<CodeSource> src;
     for (const auto& item : parts) {
       const auto t = item.cast<py::tuple>();
-      TORCH_CHECK(t.size() == 4, "pack_parts: each part is (buffer, type, rows, widen)");
+      TORCH_CHECK(t.size() == 4 || t.size() == 5, "pack_parts: each part is (buffer, type, rows, widen[, drop])");
       const py::buffer_info info = bytes_of(t[0].cast<py::buffer>(), "pack_parts");
       src.push_back({static_cast<const uint8_t*>(info.ptr), static_cast<int64_t>(info.size),
-                     block_type(t[1].cast<py::tuple>()), t[2].cast<int64_t>(), t[3].cast<bool>()});
+                     block_type(t[1].cast<py::tuple>()), t[2].cast<int64_t>(), t[3].cast<bool>(),
+                     t.size() == 5 && t[4].cast<bool>()});
     }
     const py::gil_scoped_release nogil_scope;
     return pack_parts(src, bits, K);

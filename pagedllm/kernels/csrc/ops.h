@@ -47,7 +47,9 @@ struct BlockType { int64_t decoder, block, bytes, bits; };
 void gguf_codes(const uint8_t* raw, int64_t nbytes, const BlockType& type, const at::Tensor& out);
 at::Tensor gguf_k_scales(const uint8_t* raw, int64_t nbytes, int64_t block_bytes);
 // a part of pack_parts: rows of codes or of a GGUF type's raw blocks, read in place
-struct CodeSource { const uint8_t* data; int64_t nbytes; BlockType type; int64_t rows; bool widen; };
+// drop: the rows are pages of a read-only file mapping (a GGUF file), which pack_parts drops from the process's
+// resident set as it passes them (never set for memory of the process's own: that would be zeroed)
+struct CodeSource { const uint8_t* data; int64_t nbytes; BlockType type; int64_t rows; bool widen; bool drop = false; };
 at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_t K);
 std::string isa();
 bool amx_enabled();
