@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.layers.linear import build_linear
 from pagedllm.quant.formats import concat, dequantize
+from pagedllm.quant.gguf_blocks import DECODERS, BlockRows
 from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
 LM_HEAD_DENSE_MIN_TOKENS = 2  # with a dense copy kept (--quant-dense-min-tokens), the head uses it from 2 rows
@@ -55,6 +56,17 @@ class WeightSource:
         if name not in self.weights:
             raise KeyError(f"weight {name!r} missing from the checkpoint")
         return self.weights.pop(name)
+
+    def lookup_table(self, name: str):
+        """A table the model only looks rows up in (an untied embedding): with the block kernels, a GGUF tensor
+        whose blocks decode in place stays in the file's memory map (``BlockRows``); otherwise a linear as
+        ``linear`` builds it (a quantized policy, a float checkpoint, a tensor-parallel slice)."""
+        pop_blocks = getattr(self.weights, "pop_blocks", None)
+        if self.build.block_ops is not None and self.build.quant is None and pop_blocks is not None:
+            lazy = self.weights.peek(name)
+            if getattr(lazy, "post", True) is None and lazy.kind in DECODERS:
+                return BlockRows(pop_blocks(name), self.dtype)
+        return self.linear(name, [name], "embed")
 
     def float_tensor(self, name: str) -> torch.Tensor:
         """A small float weight, dequantized where the file stores it in blocks (e.g. a MoE router)."""

@@ -142,7 +142,7 @@ class CausalLM:
                 self.embed = build_linear(table, None, device, dtype, block_ops=build.block_ops)
         else:
             self.lm_head = src.linear("lm_head", ["lm_head"], "lm_head")
-            self.embed = src.linear("embed", ["embed"], "embed")
+            self.embed = src.lookup_table("embed")
         # gemma: embeddings times sqrt(hidden), rounded to the model dtype as the reference does
         self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype)
         # bfloat16 dense weights on CPU: oneDNN's pre-packed layout (a tied head keeps its rows for lookups)

@@ -30,7 +30,7 @@ import torch
 
 from pagedllm.gguf_file import BLOCK_TYPES
 from pagedllm.kernels import cpu_ops
-from pagedllm.quant.formats import KScales, QuantizedWeight
+from pagedllm.quant.formats import KScales, QuantizedWeight, dequantize
 
 QK = 256  # values per K-quant super-block
 
@@ -401,6 +401,31 @@ class LazyBlocks:
         return qw
 
 
+class BlockRows:
+    """An embedding table that is only looked up (a GGUF file's ``token_embd`` beside its own ``output`` head): its
+    blocks stay in the file's memory map and each step decodes the rows it looks up, as llama.cpp's get_rows reads
+    its mapped file. The table then holds no resident copy (the packed one cost the 1.5B 117 MiB, the 0.5B 137 MiB:
+    the whole of their gap in peak memory to llama.cpp at C=1), and the file's pages of rows never looked up are
+    never read. The rows are bitwise those of the packed table (``BlockQuantLinear.embedding``: the same float32
+    steps of codes, scales and offsets)."""
+
+    kind = "gguf-rows"
+
+    def __init__(self, lazy: LazyBlocks, dtype: torch.dtype) -> None:
+        self.data, self.block_kind, self.out_dtype = lazy.data.reshape(-1, lazy.data.shape[-1]), lazy.kind, dtype
+        self.out_features, self.in_features = lazy.shape
+        self.bits = lazy.bits
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.data[ids.reshape(-1).numpy()]  # the looked-up rows' blocks (a copy of a few KiB each)
+        return dequantize(decode(rows, self.block_kind)).reshape(*ids.shape, self.in_features).to(self.out_dtype)
+
+    def tensors(self) -> list:
+        return []  # the file's pages, not the process's memory
+
+    _tensors = tensors
+
+
 class LazyWeights(dict):
     """A weights dict whose ``LazyBlocks`` values decode when read (``pop``, ``[]``, ``get``), so a model that
     builds its layers one by one holds the decoded (one byte per weight) form of a few tensors at a time, not of
@@ -456,3 +481,16 @@ class LazyWeights(dict):
         if key in self:
             self._resolve(key)
         return dict.pop(self, key, *default)
+
+    def pop_blocks(self, key) -> LazyBlocks | None:
+        """The value as its ``LazyBlocks`` (popped), not decoded, or None (left in place) where it is not one. A
+        decode already started ahead for it is waited for and dropped."""
+        v = dict.get(self, key)
+        if not isinstance(v, LazyBlocks):
+            return None
+        with self._lock:
+            fut = self._futures.pop(key, None)
+        if fut is not None and not fut.cancel():
+            fut.result()  # (its pages were released; the result is not kept)
+        dict.pop(self, key)
+        return v
