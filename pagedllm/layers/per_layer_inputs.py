@@ -21,8 +21,10 @@ class PerLayerInputs:
 
     @classmethod
     def load(cls, src, cfg) -> "PerLayerInputs":
-        """``ple_embed`` (vocab, layers x size), ``ple_proj`` (layers x size, hidden), ``ple_norm`` (size,)."""
-        return cls(src.linear("ple_embed", ["ple_embed"], "embed"), src.linear("ple_proj", ["ple_proj"], "mlp"),
+        """``ple_embed`` (vocab, layers x size; only looked up: a GGUF file's blocks stay in its map, ``BlockRows``,
+        as llama.cpp reads the table from its mapped file: the E2B's is 262144 x 8960), ``ple_proj`` (layers x size,
+        hidden), ``ple_norm`` (size,)."""
+        return cls(src.lookup_table("ple_embed"), src.linear("ple_proj", ["ple_proj"], "mlp"),
                    src.norm("ple_norm"), cfg.num_layers, cfg.per_layer_input_size, cfg.hidden_size, cfg.rms_norm_eps)
 
     def linear_slots(self):

@@ -19,7 +19,7 @@ from test_architectures import (MAX_TOKENS, PROMPTS, WINDOW, _reference, assert_
 TYPES = ("sliding", "sliding", "full", "sliding", "sliding", "full")
 
 
-def _hf_model(vocab: int, kind: str = "e2b", scale: float = 5.0):
+def _hf_model(vocab: int, kind: str = "e2b", scale: float = 5.0, ple: int = 8):
     import transformers as tf
 
     torch.manual_seed(0)
@@ -28,7 +28,7 @@ def _hf_model(vocab: int, kind: str = "e2b", scale: float = 5.0):
                   sliding_window=WINDOW, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
                   layer_types=[f"{t}_attention" for t in TYPES])
     if kind == "e2b":
-        cfg = tf.Gemma4TextConfig(**common, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+        cfg = tf.Gemma4TextConfig(**common, num_kv_shared_layers=2, hidden_size_per_layer_input=ple,
                                   vocab_size_per_layer_input=vocab, use_double_wide_mlp=True,
                                   final_logit_softcapping=30.0)
     else:  # 31B: values = keys on the full layers, which have 1 KV head of their own; "moe": 26B-A4B's experts
@@ -223,6 +223,35 @@ def test_quantized_file_runs_from_its_blocks(tmp_path, llm):
         a, b = (m.generate([text], scored, use_tqdm=False)[0].prompt_logprobs[1:] for m in (auto, ref))
         diffs = [abs(x.logprob - y.logprob) for x, y in zip(a, b)]
         assert len(diffs) == len(text) - 1 and max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02, diffs
+
+
+def test_a_per_layer_table_in_blocks_is_looked_up_in_the_file(tmp_path, llm, monkeypatch):
+    """Every linear in Q8_0 blocks (32 per-layer values a layer: whole blocks), the default path: the per-layer-input
+    table is only looked up, so its blocks stay in the file's memory map (``BlockRows``, as llama.cpp reads the E2B's
+    262144 x 8960 table from its mapped file) instead of a packed copy; greedy tokens and logprobs are exactly those
+    of the same file with the table packed."""
+    from pagedllm.layers.weights import WeightSource
+    from pagedllm.worker import plan as runtime_plan
+    from pagedllm.worker.autotune import WeightPlan
+
+    # the blocks, not float32 copies (on layers this small the weight plan's timing is a coin toss)
+    monkeypatch.setattr(runtime_plan, "choose_plan", lambda *a, **k: WeightPlan(True, 0, 0, "float32", "measured", {}))
+    path = str(tmp_path / "ple-q8.gguf")
+    _write_gguf(path, _hf_model(llm.engine.core.vocab_size, ple=32), q8=True)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    rows = LLM(model=path, max_model_len=128)
+    assert rows.engine.runtime["weights"] == "gguf blocks (auto)"
+    table = model_of(rows).linears()["ple_embed"]
+    assert table.kind == "gguf-rows" and table.tensors() == [] and table.in_features == 32 * len(TYPES)
+    got = rows.generate(PROMPTS, sp, use_tqdm=False)
+    monkeypatch.setattr(WeightSource, "lookup_table", lambda self, name: self.linear(name, [name], "embed"))
+    packed = LLM(model=path, max_model_len=128)
+    assert model_of(packed).linears()["ple_embed"].kind == "q8-block"
+    ids = torch.tensor([0, 3, table.out_features - 1])
+    assert torch.equal(table.embedding(ids), model_of(packed).linears()["ple_embed"].embedding(ids))
+    for g, w in zip(got, packed.generate(PROMPTS, sp, use_tqdm=False)):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [lp.logprob for lp in g.outputs[0].logprobs] == [lp.logprob for lp in w.outputs[0].logprobs]
 
 
 def test_served_through_the_openai_api(tmp_path_factory, llm):
