@@ -219,7 +219,13 @@ at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_
   TORCH_CHECK(bits == 4 || bits == 8, "pack_parts: bits must be 4 or 8");
   TORCH_CHECK(!parts.empty() && K > 0 && K % 32 == 0, "pack_parts: K must be a positive multiple of 32");
   // done: the part's rows packed so far; dropped: its bytes whose pages were dropped (drop)
-  struct Src { const uint8_t* data; const BlockType* type; int64_t row_bytes; bool widen, drop; int64_t done, dropped; };
+  struct Src {
+    const uint8_t* data;
+    const BlockType* type;
+    int64_t row_bytes;
+    bool widen, drop;
+    int64_t done, dropped;
+  };
   std::vector<Src> src;
   std::vector<std::pair<int, int64_t>> row;  // each output row: its part and row within the part
   for (const auto& p : parts) {
