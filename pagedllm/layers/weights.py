@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.layers.linear import build_linear
 from pagedllm.quant.formats import concat, dequantize
-from pagedllm.quant.gguf_blocks import DECODERS, BlockRows
+from pagedllm.quant.gguf_blocks import BlockRows, LazyBlocks
 from pagedllm.quant.policy import QuantPolicy, quantize_weight
 
 LM_HEAD_DENSE_MIN_TOKENS = 2  # with a dense copy kept (--quant-dense-min-tokens), the head uses it from 2 rows
@@ -64,7 +64,7 @@ class WeightSource:
         pop_blocks = getattr(self.weights, "pop_blocks", None)
         if self.build.block_ops is not None and self.build.quant is None and pop_blocks is not None:
             lazy = self.weights.peek(name)
-            if getattr(lazy, "post", True) is None and lazy.kind in DECODERS:
+            if isinstance(lazy, LazyBlocks) and lazy.post is None:
                 return BlockRows(pop_blocks(name), self.dtype)
         return self.linear(name, [name], "embed")
 

@@ -404,9 +404,8 @@ class LazyBlocks:
 class BlockRows:
     """An embedding table that is only looked up (a GGUF file's ``token_embd`` beside its own ``output`` head): its
     blocks stay in the file's memory map and each step decodes the rows it looks up, as llama.cpp's get_rows reads
-    its mapped file. The table then holds no resident copy (the packed one cost the 1.5B 117 MiB, the 0.5B 137 MiB:
-    the whole of their gap in peak memory to llama.cpp at C=1), and the file's pages of rows never looked up are
-    never read. The rows are bitwise those of the packed table (``BlockQuantLinear.embedding``: the same float32
+    its mapped file. The table then holds no resident copy (the packed one cost the 1.5B 117 MiB, the 0.5B 137
+    MiB), and the file's pages of rows never looked up are never read. The rows are bitwise those of the packed table (``BlockQuantLinear.embedding``: the same float32
     steps of codes, scales and offsets)."""
 
     kind = "gguf-rows"
