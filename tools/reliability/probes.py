@@ -51,7 +51,7 @@ def kv_settled(base: str, headers: dict, timeout: float = 20.0, gauges_within_s:
         deadline = time.monotonic() + gauges_within_s
         while True:
             gauges = _gauges(c.get("/metrics").text)
-            if _gauges_idle(gauges) or time.monotonic() >= deadline:
+            if not _gauge_problems(gauges) or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
     kv["leaked_blocks"] = kv["num_blocks"] - kv["num_free_blocks"]
@@ -71,23 +71,22 @@ def _gauges(text: str) -> dict[str, float]:
     return out
 
 
-def _gauges_idle(g: dict[str, float]) -> bool:
-    """Nothing running or waiting, no KV block in use: what ``_kv_clean`` wants of the gauges."""
-    return (not g.get("pagedllm:num_requests_running") and not g.get("pagedllm:num_requests_waiting")
-            and not g.get("pagedllm:kv_cache_usage_perc")
-            and g.get("pagedllm:kv_cache_free_blocks") == g.get("pagedllm:kv_cache_total_blocks"))
+def _gauge_problems(g: dict[str, float]) -> list[str]:
+    """What is off idle in the gauges: anything running or waiting, a KV block in use (none: idle)."""
+    bad = []
+    if (g.get("pagedllm:num_requests_running") or g.get("pagedllm:num_requests_waiting")
+            or g.get("pagedllm:kv_cache_usage_perc")):
+        bad.append(f"gauges not back to 0: {g}")
+    if g.get("pagedllm:kv_cache_free_blocks") != g.get("pagedllm:kv_cache_total_blocks"):
+        bad.append(f"free-block gauge {g.get('pagedllm:kv_cache_free_blocks')} != total")
+    return bad
 
 
 def _kv_clean(kv: dict) -> list[str]:
-    g = kv["gauges"]
     bad = []
     if kv["leaked_blocks"] or not kv["consistent"]:
         bad.append(f"KV pool: {kv['leaked_blocks']} blocks not free, consistent={kv['consistent']} "
                    f"({kv.get('problem')})")
     if kv["num_running"] or kv["num_waiting"]:
         bad.append(f"{kv['num_running']} running / {kv['num_waiting']} waiting after the phase")
-    if g["pagedllm:num_requests_running"] or g["pagedllm:num_requests_waiting"] or g["pagedllm:kv_cache_usage_perc"]:
-        bad.append(f"gauges not back to 0: {g}")
-    if g["pagedllm:kv_cache_free_blocks"] != g["pagedllm:kv_cache_total_blocks"]:
-        bad.append(f"free-block gauge {g['pagedllm:kv_cache_free_blocks']} != total")
-    return bad
+    return bad + _gauge_problems(kv["gauges"])

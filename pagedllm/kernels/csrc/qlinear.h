@@ -772,7 +772,7 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
 // (tools/scripts/ab_decode_linears.py: all linears in decode order, two builds alternating in one process): the
 // 4-bit layers' one-row time 14-17% lower on Qwen2.5-Coder 1.5B / 0.5B and Gemma 3 270M, unchanged on SmolLM2's
 // Q4_1; 8-bit codes (256 bytes a block) ran 4-16% slower this way than in qtile's one or two groups, which stream
-// near the memory's speed already, so they stay there.
+// near the memory's speed already (those with a scale per 16 now run one qtile512 pair: qlinear_impl).
 template <typename SC>
 inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row, int64_t K,
                       int64_t nb) {
