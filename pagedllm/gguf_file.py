@@ -49,6 +49,7 @@ class BlockType:
     k_scaled: bool = False  # two-level scales kept as the file has them (``QuantizedWeight.kscales``)
     decoder: int = 0  # > 0: the C++ one-pass decoder (kernels/csrc/pack.cpp ``decode_blocks``) of its codes
     head: int = 0  # > 0: bytes before a 32-block's codes (f16 d, and m): the loader decodes it to floats itself
+    five_bit: bool = False  # its 8-bit codes lie in [-16, 16): the block kernels pack them in 5 bits (5/8 the bytes)
 
     def kernel_type(self) -> tuple[int, int, int, int]:
         """What the C++ packer receives: (decoder, values, bytes, code bits)."""
@@ -58,7 +59,7 @@ class BlockType:
 BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q4_0", 32, 18, 4, 32, decoder=1, head=2),
     BlockType("Q4_1", 32, 20, 4, 32, decoder=2, head=4),
-    BlockType("Q5_0", 32, 22, 8, 32, decoder=6),
+    BlockType("Q5_0", 32, 22, 8, 32, decoder=6, five_bit=True),
     BlockType("Q5_1", 32, 24, 8, 32),
     BlockType("Q8_0", 32, 34, 8, 32, decoder=7, head=2),
     BlockType("Q2_K", 256, 84, 4, 16, k_scaled=True),

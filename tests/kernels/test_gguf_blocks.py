@@ -131,8 +131,9 @@ def test_pack_parts_equals_the_layout_of_their_concatenation():
     """``pack_parts`` of fused parts (q/k/v with row counts not a multiple of 8) is the packing of their
     concatenation padded with zero weights: byte for byte, 4- and 8-bit, in the layout of qlinear.h."""
     g = torch.Generator().manual_seed(0)
-    for bits, pad in ((4, 0), (8, 128)):
-        parts = [torch.randint(0, 2 ** bits, (n, 64), generator=g, dtype=torch.uint8) for n in (13, 6, 8)]
+    for bits, pad in ((4, 0), (8, 128), (5, 128)):  # 5: 8-bit codes (stored s + 128) with s in [-16, 16)
+        parts = [torch.randint(0, 2 ** bits, (n, 64), generator=g, dtype=torch.uint8) + (112 if bits == 5 else 0)
+                 for n in (13, 6, 8)]
         whole = torch.cat(parts + [torch.full((5, 64), pad, dtype=torch.uint8)])  # 27 rows -> 32
         packed = _pack([whole], bits)
         assert torch.equal(_pack(parts, bits), packed)
@@ -141,10 +142,18 @@ def test_pack_parts_equals_the_layout_of_their_concatenation():
             src = whole[row, blk * 32:(blk + 1) * 32]
             for i in range(4 if bits == 4 else 8):
                 for t in range(4):
-                    got = int(dst[32 * i + 4 * (row % 8) + t])
-                    want = (int(src[4 * i + t]) | int(src[16 + 4 * i + t]) << 4) if bits == 4 else (
-                        int(src[4 * i + t]) ^ 0x80)
+                    at = 4 * (row % 8) + t
+                    if bits == 5:  # u = s + 16: low 4 bits as the 4-bit layout's, bit 4 at bit i of byte 128 + at
+                        got = (int(dst[32 * (i % 4) + at]) >> 4 * (i // 4)) & 0xF | (int(dst[128 + at]) >> i & 1) << 4
+                        want = int(src[4 * i + t]) - 112
+                    else:
+                        got = int(dst[32 * i + at])
+                        want = (int(src[4 * i + t]) | int(src[16 + 4 * i + t]) << 4) if bits == 4 else (
+                            int(src[4 * i + t]) ^ 0x80)
                     assert got == want
+    for bad in (144, 111):  # s = 16 and s = -17 do not fit 5 bits
+        with pytest.raises(RuntimeError, match="outside"):
+            _pack([torch.full((8, 64), bad, dtype=torch.uint8)], 5)
 
 
 @pytest.mark.parametrize("kind", sorted(FAST_CODES))
@@ -283,6 +292,62 @@ def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
         scale = x.abs().double() @ w.abs().double().T
         assert ((y.double() - ref).abs() <= 2e-4 * scale + 1e-6).all(), (kind, m)
         assert torch.equal(lin(x[:1]), y[:1])  # a row's result does not depend on its batch
+
+
+FIVE_BIT = sorted(t.name for t in BLOCK_TYPES.values() if t.five_bit)
+
+
+@pytest.mark.parametrize("kind", FIVE_BIT + ["Q4_0+Q5_0", "codes"])
+def test_five_bit_layout_runs_as_the_8_bit_one_bit_for_bit(kind, monkeypatch):
+    """8-bit codes that all lie in [-16, 16) (GGUF Q5_0, as Qwen2.5-Coder 0.5B's and Gemma 3's Q4_K_M files hold most
+    of their layers; a fused layer of Q5_0 with 4-bit parts widened; codes from a tensor) are packed in 5 bits, 5/8
+    of the 8-bit layout's code bytes; every path (one row, the row tiles and their remainders, AMX, 8-bit
+    activations, bfloat16 inputs, the bfloat16 decode of the stripes, embedding rows) gives bitwise the 8-bit
+    layout's results, on every instruction-set level (the layout is the default where the kernels have 512-bit
+    VNNI). Codes outside the range (Q8_0's, Q6_K's) keep 8 bits."""
+    import pagedllm.quant.linear as ql
+    from pagedllm.kernels import cpu_ops
+
+    assert ql._five_bit_kernels(cpu_ops()) == ("+vnni" in cpu_ops().isa())
+    monkeypatch.setattr(ql, "_five_bit_kernels", lambda ops: True)
+
+    n, k = 44, 768
+    if kind == "Q4_0+Q5_0":
+        qw = concat([decode(random_blocks("Q4_0", 28, k, seed=9), "Q4_0", defer=True),
+                     decode(random_blocks("Q5_0", 16, k, seed=10), "Q5_0", defer=True)], defer_codes=True)
+    elif kind == "codes":
+        qw = decode(random_blocks("Q5_0", n, k, seed=11), "Q5_0").materialized()
+    else:
+        qw = decode(random_blocks(kind, n, k, seed=6), kind, defer=kind in FAST_CODES)
+    five = ql.BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, cpu_ops())
+    monkeypatch.setattr(ql, "_fits_five_bits", lambda part: False)
+    eight = ql.BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, cpu_ops())
+    assert (five.layout_bits, eight.layout_bits) == (5, 8) and 8 * five.codes.numel() == 5 * eight.codes.numel()
+    assert torch.equal(five.dequantized(), eight.dequantized())
+    assert torch.equal(five.embedding(torch.tensor([0, 9, 43])), eight.embedding(torch.tensor([0, 9, 43])))
+    assert torch.equal(five.weight_bf16(1, 6), eight.weight_bf16(1, 6))
+    ops = cpu_ops()
+    torch.manual_seed(3)
+    try:
+        for amx in (True, False):  # AMX's tiles from 6 rows where the CPU has them, then the VNNI / AVX2 tiles
+            ops.set_qlinear_amx(amx)
+            for levels in (2, 1):
+                five.act_levels = eight.act_levels = levels
+                for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 40, 100):
+                    x = torch.randn(m, k)
+                    assert torch.equal(five(x), eight(x)), (kind, amx, levels, m)
+                x = torch.randn(5, k, dtype=torch.bfloat16)
+                assert torch.equal(five(x), eight(x)), (kind, amx, levels, "bf16")
+    finally:
+        ops.set_qlinear_amx(True)
+    if ops.bf16_tiles():  # AMX-BF16: the bfloat16 tiles decode the 5-bit codes as the 8-bit ones
+        five.bf16_tile_min_rows = eight.bf16_tile_min_rows = 1
+        x = torch.randn(20, k)
+        assert torch.equal(five(x), eight(x))
+    monkeypatch.undo()
+    q8 = ql.BlockQuantLinear(decode(random_blocks("Q8_0", 8, 64), "Q8_0"), None, torch.device("cpu"),
+                             torch.float32, cpu_ops())
+    assert q8.layout_bits == 8
 
 
 @pytest.mark.parametrize("levels", [1, 2])

@@ -48,7 +48,7 @@ void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_
               "qlinear: scales and offsets must be contiguous (ceil(N/8), K/32 * 8) or (ceil(N/8), K/16 * 8), both "
               "float32 or both float16 (offsets may be empty)");
   const bool implied = table.has_value() && !offsets && table_zero > 0;  // offsets -table_zero * d
-  TORCH_CHECK(bits == 8 || offsets || implied, "qlinear: 4-bit codes need their offsets (or a table's zero)");
+  TORCH_CHECK(bits != 4 || offsets || implied, "qlinear: 4-bit codes need their offsets (or a table's zero)");
   const uint8_t* tab = nullptr;
   if (table) {
     TORCH_CHECK(bits == 4 && table->scalar_type() == at::kByte && table->is_contiguous() && table->numel() == 16 &&

@@ -109,7 +109,7 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
           _mm512_store_si512(bt[t][4 + i], hi);
         }
       } else {
-        for (int i = 0; i < 8; ++i) _mm512_store_si512(bt[t][i], load_pair(wa + 32 * i, wb + 32 * i));
+        for (int i = 0; i < 8; ++i) _mm512_store_si512(bt[t][i], unit_pair_signed<BITS>(wa, wb, i));
       }
     }
     for (int h = 0; h < SUB; ++h) {
@@ -233,7 +233,7 @@ inline void decode_block_bf16(const uint8_t* w, const SC& sc, const int64_t (&gs
       __m512 v[4];
       for (int q = 0; q < 4; ++q) {
         const __m128i part = _mm_load_si128(reinterpret_cast<const __m128i*>(cb + 16 * q));
-        const __m512i c = BITS == 8 ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part);
+        const __m512i c = BITS != 4 ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part);
         v[q] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), dq[h][q & 1]), mq[h][q & 1]);
       }
       _mm512_store_si512(bt[t][2 * u], (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
@@ -253,7 +253,7 @@ inline void decode_block_bf16(const uint8_t* w, const SC& sc, const int64_t (&gs
         unit(hi, 4 + i, SUB - 1);
       }
     } else {
-      for (int i = 0; i < 8; ++i) unit(load_pair(wa + 32 * i, wb + 32 * i), i, SUB == 2 && i >= 4);
+      for (int i = 0; i < 8; ++i) unit(unit_pair_signed<BITS>(wa, wb, i), i, SUB == 2 && i >= 4);
     }
   }
 }

@@ -19,7 +19,7 @@ void with_kscales(const at::Tensor& s, const at::Tensor& mn, const at::Tensor& D
                   (!offsets || (ok(mn, at::kChar, sub * per_sub) && ok(Dm, at::kHalf, D.numel()))),
               "qlinear_k: sub-scales (and offsets) must be contiguous int8 (ceil(N/8), K/32 * sub * 8), "
               "super-block scales contiguous float16 (ceil(N/8), K/256 * 8)");
-  TORCH_CHECK(bits == 8 || offsets, "qlinear_k: 4-bit codes need their offsets");
+  TORCH_CHECK(bits != 4 || offsets, "qlinear_k: 4-bit codes need their offsets");
   const at::Half* dp = D.data_ptr<at::Half>();
   with_sub(sub, [&](auto sub_tag) {
     constexpr int S = decltype(sub_tag)::value;
