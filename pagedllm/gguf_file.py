@@ -49,7 +49,7 @@ class BlockType:
     k_scaled: bool = False  # two-level scales kept as the file has them (``QuantizedWeight.kscales``)
     decoder: int = 0  # > 0: the C++ one-pass decoder (kernels/csrc/pack.cpp ``decode_blocks``) of its codes
     head: int = 0  # > 0: bytes before a 32-block's codes (f16 d, and m): the loader decodes it to floats itself
-    five_bit: bool = False  # its 8-bit codes lie in [-16, 16): the block kernels pack them in 5 bits (5/8 the bytes)
+    narrow: int = 8  # its 8-bit codes fit 5 bits ([-16, 16)) or 6 ([-32, 32)): the block kernels pack them so
 
     def kernel_type(self) -> tuple[int, int, int, int]:
         """What the C++ packer receives: (decoder, values, bytes, code bits)."""
@@ -59,14 +59,14 @@ class BlockType:
 BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q4_0", 32, 18, 4, 32, decoder=1, head=2),
     BlockType("Q4_1", 32, 20, 4, 32, decoder=2, head=4),
-    BlockType("Q5_0", 32, 22, 8, 32, decoder=6, five_bit=True),
+    BlockType("Q5_0", 32, 22, 8, 32, decoder=6, narrow=5),
     BlockType("Q5_1", 32, 24, 8, 32),
     BlockType("Q8_0", 32, 34, 8, 32, decoder=7, head=2),
     BlockType("Q2_K", 256, 84, 4, 16, k_scaled=True),
     BlockType("Q3_K", 256, 110, 4, 16, k_scaled=True),
     BlockType("Q4_K", 256, 144, 4, 32, k_scaled=True, decoder=3),
-    BlockType("Q5_K", 256, 176, 8, 32, k_scaled=True, decoder=4),
-    BlockType("Q6_K", 256, 210, 8, 16, k_scaled=True, decoder=5),
+    BlockType("Q5_K", 256, 176, 8, 32, k_scaled=True, decoder=4, narrow=6),
+    BlockType("Q6_K", 256, 210, 8, 16, k_scaled=True, decoder=5, narrow=6),
     BlockType("IQ4_NL", 32, 18, 8, 32),
     BlockType("IQ4_XS", 256, 136, 8, 32, k_scaled=True),
     BlockType("MXFP4", 32, 17, 4, 32),  # 4-bit codes through a table of its 16 values (``quant.gguf_blocks.mxfp4``)

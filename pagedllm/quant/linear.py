@@ -36,21 +36,23 @@ STRIPE_ROWS = 2048
 assert STRIPE_ROWS % 16 == 0  # whole groups of 8 rows, also for the gate and the up half of a gated stripe
 
 
-def _fits_five_bits(part) -> bool:
-    """Whether a weight part's 8-bit codes all lie in [-16, 16), so the kernels can pack them in 5 bits (qlinear.h):
-    code tensors (stored s + 128) by their range, a GGUF tensor's raw blocks by their type (4-bit codes widened into
-    an 8-bit layer lie in [0, 16))."""
+def _narrow_bits(part) -> int:
+    """The fewest bits (5, 6 or 8) that hold a weight part's 8-bit codes, as the kernels pack them (qlinear.h): code
+    tensors (stored s + 128) by their range, a GGUF tensor's raw blocks by their type (4-bit codes widened into an
+    8-bit layer lie in [0, 16))."""
     if isinstance(part, torch.Tensor):
-        lo, hi = torch.aminmax(part)
-        return 112 <= int(lo) and int(hi) < 144
-    return part.widen or BLOCK_TYPES[part.kind].five_bit
+        lo, hi = (int(v) for v in torch.aminmax(part))
+        return 5 if 112 <= lo and hi < 144 else 6 if 96 <= lo and hi < 160 else 8
+    return 5 if part.widen else BLOCK_TYPES[part.kind].narrow
 
 
-def _five_bit_kernels(ops) -> bool:
-    """Whether 8-bit codes in [-16, 16) are packed in 5 bits: where the kernels have 512-bit VNNI. Qwen2.5-Coder
-    0.5B's Q5_0 layers on a Zen 4 (docs/benchmarks.md): one row 30% faster (5/8 of the code bytes), 8 rows even,
-    32 / 256 rows 4-8% slower (the tiles rebuild the codes); served C=1 +8-12%, C=8 even, C=32 -2.5..-4.7%. The
-    AVX2 tiles rebuilt them 5% / 10% slower at 8 / 32 rows (one row 25-33% faster): those builds keep 8 bits."""
+def _narrow_kernels(ops) -> bool:
+    """Whether 8-bit codes that fit 5 or 6 bits are packed so: where the kernels have 512-bit VNNI. On a Zen 4
+    (docs/benchmarks.md): Qwen2.5-Coder 0.5B's Q5_0 layers one row 24-30% faster (5/8 of the code bytes), 8 rows
+    even, 32 / 256 rows 4-8% slower (the tiles rebuild the codes), served C=1 +8-12%, C=8 even, C=32 -2.5..-4.7%;
+    the 1.5B's Q6_K head and layers one row 35% / 19% faster (3/4 of the bytes; a step 11-12%), 32 rows 11-17%
+    slower. The AVX2 tiles rebuilt 5-bit codes 5% / 10% slower at 8 / 32 rows (one row 25-33% faster): those
+    builds keep 8 bits."""
     return "+vnni" in ops.isa()
 
 
@@ -205,10 +207,10 @@ class BlockQuantLinear(_Packed):
         parts = qw.code_parts if qw.code_parts is not None else (codes,)
         sources = [(c.contiguous().numpy(), PLAIN_CODES, len(c), False) if isinstance(c, torch.Tensor) else c.source()
                    for c in parts]
-        # the packed layout's bits per code (the kernels' ``bits``): 4, 8, or 5 for 8-bit codes in [-16, 16) (GGUF
-        # Q5_0: 5/8 of the code bytes a decode step streams, the same results)
-        five = qw.bits == 8 and _five_bit_kernels(ops) and all(map(_fits_five_bits, parts))
-        self.layout_bits = 5 if five else qw.bits
+        # the packed layout's bits per code (the kernels' ``bits``): 4, 8, or 5 / 6 for 8-bit codes in [-16, 16) /
+        # [-32, 32) (GGUF Q5_0 / Q6_K, Q5_K: 5/8 / 3/4 of the code bytes a decode step streams, the same results)
+        narrow = qw.bits == 8 and _narrow_kernels(ops)
+        self.layout_bits = max(map(_narrow_bits, parts)) if narrow else qw.bits
         self.codes = ops.pack_parts(sources, self.layout_bits, k)
         for c in parts:
             if getattr(c, "release", None) is not None:
@@ -326,13 +328,17 @@ class BlockQuantLinear(_Packed):
             c = self.codes[grp].reshape(t, nb, 4, 8, 4)[at, :, :, row]  # (T, nb, i, t)
             q = torch.stack([c & 0xF, c >> 4], dim=2)  # (T, nb, h, i, t): element 16h + 4i + t
             q = (q if self.table is None else self.table[q.long()]).float()
-        elif self.layout_bits == 5:  # the 4-bit layout of u = s + 16, then byte (row, t) of bits 4: unit's at bit unit
-            blk = self.codes[grp].reshape(t, nb, 160)
+        elif self.layout_bits in (5, 6):  # the 4-bit layout of u = s + 2^(bits-1), then bytes (row, t) of high bits
+            lb = self.layout_bits
+            blk = self.codes[grp].reshape(t, nb, 32 * lb)
             c = blk[:, :, :128].reshape(t, nb, 4, 8, 4)[at, :, :, row].long()  # (T, nb, i, t)
-            b4 = blk[:, :, 128:].reshape(t, nb, 8, 4)[at, :, row].long()  # (T, nb, t)
-            bits = (b4.unsqueeze(2) >> torch.arange(8).view(1, 1, 8, 1)) & 1  # (T, nb, unit, t)
-            u = torch.stack([c & 0xF, c >> 4], dim=2) | bits.view(t, nb, 2, 4, 4) << 4  # element 16h + 4i + t
-            q = (u - 16).float()
+            planes = blk[:, :, 128:].reshape(t, nb, lb - 4, 8, 4)[at, :, :, row].long()  # (T, nb, plane, t)
+            if lb == 5:  # unit's bit 4 at bit unit
+                high = (planes >> torch.arange(8).view(1, 1, 8, 1)) & 1  # (T, nb, unit, t)
+            else:  # unit 4v + k's bits 4-5 at bits 2k, 2k+1 of plane v
+                high = ((planes.unsqueeze(3) >> (2 * torch.arange(4)).view(1, 1, 1, 4, 1)) & 3).reshape(t, nb, 8, 4)
+            u = torch.stack([c & 0xF, c >> 4], dim=2) | high.view(t, nb, 2, 4, 4) << 4  # element 16h + 4i + t
+            q = (u - 2 ** (lb - 1)).float()
         else:
             q = self.codes[grp].view(torch.int8).reshape(t, nb, 8, 8, 4)[at, :, :, row].float()
         sub = self.sub

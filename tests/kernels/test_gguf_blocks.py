@@ -131,8 +131,9 @@ def test_pack_parts_equals_the_layout_of_their_concatenation():
     """``pack_parts`` of fused parts (q/k/v with row counts not a multiple of 8) is the packing of their
     concatenation padded with zero weights: byte for byte, 4- and 8-bit, in the layout of qlinear.h."""
     g = torch.Generator().manual_seed(0)
-    for bits, pad in ((4, 0), (8, 128), (5, 128)):  # 5: 8-bit codes (stored s + 128) with s in [-16, 16)
-        parts = [torch.randint(0, 2 ** bits, (n, 64), generator=g, dtype=torch.uint8) + (112 if bits == 5 else 0)
+    base = {4: 0, 8: 0, 5: 112, 6: 96}  # 5 / 6: 8-bit codes (stored s + 128) with s in [-16, 16) / [-32, 32)
+    for bits, pad in ((4, 0), (8, 128), (5, 128), (6, 128)):
+        parts = [torch.randint(0, 2 ** bits, (n, 64), generator=g, dtype=torch.uint8) + base[bits]
                  for n in (13, 6, 8)]
         whole = torch.cat(parts + [torch.full((5, 64), pad, dtype=torch.uint8)])  # 27 rows -> 32
         packed = _pack([whole], bits)
@@ -143,17 +144,19 @@ def test_pack_parts_equals_the_layout_of_their_concatenation():
             for i in range(4 if bits == 4 else 8):
                 for t in range(4):
                     at = 4 * (row % 8) + t
-                    if bits == 5:  # u = s + 16: low 4 bits as the 4-bit layout's, bit 4 at bit i of byte 128 + at
-                        got = (int(dst[32 * (i % 4) + at]) >> 4 * (i // 4)) & 0xF | (int(dst[128 + at]) >> i & 1) << 4
-                        want = int(src[4 * i + t]) - 112
+                    if bits in (5, 6):  # u: low 4 bits as the 4-bit layout's, high bits in the planes after them
+                        high = ((int(dst[128 + at]) >> i & 1) if bits == 5 else
+                                (int(dst[128 + 32 * (i // 4) + at]) >> 2 * (i % 4) & 3))
+                        got = (int(dst[32 * (i % 4) + at]) >> 4 * (i // 4)) & 0xF | high << 4
+                        want = int(src[4 * i + t]) - base[bits]
                     else:
                         got = int(dst[32 * i + at])
                         want = (int(src[4 * i + t]) | int(src[16 + 4 * i + t]) << 4) if bits == 4 else (
                             int(src[4 * i + t]) ^ 0x80)
                     assert got == want
-    for bad in (144, 111):  # s = 16 and s = -17 do not fit 5 bits
+    for bits, bad in ((5, 144), (5, 111), (6, 160), (6, 95)):  # s = 16, -17 do not fit 5 bits; 32, -33 not 6
         with pytest.raises(RuntimeError, match="outside"):
-            _pack([torch.full((8, 64), bad, dtype=torch.uint8)], 5)
+            _pack([torch.full((8, 64), bad, dtype=torch.uint8)], bits)
 
 
 @pytest.mark.parametrize("kind", sorted(FAST_CODES))
@@ -294,35 +297,38 @@ def test_block_kernel_matches_float_matmul_of_the_decoded_values(kind):
         assert torch.equal(lin(x[:1]), y[:1])  # a row's result does not depend on its batch
 
 
-FIVE_BIT = sorted(t.name for t in BLOCK_TYPES.values() if t.five_bit)
+NARROW = {t.name: t.narrow for t in BLOCK_TYPES.values() if t.narrow < 8}
 
 
-@pytest.mark.parametrize("kind", FIVE_BIT + ["Q4_0+Q5_0", "codes"])
-def test_five_bit_layout_runs_as_the_8_bit_one_bit_for_bit(kind, monkeypatch):
+@pytest.mark.parametrize("kind,bits", sorted(NARROW.items()) + [("Q4_0+Q5_0", 5), ("Q4_K+Q6_K", 6), ("codes", 5)])
+def test_5_and_6_bit_layouts_run_as_the_8_bit_one_bit_for_bit(kind, bits, monkeypatch):
     """8-bit codes that all lie in [-16, 16) (GGUF Q5_0, as Qwen2.5-Coder 0.5B's and Gemma 3's Q4_K_M files hold most
     of their layers; a fused layer of Q5_0 with 4-bit parts widened; codes from a tensor) are packed in 5 bits, 5/8
-    of the 8-bit layout's code bytes; every path (one row, the row tiles and their remainders, AMX, 8-bit
-    activations, bfloat16 inputs, the bfloat16 decode of the stripes, embedding rows) gives bitwise the 8-bit
-    layout's results, on every instruction-set level (the layout is the default where the kernels have 512-bit
-    VNNI). Codes outside the range (Q8_0's, Q6_K's) keep 8 bits."""
+    of the 8-bit layout's code bytes; those in [-32, 32) (Q6_K, Q5_K; a Q4_K_M file's fused q/k/v with a Q6_K v) in
+    6 bits, 3/4. Every path (one row, the row tiles and their remainders, AMX, 8-bit activations, bfloat16 inputs,
+    the bfloat16 decode of the stripes, embedding rows) gives bitwise the 8-bit layout's results, on every
+    instruction-set level (the layouts are the default where the kernels have 512-bit VNNI). Codes that fit
+    neither (Q8_0's) keep 8 bits."""
     import pagedllm.quant.linear as ql
     from pagedllm.kernels import cpu_ops
 
-    assert ql._five_bit_kernels(cpu_ops()) == ("+vnni" in cpu_ops().isa())
-    monkeypatch.setattr(ql, "_five_bit_kernels", lambda ops: True)
+    assert ql._narrow_kernels(cpu_ops()) == ("+vnni" in cpu_ops().isa())
+    monkeypatch.setattr(ql, "_narrow_kernels", lambda ops: True)
 
     n, k = 44, 768
-    if kind == "Q4_0+Q5_0":
-        qw = concat([decode(random_blocks("Q4_0", 28, k, seed=9), "Q4_0", defer=True),
-                     decode(random_blocks("Q5_0", 16, k, seed=10), "Q5_0", defer=True)], defer_codes=True)
+    if "+" in kind:
+        a, b = kind.split("+")
+        qw = concat([decode(random_blocks(a, 28, k, seed=9), a, defer=True),
+                     decode(random_blocks(b, 16, k, seed=10), b, defer=True)], defer_codes=True)
     elif kind == "codes":
         qw = decode(random_blocks("Q5_0", n, k, seed=11), "Q5_0").materialized()
     else:
         qw = decode(random_blocks(kind, n, k, seed=6), kind, defer=kind in FAST_CODES)
     five = ql.BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, cpu_ops())
-    monkeypatch.setattr(ql, "_fits_five_bits", lambda part: False)
+    monkeypatch.setattr(ql, "_narrow_bits", lambda part: 8)
     eight = ql.BlockQuantLinear(qw, None, torch.device("cpu"), torch.float32, cpu_ops())
-    assert (five.layout_bits, eight.layout_bits) == (5, 8) and 8 * five.codes.numel() == 5 * eight.codes.numel()
+    assert (five.layout_bits, eight.layout_bits) == (bits, 8)
+    assert 8 * five.codes.numel() == bits * eight.codes.numel()
     assert torch.equal(five.dequantized(), eight.dequantized())
     assert torch.equal(five.embedding(torch.tensor([0, 9, 43])), eight.embedding(torch.tensor([0, 9, 43])))
     assert torch.equal(five.weight_bf16(1, 6), eight.weight_bf16(1, 6))

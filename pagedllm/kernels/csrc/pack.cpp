@@ -7,8 +7,8 @@
 // - pack_parts: the rows of one or more parts (fused q/k/v, gate/up: no concatenated copy), each either codes or a
 //   GGUF tensor's raw blocks (decoded 8 rows at a time into a scratch in cache: a start-up writes no code array of a
 //   byte per weight), into the interleaved layout of qlinear.h (groups of 8 rows, 4-byte units; 4-bit codes two to
-//   a byte, 8-bit ones as signed bytes, or, where every code is in [-16, 16), the 5-bit layout: 4-bit nibbles and a
-//   plane of bits 4).
+//   a byte, 8-bit ones as signed bytes, or, where every code is in [-16, 16) or [-32, 32), the 5- or 6-bit layout:
+//   4-bit nibbles and planes of the high bits).
 // All run single-threaded: the loader calls them from its own threads, one tensor each. The inner steps move 4 or
 // 8 bytes at a time (SWAR), which every target compiles to the same results.
 #include <cstring>
@@ -105,17 +105,19 @@ void q8_0_codes(const uint8_t* b, int64_t nblocks, uint8_t* out) {
     for (int l = 0; l < 32; l += 8) store8(out + l, load8(b + 2 + l) ^ HIGH1);
 }
 
-// 4 stored 8-bit codes (s + 128) as u = s + 16 (no carry between bytes: each byte's low 7 bits plus 16 stay below
-// 256, its top bit is xor'd back); s in [-16, 16) exactly when u < 32.
-inline uint32_t five_bit(uint32_t v) {
+// 4 stored 8-bit codes (s + 128) as u = s + 2^(BITS-1) (no carry between bytes: each byte's low 7 bits plus 16 or
+// 32 stay below 256, its top bit is xor'd back); s fits BITS signed bits exactly when u < 2^BITS.
+template <int BITS>
+inline uint32_t narrow(uint32_t v) {
   const uint32_t s = v ^ 0x80808080u;
-  return ((s & 0x7F7F7F7Fu) + 0x10101010u) ^ (s & 0x80808080u);
+  return ((s & 0x7F7F7F7Fu) + (1u << (BITS - 1)) * 0x01010101u) ^ (s & 0x80808080u);
 }
 
 // groups of 8 rows (row pointers `row`) into the interleaved layout: per block of 32 inputs, byte (unit i, row r,
 // t) = 4-bit: code 4i + t | code 16 + 4i + t << 4 (units 0-3); 8-bit: code 4i + t as a signed byte (stored + 128:
 // its sign bit flipped; units 0-7); 5-bit (qlinear.h): the 4-bit layout of u = s + 16, then byte (r, t) of their
-// bits 4, unit i's at bit i. Returns the or of every 5-bit u (a bit above 4 set: a code outside [-16, 16)).
+// bits 4, unit i's at bit i; 6-bit: of u = s + 32, then two such bytes of bits 4-5, unit 4v + k's at bits 2k, 2k+1
+// of the v-th. Returns the or of every 5- or 6-bit u (a bit above BITS - 1 set: a code that does not fit).
 template <int BITS>
 uint32_t pack_groups(const uint8_t* const* row, int64_t ng, int64_t nb, uint8_t* out) {
   constexpr int64_t GBYTES = BITS * 32;
@@ -133,15 +135,21 @@ uint32_t pack_groups(const uint8_t* const* row, int64_t ng, int64_t nb, uint8_t*
             store4(dst + 32 * (2 * h) + 4 * r, static_cast<uint32_t>(v));
             store4(dst + 32 * (2 * h + 1) + 4 * r, static_cast<uint32_t>(v >> 32));
           }
-        } else if constexpr (BITS == 5) {
-          uint32_t b4 = 0;  // bytes t: bit i = bit 4 of unit i's code
+        } else if constexpr (BITS == 5 || BITS == 6) {
+          uint32_t pl = 0, ph = 0;  // bytes t: the high bits of units 0-3 and 4-7 (5-bit: all in pl)
           for (int i = 0; i < 4; ++i) {  // units i and 4 + i
-            const uint32_t lo = five_bit(load4(s + 4 * i)), hi = five_bit(load4(s + 16 + 4 * i));
+            const uint32_t lo = narrow<BITS>(load4(s + 4 * i)), hi = narrow<BITS>(load4(s + 16 + 4 * i));
             seen |= lo | hi;
             store4(dst + 32 * i + 4 * r, (lo & 0x0F0F0F0Fu) | (hi & 0x0F0F0F0Fu) << 4);
-            b4 |= ((lo >> 4) & 0x01010101u) << i | ((hi >> 4) & 0x01010101u) << (4 + i);
+            if constexpr (BITS == 5) {
+              pl |= ((lo >> 4) & 0x01010101u) << i | ((hi >> 4) & 0x01010101u) << (4 + i);
+            } else {
+              pl |= ((lo >> 4) & 0x03030303u) << (2 * i);
+              ph |= ((hi >> 4) & 0x03030303u) << (2 * i);
+            }
           }
-          store4(dst + 128 + 4 * r, b4);
+          store4(dst + 128 + 4 * r, pl);
+          if constexpr (BITS == 6) store4(dst + 160 + 4 * r, ph);
         } else {
           for (int i = 0; i < 8; ++i) store4(dst + 32 * i + 4 * r, load4(s + 4 * i) ^ 0x80808080u);
         }
@@ -237,7 +245,7 @@ at::Tensor gguf_k_scales(const uint8_t* b, int64_t nbytes, int64_t bytes) {
 }
 
 at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_t K) {
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "pack_parts: bits must be 4, 5 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "pack_parts: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(!parts.empty() && K > 0 && K % 32 == 0, "pack_parts: K must be a positive multiple of 32");
   // done: the part's rows packed so far; dropped: its bytes whose pages were dropped (drop)
   struct Src {
@@ -257,8 +265,8 @@ at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_
     TORCH_CHECK(p.nbytes == p.rows * row_bytes, "pack_parts: a part of ", p.rows, " rows has ", p.nbytes,
                 " bytes, not ", p.rows * row_bytes);
     TORCH_CHECK(!p.widen || (t != nullptr && t->bits == 4 && bits != 4), "pack_parts: only raw blocks of 4-bit "
-                "codes are widened, into an 8-bit (or 5-bit) layout");
-    TORCH_CHECK(t == nullptr || t->bits == (bits == 5 ? 8 : bits) || p.widen, "pack_parts: ",
+                "codes are widened, into an 8-bit (or 5-, 6-bit) layout");
+    TORCH_CHECK(t == nullptr || t->bits == (bits == 5 || bits == 6 ? 8 : bits) || p.widen, "pack_parts: ",
                 t == nullptr ? 0 : t->bits, "-bit codes in a ", bits,
                 "-bit layout (4-bit codes in an 8-bit one must be widened)");
     for (int64_t i = 0; i < p.rows; ++i) row.emplace_back(static_cast<int>(src.size()), i);
@@ -267,7 +275,7 @@ at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_
   const int64_t rows = static_cast<int64_t>(row.size()), ng = (rows + 7) / 8, nb = K / 32;
   constexpr int64_t DROP_GROUPS = 1024;  // groups of 8 rows between drops of a file's passed pages (~2-20 MB)
   std::vector<uint8_t> zero(K, bits == 4 ? 0 : 128), scratch(8 * K);
-  uint32_t seen = 0;  // 5-bit: the or of every code u
+  uint32_t seen = 0;  // 5- and 6-bit: the or of every code u
   auto out = at::empty({ng, nb * bits * 32}, at::TensorOptions().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
   populate(o, out.numel());
@@ -288,6 +296,7 @@ at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_
     }
     if (bits == 4) pack_groups<4>(ptr, 1, nb, o + g * nb * 128);
     else if (bits == 5) seen |= pack_groups<5>(ptr, 1, nb, o + g * nb * 160);
+    else if (bits == 6) seen |= pack_groups<6>(ptr, 1, nb, o + g * nb * 192);
     else pack_groups<8>(ptr, 1, nb, o + g * nb * 256);
     if ((g + 1) % DROP_GROUPS == 0 || g + 1 == ng) {  // the rows passed so far: their file pages are not read again
       for (Src& s : src) {
@@ -298,7 +307,8 @@ at::Tensor pack_parts(const std::vector<CodeSource>& parts, int64_t bits, int64_
       }
     }
   }
-  TORCH_CHECK((seen & 0xE0E0E0E0u) == 0, "pack_parts: a code outside [-16, 16) in a 5-bit layout");
+  TORCH_CHECK((seen & (bits == 5 ? 0xE0E0E0E0u : 0xC0C0C0C0u)) == 0, "pack_parts: a code outside [",
+              bits == 5 ? -16 : -32, ", ", bits == 5 ? 16 : 32, ") in a ", bits, "-bit layout");
   return out;
 }
 

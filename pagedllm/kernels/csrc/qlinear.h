@@ -28,7 +28,10 @@ namespace {
 //   5-bit (8-bit codes s in [-16, 16): GGUF Q5_0, 4-bit codes widened into a fused 8-bit layer; 160 bytes, 5/8 of
 //   the 8-bit layout's): of u = s + 16 in [0, 32), the 4-bit layout of its low 4 bits (128 bytes), then 32 bytes of
 //   its bits 4: byte (row, t) = bit 4 of unit i's code (4i+t) at bit i (a unit's vector is this one shifted and
-//   masked). Every path runs the codes as the 8-bit codes they are (the same integer sums), so the results are
+//   masked);
+//   6-bit (s in [-32, 32): GGUF Q6_K, Q5_K; 192 bytes): of u = s + 32, the 4-bit layout of its low 4 bits, then two
+//   vectors of its bits 4-5: byte (row, t) of vector v = bits 4-5 of unit 4v + k's code at bits 2k, 2k+1.
+//   Every path runs 5- and 6-bit codes as the 8-bit codes they are (the same integer sums), so the results are
 //   bitwise those of the 8-bit layout;
 //   d, m: (N/8, K/32, 8), float32 or float16 (QScales below); 8-bit codes may have no m (all zero).
 // A row's arithmetic does not depend on how many rows the batch has (the same operations in the same order).
@@ -278,6 +281,24 @@ inline uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
+// What the vpdpbusd paths add to an 8-bit (5-, 6-bit) layout's signed code to make it unsigned, so 128 (16, 32)
+// times the activations' integer sum comes off each block's sum.
+template <int BITS>
+constexpr int CODE_BIAS = BITS == 5 ? 16 : BITS == 6 ? 32 : 128;
+
+// 5- and 6-bit codes: the vector of unit i's high bits (bits 4, or 4-5) is at plane_at<BITS>(i) of its block, as its
+// unit plane_unit<BITS>(i) there.
+template <int BITS> constexpr int plane_at(int i) { return 128 + (BITS == 6 ? 32 * (i >> 2) : 0); }
+template <int BITS> constexpr int plane_unit(int i) { return BITS == 6 ? i & 3 : i; }
+// The bit that lands at bit 4: unit k's (5-bit: bit k; 6-bit: bits 2k, 2k+1 to 4, 5), and the bits kept.
+template <int BITS> constexpr int plane_bit(int k) { return BITS == 6 ? 2 * k : k; }
+template <int BITS> constexpr int HIGH_MASK = BITS == 6 ? 0x30 : 0x10;
+// GF2P8AFFINEQB's matrix moving them there: output bit r is the parity of matrix byte 7 - r and the input byte.
+template <int BITS>
+constexpr int64_t plane_matrix(int k) {
+  return BITS == 6 ? (int64_t{1} << (24 + 2 * k)) | (int64_t{1} << (17 + 2 * k)) : int64_t{1} << (24 + k);
+}
+
 // A 4-bit code's value: itself, or its entry of the scales' table.
 inline int code_value(const uint8_t* table, int c) { return table != nullptr ? table[c] : c; }
 
@@ -309,37 +330,38 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {  // acc + 8 int32 su
 
 constexpr int64_t PREFETCH_BYTES = 2048;  // of weights (scales: a quarter) ahead of a single-row tile
 
-// What the vpdpbusd paths add to an 8-bit (5-bit) layout's signed code to make it unsigned, so 128 (16) times the
-// activations' integer sum comes off each block's sum.
+// Unit k's high bits in place (bits 4 or 4-5 of each byte, the rest zero) from a plane p: one affine bit transform
+// per byte where the CPU has GFNI, else a 16-bit shift and a mask (a bit crossing into the lane's other byte lands
+// outside the bits kept: shifts of at most 4).
 template <int BITS>
-constexpr int CODE_BIAS = BITS == 5 ? 16 : 128;
-
-// Unit i's bits 4 (16 or 0 per byte) from a 5-bit block's vector of them (p: bit i of each byte): a 16-bit shift
-// moves bit i to bit 4 (a bit crossing into the other byte of the lane lands outside bit 4: shifts of at most 4).
-inline __m256i bit4(__m256i p, int i) {
-#if defined(__GFNI__)  // one affine bit transform per byte: its row 4 (matrix byte 3) picks bit i
-  return _mm256_gf2p8affine_epi64_epi8(p, _mm256_set1_epi64x(static_cast<int64_t>(1) << (24 + i)), 0);
+inline __m256i high_bits(__m256i p, int k) {
+#if defined(__GFNI__)
+  return _mm256_gf2p8affine_epi64_epi8(p, _mm256_set1_epi64x(plane_matrix<BITS>(k)), 0);
 #else
-  return _mm256_and_si256(i <= 4 ? _mm256_slli_epi16(p, 4 - i) : _mm256_srli_epi16(p, i - 4), _mm256_set1_epi8(16));
+  const int f = plane_bit<BITS>(k);
+  return _mm256_and_si256(f <= 4 ? _mm256_slli_epi16(p, 4 - f) : _mm256_srli_epi16(p, f - 4),
+                          _mm256_set1_epi8(HIGH_MASK<BITS>));
 #endif
 }
-// Unit i (< 8) of a 5-bit block (wb: the group's block) as its 32 codes u = s + 16 in [0, 32): the low or high
-// nibbles of the 4-bit vector i % 4, or'd with bit 4.
-inline __m256i unit5(const uint8_t* wb, int i) {
+// Unit i (< 8) of a 5- or 6-bit block (wb: the group's block) as its 32 codes u = s + CODE_BIAS: the low or high
+// nibbles of the 4-bit vector i % 4, or'd with the high bits.
+template <int BITS>
+inline __m256i unit_narrow(const uint8_t* wb, int i) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * (i & 3)));
   const __m256i lo = _mm256_and_si256(i < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-  return _mm256_or_si256(lo, bit4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128)), i));
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + plane_at<BITS>(i)));
+  return _mm256_or_si256(lo, high_bits<BITS>(p, plane_unit<BITS>(i)));
 }
 
-// Unit i of an 8-bit or 5-bit block: its signed codes s, and the unsigned bytes s + CODE_BIAS that vpdpbusd takes.
+// Unit i of an 8-, 5- or 6-bit block: its signed codes s, and the unsigned bytes s + CODE_BIAS that vpdpbusd takes.
 template <int BITS>
 inline __m256i unit_signed(const uint8_t* wb, int i) {
-  if constexpr (BITS == 5) return _mm256_sub_epi8(unit5(wb, i), _mm256_set1_epi8(16));
+  if constexpr (BITS != 8) return _mm256_sub_epi8(unit_narrow<BITS>(wb, i), _mm256_set1_epi8(CODE_BIAS<BITS>));
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
 }
 template <int BITS>
 inline __m256i unit_unsigned(const uint8_t* wb, int i) {
-  if constexpr (BITS == 5) return unit5(wb, i);
+  if constexpr (BITS != 8) return unit_narrow<BITS>(wb, i);
   return _mm256_xor_si256(unit_signed<BITS>(wb, i), _mm256_set1_epi8(-128));
 }
 
@@ -459,8 +481,8 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
           __m256i f0[GT], f1[GT];
           for (int g = 0; g < GT; ++g) {
             const uint8_t* wg = w + (g0 + g) * gstride + b * gbytes;
-            if constexpr (BITS == 5) {  // u = s + 16, non-negative: 16 * isum comes off below
-              const __m256i u = unit5(wg, i);
+            if constexpr (BITS == 5 || BITS == 6) {  // u = s + CODE_BIAS, non-negative: CODE_BIAS * isum comes off
+              const __m256i u = unit_narrow<BITS>(wg, i);
               f0[g] = _mm256_and_si256(u, low8);  // (4i, 4i+2)
               f1[g] = _mm256_srli_epi16(u, 8);   // (4i+1, 4i+3)
               continue;
@@ -480,8 +502,9 @@ inline void qtile(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
         }
       }
       add_blocks<GT, MT>(acc, sc, g0, xa, r0, b, half, [&](int g, int r) {
-        if constexpr (BITS == 5)
-          return _mm256_sub_epi32(s[g][r], _mm256_set1_epi32(16 * act_isum<SUB>(xa, (r0 + r) * nb + b, half)));
+        if constexpr (BITS == 5 || BITS == 6)
+          return _mm256_sub_epi32(s[g][r],
+                                  _mm256_set1_epi32(CODE_BIAS<BITS> * act_isum<SUB>(xa, (r0 + r) * nb + b, half)));
         return s[g][r];
       });
     }
@@ -613,19 +636,26 @@ inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {  // 32 bytes of g
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
-// bit4 on 512-bit vectors (two groups' vectors of bits 4)
-inline __m512i bit4(__m512i p, int i) {
+// high_bits on 512-bit vectors: unit k0's in the low half, k1's in the high half (two groups' planes, or one
+// plane in both halves)
+template <int BITS>
+inline __m512i high_bits(__m512i p, int k0, int k1) {
 #if defined(__GFNI__)
-  return _mm512_gf2p8affine_epi64_epi8(p, _mm512_set1_epi64(static_cast<int64_t>(1) << (24 + i)), 0);
-#else
-  return _mm512_and_si512(i <= 4 ? _mm512_slli_epi16(p, 4 - i) : _mm512_srli_epi16(p, i - 4), _mm512_set1_epi8(16));
+  return _mm512_gf2p8affine_epi64_epi8(
+      p, _mm512_inserti64x4(_mm512_set1_epi64(plane_matrix<BITS>(k0)), _mm256_set1_epi64x(plane_matrix<BITS>(k1)), 1),
+      0);
+#else  // both halves shift the same way (the units of one 64-byte load: bits 0-1 and 2-3 (5-bit: or 4-5, 6-7))
+  const int f0 = plane_bit<BITS>(k0), f1 = plane_bit<BITS>(k1);
+  const __m512i n = _mm512_inserti64x4(_mm512_set1_epi16(std::abs(4 - f0)), _mm256_set1_epi16(std::abs(4 - f1)), 1);
+  return _mm512_and_si512(f0 <= 4 && f1 <= 4 ? _mm512_sllv_epi16(p, n) : _mm512_srlv_epi16(p, n),
+                          _mm512_set1_epi8(HIGH_MASK<BITS>));
 #endif
 }
 // unit_signed of two groups' blocks (a low, b high), on 512-bit vectors (the AMX tiles' decode)
 template <int BITS>
 inline __m512i unit_pair_signed(const uint8_t* a, const uint8_t* b, int i) {
-  if constexpr (BITS == 5)
-    return _mm512_inserti64x4(_mm512_castsi256_si512(unit_signed<5>(a, i)), unit_signed<5>(b, i), 1);
+  if constexpr (BITS != 8)
+    return _mm512_inserti64x4(_mm512_castsi256_si512(unit_signed<BITS>(a, i)), unit_signed<BITS>(b, i), 1);
   return load_pair(a + 32 * i, b + 32 * i);
 }
 // 8 scales or offsets of group g (a) low and of group g+1 (b) high, as float32.
@@ -687,18 +717,27 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
       __m512i hi[PT][MT], lo[PT][MT];
       for (int p = 0; p < PT; ++p)
         for (int r = 0; r < MT; ++r) hi[p][r] = lo[p][r] = _mm512_setzero_si512();
-      if constexpr (BITS == 4 || BITS == 5) {  // 5-bit: the 4-bit vectors' nibbles or'd with bit 4
-        __m512i p4[PT];  // 5-bit: each pair's bits 4
-        if constexpr (BITS == 5)
-          for (int p = 0; p < PT; ++p) p4[p] = load_pair(wb + 2 * p * gstride + 128, wb + (2 * p + 1) * gstride + 128);
+      if constexpr (BITS != 8) {  // 5- and 6-bit: the 4-bit vectors' nibbles or'd with the high bits
+        __m512i pl[PT], ph[PT];  // each pair's high bits of units 0-3 and 4-7 (5-bit: one plane)
+        if constexpr (BITS != 4)
+          for (int p = 0; p < PT; ++p) {
+            const uint8_t *a = wb + 2 * p * gstride, *c = a + gstride;
+            if (SUB == 1 || half == 0 || BITS == 5) pl[p] = load_pair(a + plane_at<BITS>(0), c + plane_at<BITS>(0));
+            if (SUB == 1 || half == 1)
+              ph[p] = BITS == 6 ? load_pair(a + plane_at<BITS>(4), c + plane_at<BITS>(4)) : pl[p];
+          }
+#pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           __m512i ul[PT], uh[PT];
           for (int p = 0; p < PT; ++p) {
             const __m512i v = load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i);
-            if constexpr (BITS == 5) {  // u = s + 16 as unsigned (nibble & 0x0F | bit 4: one ternary-logic step)
-              ul[p] = _mm512_ternarylogic_epi32(v, bit4(p4[p], i), low4, 0xEC);  // a & c | b
-              uh[p] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), bit4(p4[p], 4 + i), low4, 0xEC);
-              continue;  // 16 * isum comes off below
+            if constexpr (BITS != 4) {  // u = s + CODE_BIAS as unsigned: nibble & 0x0F | high bits, one ternary step
+              const int kl = plane_unit<BITS>(i), kh = plane_unit<BITS>(4 + i);
+              if (SUB == 1 || half == 0)  // (a half block of 16 inputs: its units alone)
+                ul[p] = _mm512_ternarylogic_epi32(v, high_bits<BITS>(pl[p], kl, kl), low4, 0xEC);  // a & c | b
+              if (SUB == 1 || half == 1)
+                uh[p] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), high_bits<BITS>(ph[p], kh, kh), low4, 0xEC);
+              continue;  // CODE_BIAS * isum comes off below
             }
             ul[p] = _mm512_and_si512(v, low4);
             uh[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -856,12 +895,12 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
 // 4-bit layers' one-row time 14-17% lower on Qwen2.5-Coder 1.5B / 0.5B and Gemma 3 270M, unchanged on SmolLM2's
 // Q4_1; 8-bit codes (256 bytes a block) ran 4-16% slower this way than in qtile's one or two groups, which stream
 // near the memory's speed already (those with a scale per 16 now run one qtile512 pair: qlinear_impl).
-// 5-bit codes: the same loop on their 4-bit vectors, or'd with bit 4 (the block's bits 4 in both halves of a
-// vector, shifted by each half's unit), 16 * isum off each sum.
+// 5- and 6-bit codes: the same loop on their 4-bit vectors, or'd with the high bits (a plane in both halves of a
+// vector, moved by each half's unit), CODE_BIAS * isum off each sum.
 template <int BITS, typename SC>
 inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row, int64_t K,
                       int64_t nb) {
-  static_assert(BITS == 4 || BITS == 5, "qrow512: 4- or 5-bit codes");
+  static_assert(BITS == 4 || BITS == 5 || BITS == 6, "qrow512: 4-, 5- or 6-bit codes");
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
   __m256 acc[1][1] = {{_mm256_setzero_ps()}};
@@ -871,12 +910,6 @@ inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const Quantize
                            _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),   // 2, 3
                            _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),   // 4, 5
                            _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};  // 6, 7
-  // 16-bit shifts moving bit u to bit 4 for units (2j, 2j+1) (low nibbles: left) and (4+2j, 5+2j) (high: right)
-  const __m512i up[2] = {_mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(3), 1),
-                         _mm512_inserti64x4(_mm512_set1_epi16(2), _mm256_set1_epi16(1), 1)};
-  const __m512i down[2] = {_mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(1), 1),
-                           _mm512_inserti64x4(_mm512_set1_epi16(2), _mm256_set1_epi16(3), 1)};
-  const __m512i sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = wg + b * gbytes;
     prefetch_group(wb, gbytes, sc, g, b);
@@ -892,10 +925,13 @@ inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const Quantize
     for (int j = 0; j < 2; ++j) {  // vectors 2j, 2j+1
       const __m512i v = _mm512_loadu_si512(wb + 64 * j);
       __m512i ul = _mm512_and_si512(v, low4), uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (BITS == 5) {
-        const __m512i p4 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128)));
-        ul = _mm512_or_si512(ul, _mm512_and_si512(_mm512_sllv_epi16(p4, up[j]), sixteen));
-        uh = _mm512_or_si512(uh, _mm512_and_si512(_mm512_srlv_epi16(p4, down[j]), sixteen));
+      if constexpr (BITS != 4) {  // units 2j, 2j+1 (low nibbles) and 4+2j, 5+2j (high) from their planes
+        auto plane = [&](int i) {
+          return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + plane_at<BITS>(i))));
+        };
+        const int kl = plane_unit<BITS>(2 * j), kh = plane_unit<BITS>(4 + 2 * j);
+        ul = _mm512_or_si512(ul, high_bits<BITS>(plane(2 * j), kl, kl + 1));
+        uh = _mm512_or_si512(uh, high_bits<BITS>(plane(4 + 2 * j), kh, kh + 1));
       }
       dot(0, ul, j);
       dot(1, uh, 2 + j);
@@ -908,8 +944,8 @@ inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const Quantize
       const __m512i f = SUB == 2 ? lo[h] : _mm512_add_epi32(lo[0], lo[1]);
       __m256i isum =
           two ? _mm256_add_epi32(_mm256_mullo_epi32(halves(c), _mm256_set1_epi32(LEVEL)), halves(f)) : halves(c);
-      if constexpr (BITS == 5)
-        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(16 * act_isum<SUB>(xa, row * nb + b, h)));
+      if constexpr (BITS != 4)
+        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(CODE_BIAS<BITS> * act_isum<SUB>(xa, row * nb + b, h)));
       add_blocks<1, 1>(acc, sc, g, xa, row, b, h, [&](int, int) { return isum; });
     }
   }
@@ -957,10 +993,13 @@ inline void for_each_code(const uint8_t* wb, const uint8_t* table, F&& f) {
         if constexpr (BITS == 4) {
           f(j, k, code_value(table, byte & 0x0F));
           f(j, 16 + k, code_value(table, byte >> 4));
-        } else if constexpr (BITS == 5) {  // units i (low nibbles) and 4 + i (high), bits 4 at bits i, 4 + i
-          const int b4 = wb[128 + 4 * j + t];
-          f(j, k, (byte & 0x0F | (b4 >> i & 1) << 4) - 16);
-          f(j, 16 + k, (byte >> 4 | (b4 >> (4 + i) & 1) << 4) - 16);
+        } else if constexpr (BITS == 5 || BITS == 6) {  // units i (low nibbles) and 4 + i (high), their high bits
+          auto high = [&](int u) {
+            const int f = plane_bit<BITS>(plane_unit<BITS>(u));
+            return (wb[plane_at<BITS>(u) + 4 * j + t] >> f & (BITS == 6 ? 3 : 1)) << 4;
+          };
+          f(j, k, (byte & 0x0F | high(i)) - CODE_BIAS<BITS>);
+          f(j, 16 + k, (byte >> 4 | high(4 + i)) - CODE_BIAS<BITS>);
         } else {
           f(j, k, static_cast<int8_t>(byte));
         }
@@ -1028,8 +1067,8 @@ inline void dequant_group_bf16(const uint8_t* wb, const SC& sc, int64_t g, int64
   for (int i = 0; i < (BITS == 4 ? 4 : 8); ++i)
     for (int q = 0; q < 2; ++q) {  // rows 4q .. 4q+3 of unit i (4-bit: units i and 4+i)
       __m128i raw;
-      if constexpr (BITS == 5) {
-        const __m256i u = unit_signed<5>(wb, i);
+      if constexpr (BITS == 5 || BITS == 6) {
+        const __m256i u = unit_signed<BITS>(wb, i);
         raw = q ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
       } else {
         raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 32 * i + 16 * q));
@@ -1222,7 +1261,8 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
       // is latency-bound; with a scale per 32 the single group streams faster, as the tile shapes' comment says
       // (docs/benchmarks.md, Zen 4). With 512-bit VNNI the two groups share each vector (qtile512, one pair): the
       // 1.5B's head at one row 9.6 -> 8.5 ms, its Q6_K down projections 7% faster than on two 256-bit vectors
-      // (ab_decode_linears, Zen 4); Q8_0's scale per 32 ran slower in pairs there too, so it keeps one group.
+      // (ab_decode_linears, Zen 4); Q8_0's scale per 32 ran slower in pairs there too, so it keeps one group. (With
+      // 512-bit VNNI a GGUF file's Q6_K codes are packed in 6 bits now: qrow512.)
       if (r1 - r0 < TILE_MT) {
 #if defined(PAGEDLLM_QZMM)
         for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
@@ -1232,7 +1272,7 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
       }
     }
 #if defined(PAGEDLLM_QZMM)
-    if constexpr (BITS == 4 || BITS == 5) {
+    if constexpr (BITS != 8) {
       if (r1 - r0 == 1 && sc.table == nullptr) {  // one row: qrow512 (a table's codes: qtile's byte shuffle)
         float res[8];
         for (; g < end; ++g) {
@@ -1271,8 +1311,9 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r = 0; r < M; ++r) {
 #if defined(PAGEDLLM_QNEON)
-        if constexpr (SC::sub == 1 && BITS != 5) qgroup_neon<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
-        else qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);  // blocks of 16, 5-bit: portable
+        if constexpr (SC::sub == 1 && (BITS == 4 || BITS == 8))
+          qgroup_neon<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
+        else qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);  // blocks of 16, 5/6-bit: portable
 #else
         qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
 #endif
@@ -1285,9 +1326,9 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
 template <typename SC> constexpr bool table_scales = false;  // TScales: only 4-bit codes through a table
 template <typename S, int SUB> constexpr bool table_scales<TScales<S, SUB>> = true;
 
-// Calls f with std::integral_constant<int, 4> for 4-bit codes (only with offsets: SC::offsets), <int, 5> for the
-// 5-bit layout, else <int, 8>; TScales (offsets implied by a table's zero) only with <int, 4> (no 8-bit kernels are
-// built for them).
+// Calls f with std::integral_constant<int, 4> for 4-bit codes (only with offsets: SC::offsets), <int, 5> / <int, 6>
+// for the 5- / 6-bit layouts, else <int, 8>; TScales (offsets implied by a table's zero) only with <int, 4> (no
+// 8-bit kernels are built for them).
 template <typename SC, typename F>
 void with_bits(int64_t bits, F&& f) {
   if constexpr (table_scales<SC>) {
@@ -1298,6 +1339,7 @@ void with_bits(int64_t bits, F&& f) {
       if (bits == 4) return f(std::integral_constant<int, 4>{});
     }
     if (bits == 5) return f(std::integral_constant<int, 5>{});
+    if (bits == 6) return f(std::integral_constant<int, 6>{});
     f(std::integral_constant<int, 8>{});
   }
 }
@@ -1338,7 +1380,7 @@ void with_sub(int64_t sub, F&& f) {
 
 void check_weight(const at::Tensor& w, int64_t bits, int64_t N, int64_t K) {
   check_cpu(w, "w");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "qlinear: bits must be 4, 5 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "qlinear: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(K % QB == 0, "qlinear: in_features ", K, " is not a multiple of 32");
   TORCH_CHECK(N >= 1, "qlinear: out_features must be >= 1");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == (N + 7) / 8 &&
@@ -1353,8 +1395,8 @@ void check_qlinear(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64
 
 // The inputs K of a weight w decoded by qweight_bf16 / qweight_k_bf16, w checked as qlinear checks it.
 int64_t decoded_weight_inputs(const at::Tensor& w, int64_t bits, int64_t N) {
-  TORCH_CHECK(w.dim() == 2 && (bits == 4 || bits == 5 || bits == 8),
-              "qweight_bf16: w must be (ceil(N/8), K*bits), bits 4, 5 or 8");
+  TORCH_CHECK(w.dim() == 2 && (bits == 4 || bits == 5 || bits == 6 || bits == 8),
+              "qweight_bf16: w must be (ceil(N/8), K*bits), bits 4, 5, 6 or 8");
   const int64_t K = w.size(1) / bits;
   check_weight(w, bits, N, K);
   return K;
