@@ -282,13 +282,14 @@ def test_a_replica_killed_mid_stream_errors_its_stream_the_rest_go_on_and_it_com
     assert time.time() - t0 < 30
     assert rest and '"error"' in rest[-1], rest[-3:]
     # the balancer sees the death (it polls every 0.5 s) and starts the victim again; meanwhile everything goes to
-    # the survivor, answered
+    # the survivor, answered (a restarted victim that is healthy again before these end may take one: it is ready)
     deadline = time.time() + 10
     while _replicas(base)[victim]["restarts"] != 1:
         assert time.time() < deadline, _replicas(base)
         time.sleep(0.1)
     for messages in _workload("after", systems=3, users=1):
-        assert _chat(base, messages).headers[ENGINE_HEADER] == str(1 - victim)
+        engine = _chat(base, messages).headers[ENGINE_HEADER]
+        assert engine == str(1 - victim) or _replicas(base)[victim]["healthy"], _replicas(base)
     # the victim is started again (a new process on the same core) and rejoins the rotation
     deadline = time.time() + 120
     while not (_replicas(base)[victim]["healthy"]):
