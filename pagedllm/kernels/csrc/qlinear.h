@@ -922,16 +922,21 @@ inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const Quantize
       hi[h] = _mm512_dpbusd_epi32(hi[h], u, _mm512_permutexvar_epi32(pick[units], x1));
       if (two) lo[h] = _mm512_dpbusd_epi32(lo[h], u, _mm512_permutexvar_epi32(pick[units], x2));
     };
+    __m512i pl, ph;  // 5- and 6-bit: the planes of units 0-3 and 4-7 (5-bit: one) in both halves of a vector
+    if constexpr (BITS != 4) {
+      auto plane = [&](int i) {
+        return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + plane_at<BITS>(i))));
+      };
+      pl = plane(0);
+      ph = BITS == 6 ? plane(4) : pl;
+    }
     for (int j = 0; j < 2; ++j) {  // vectors 2j, 2j+1
       const __m512i v = _mm512_loadu_si512(wb + 64 * j);
       __m512i ul = _mm512_and_si512(v, low4), uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (BITS != 4) {  // units 2j, 2j+1 (low nibbles) and 4+2j, 5+2j (high) from their planes
-        auto plane = [&](int i) {
-          return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + plane_at<BITS>(i))));
-        };
+      if constexpr (BITS != 4) {  // units 2j, 2j+1 (low nibbles) and 4+2j, 5+2j (high)
         const int kl = plane_unit<BITS>(2 * j), kh = plane_unit<BITS>(4 + 2 * j);
-        ul = _mm512_or_si512(ul, high_bits<BITS>(plane(2 * j), kl, kl + 1));
-        uh = _mm512_or_si512(uh, high_bits<BITS>(plane(4 + 2 * j), kh, kh + 1));
+        ul = _mm512_or_si512(ul, high_bits<BITS>(pl, kl, kl + 1));
+        uh = _mm512_or_si512(uh, high_bits<BITS>(ph, kh, kh + 1));
       }
       dot(0, ul, j);
       dot(1, uh, 2 + j);
