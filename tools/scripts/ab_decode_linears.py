@@ -26,25 +26,24 @@ from pagedllm.layers.linear import tensor_bytes
 from tools.scripts.kernel_build import build_source
 
 
-def main() -> None:
-    old_src, model = pathlib.Path(sys.argv[1]), sys.argv[2]
-    rows = [int(m) for m in sys.argv[3:]] or [1]
-    rounds = int(os.environ.get("ROUNDS", "8"))
-    llm = LLM(model=model, enable_prefix_caching=False)
-    new, old = K.cpu_ops(), build_source(old_src, "native")
-    print("CPU:", K.cpu_info()[0], "isa:", new.isa(), "threads:", torch.get_num_threads())
-    lins = [(n, lin) for n, lin in llm.engine.runner.model.linears().items() if n != "embed" and hasattr(lin, "codes")]
-    kind = {n: ("head" if n in ("lm_head", "head") else f"{lin.bits}-bit layers") for n, lin in lins}
-    nbytes = collections.Counter()
-    for n, lin in lins:
-        nbytes[kind[n]] += tensor_bytes(lin._tensors())  # the packed weights (as bench roofline's decode bytes)
+def packed_linears(llm: LLM) -> list:
+    """A model's packed linears, (name, linear), in decode order (the embedding table apart)."""
+    return [(n, lin) for n, lin in llm.engine.runner.model.linears().items() if n != "embed" and hasattr(lin, "codes")]
+
+
+def alternate(copies: dict, kind: dict, nbytes: dict, rows: list[int], rounds: int) -> None:
+    """Per row count M: every linear of each copy (name -> (its (name, linear) pairs in decode order, the kernels it
+    runs on)) once on the same M random rows, the copies alternating ``rounds`` times; prints each copy's median pass
+    and, per kind of layer (``kind``: linear name -> label), its time and bytes (``nbytes``: copy -> label -> packed
+    bytes) per second, and whether every output was bitwise equal across the copies."""
+    first = next(iter(copies.values()))[0]
     with torch.inference_mode():
         for m in rows:
-            xs = {lin.in_features: torch.randn(m, lin.in_features) for _, lin in lins}
-            times = {b: collections.defaultdict(list) for b in ("new", "old")}
-            outs = {}
+            xs = {lin.in_features: torch.randn(m, lin.in_features) for _, lin in first}
+            times = {c: collections.defaultdict(list) for c in copies}
+            outs = collections.defaultdict(list)
             for r in range(rounds):
-                for build, ops in (("new", new), ("old", old)):
+                for c, (lins, ops) in copies.items():
                     t = collections.Counter()
                     for n, lin in lins:
                         lin.ops = ops
@@ -52,18 +51,32 @@ def main() -> None:
                         y = lin(xs[lin.in_features])
                         t[kind[n]] += time.perf_counter() - t0
                         if r == 0:
-                            outs.setdefault(n, []).append(y)
+                            outs[n].append(y)
                     for k, v in t.items():
-                        times[build][k].append(v)
-            for _, lin in lins:
-                lin.ops = new
-            same = all(torch.equal(a, b) for a, b in outs.values())
-            for build in ("new", "old"):
-                med = {k: statistics.median(v) for k, v in times[build].items()}
-                parts = "  ".join(f"{k} {t * 1e3:.2f} ms ({nbytes[k] / t / 1e9:.1f} GB/s)" for k, t in sorted(med.items()))
-                print(f"M={m} {build}: pass {sum(med.values()) * 1e3:.2f} ms   {parts}")
-            print(f"M={m} outputs bitwise equal: {same}")
+                        times[c][k].append(v)
+            for c in copies:
+                med = {k: statistics.median(v) for k, v in times[c].items()}
+                parts = "  ".join(f"{k} {t * 1e3:.2f} ms ({nbytes[c][k] / t / 1e9:.1f} GB/s)"
+                                  for k, t in sorted(med.items()))
+                print(f"M={m} {c}: pass {sum(med.values()) * 1e3:.2f} ms   {parts}")
+            print(f"M={m} outputs bitwise equal: {all(torch.equal(a, b) for a, b in outs.values())}", flush=True)
 
+
+def main() -> None:
+    old_src, model = pathlib.Path(sys.argv[1]), sys.argv[2]
+    rows = [int(m) for m in sys.argv[3:]] or [1]
+    rounds = int(os.environ.get("ROUNDS", "8"))
+    llm = LLM(model=model, enable_prefix_caching=False)
+    new, old = K.cpu_ops(), build_source(old_src, "native")
+    print("CPU:", K.cpu_info()[0], "isa:", new.isa(), "threads:", torch.get_num_threads())
+    lins = packed_linears(llm)
+    kind = {n: ("head" if n in ("lm_head", "head") else f"{lin.bits}-bit layers") for n, lin in lins}
+    nbytes = collections.Counter()
+    for n, lin in lins:
+        nbytes[kind[n]] += tensor_bytes(lin._tensors())  # the packed weights (as bench roofline's decode bytes)
+    alternate({"new": (lins, new), "old": (lins, old)}, kind, {"new": nbytes, "old": nbytes}, rows, rounds)
+    for _, lin in lins:
+        lin.ops = new
 
 if __name__ == "__main__":
     main()
