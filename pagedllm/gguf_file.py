@@ -149,13 +149,18 @@ class GGUFFile:
             self.tensors.append(GGUFTensor(name, ttype, dims, n_elems, n_bytes, start, data))
         del self._buf  # the tensors' arrays keep the map alive
 
-    def release(self, t: "GGUFTensor") -> None:
+    def release(self, t: "GGUFTensor", lo: int = 0, hi: int | None = None) -> None:
         """Drop tensor ``t``'s pages of the memory map from this process's resident set (they stay in the page
         cache): a tensor decoded into the engine's own layout is not read again, and its mapped pages would
-        otherwise count a second time against the process's memory until the map is closed."""
+        otherwise count a second time against the process's memory until the map is closed. ``lo``, ``hi``: only
+        the pages of its bytes [lo, hi) (a part decoded so far; a page it shares with a neighbour is dropped too,
+        and read back from the page cache if that is touched again)."""
         page = mmap.PAGESIZE
-        start = int(t.data_offset) // page * page
-        end = int(t.data_offset) + int(t.n_bytes)
+        hi = int(t.n_bytes) if hi is None else min(int(hi), int(t.n_bytes))
+        start = (int(t.data_offset) + int(lo)) // page * page
+        end = int(t.data_offset) + hi
+        if end <= start:
+            return
         if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             try:
                 self._map.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -246,11 +246,10 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
                 f"pagedllm server{_server_label(dtype, quantization, extra)}, concurrency {c}", res,
                 kv_bytes_used_peak=peak["usage"] * capacity,
                 kv_bytes_static_max_len=min(c, n) * max_len * bytes_per_token,
+                # the server's peak so far: its start and the runs up to this one (a peer's server is started per
+                # concurrency; with the concurrencies ascending, this is at least what a fresh server would reach)
+                peak_rss_bytes=_hwm(proc.pid) or 0, startup_s=proc.startup_s,
             ))
-        hwm = _hwm(proc.pid) or 0
-        for r in rows:
-            r["peak_rss_bytes"] = hwm  # the server process's peak over all its runs
-            r["startup_s"] = proc.startup_s
     return rows
 
 

@@ -13,9 +13,18 @@ from pagedllm.engine.tokenizer import import_tokenizer_library, load_tokenizer, 
 from pagedllm.outputs import IterationStats, KVCacheSpec, RequestOutput, SchedulerStats
 from pagedllm.sample.structured import StructuredOutputs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.heap import release_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 
 PromptType = str | list[int] | dict
+
+
+def _tokenizer_then_trim(path: str):
+    """The tokenizer, then the memory its load freed handed back (worker.heap) while the weights still pack: the
+    start's peak memory (Gemma 3's 262k-token vocabulary: ~180 MiB of it)."""
+    tokenizer = load_tokenizer(path)
+    release_freed_memory()
+    return tokenizer
 
 
 def as_prompt_list(prompts: PromptType | list[PromptType]) -> list[PromptType]:
@@ -42,7 +51,7 @@ class LLMEngine:
         # vocabulary and saves it: about a second for 150k tokens, in a start-up of five)
         import_tokenizer_library()
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, resolve_model_path(config.model.model))
+            tokenizer = pool.submit(_tokenizer_then_trim, resolve_model_path(config.model.model))
             runner = ModelRunner(config)
             try:
                 self.core = EngineCore(config, runner)
@@ -50,6 +59,7 @@ class LLMEngine:
             except BaseException:
                 runner.shutdown()  # e.g. the config does not fit the model: stop the other tensor-parallel ranks
                 raise
+        release_freed_memory()  # what the weights' packing freed (worker.heap)
         self.config = self.core.config  # the step budget set
         self._encode = text_encoder(self.tokenizer)
         self.model_path = runner.model_path

@@ -160,7 +160,7 @@ def load_gguf(path: str, native_q4: bool = False, native_q8: bool = False, nativ
             if lazy and native:
                 rows = int(np.prod(t.data.shape[:-1]))
                 return gguf_blocks.LazyBlocks(t.data, kind, (rows, int(t.shape[0])), post,
-                                              lambda: reader.release(t))
+                                              lambda lo=0, hi=None: reader.release(t, lo, hi))
             qw = gguf_blocks.decode(t.data, kind)
             return qw if post is None else post(qw)
         arr = _dequantize(t.data, t.tensor_type)

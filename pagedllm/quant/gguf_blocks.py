@@ -328,8 +328,15 @@ def decode(data: np.ndarray, kind: str, defer: bool = False, release=None) -> Qu
         else:
             codes = RawCodes(data, kind).tensor()
             given = codes.numpy()
-    chunk = lambda r: DECODERS[kind](data[r:r + CHUNK_ROWS], codes=given[r:r + CHUNK_ROWS]) if (  # noqa: E731
-        given is not None) else DECODERS[kind](data[r:r + CHUNK_ROWS])
+    row_bytes = data.shape[1]
+
+    def chunk(r: int) -> QuantizedWeight:
+        part = DECODERS[kind](data[r:r + CHUNK_ROWS], codes=given[r:r + CHUNK_ROWS]) if (
+            given is not None) else DECODERS[kind](data[r:r + CHUNK_ROWS])
+        if release is not None:  # these rows' file pages: read (scales sit beside codes), not needed now
+            release(r * row_bytes, (r + CHUNK_ROWS) * row_bytes)
+        return part
+
     if rows <= CHUNK_ROWS:
         qw = chunk(0)
         return qw if raw is None else _deferred(qw, raw)
@@ -393,7 +400,7 @@ class LazyBlocks:
         if self.post is None and self.kind in FAST_CODES and cpu_ops() is not None:
             # the codes stay in the file's blocks until the block kernel packs them (then their pages are released)
             return decode(self.data, self.kind, defer=True, release=self.release)
-        qw = decode(self.data, self.kind)
+        qw = decode(self.data, self.kind, release=self.release)
         if self.post is not None:
             qw = self.post(qw)
         if self.release is not None:

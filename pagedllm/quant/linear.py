@@ -189,18 +189,7 @@ class BlockQuantLinear(_Packed):
             raise ValueError(f"BlockQuantLinear needs in_features a multiple of {QBLOCK}, got {k}")
         self.sub = sub = 2 if qw.group_size % QBLOCK else 1  # scales per block of 32
         nb, ng = k // QBLOCK, (n + 7) // 8
-        rep = qw.group_size * sub // QBLOCK
-        d = qw.scales.float()
-        d = d.repeat_interleave(rep, dim=1) if rep > 1 else d  # (N, K/32 * sub)
-        zero = None if qw.zeros is None else qw.zeros.float()
-        if zero is not None and rep > 1:
-            zero = zero.repeat_interleave(rep, dim=1)
-        half = 2 ** (qw.bits - 1)  # w = (q - half) * d + zero
         codes = qw.codes
-        if qw.bits == 4:  # w = d*q + m
-            m = zero if qw.offset_form else (0 if zero is None else zero) - half * d
-        else:  # w = d*s + zero with s = q - 128: the code's sign bit flipped, done on the packed copy below
-            m = zero
         pad = ng * 8 - n  # zero rows up to a whole group of 8 (their outputs are not stored)
         # the interleaved layout (kernels' pack.cpp), padded with zero weights; a fused weight's parts one after
         # another (no concatenated copy), a GGUF tensor's codes decoded from its blocks as they are packed
@@ -237,6 +226,19 @@ class BlockQuantLinear(_Packed):
             else:
                 self.offsets, self.super_offsets = self.scales.new_empty(0), self.super_scales.new_empty(0)
         else:
+            # float32 scales per block of 32 (or 16), built only here: a K-quant head's would be a transient 58 MB
+            # (the 1.5B's) beside its packing, at the start's peak memory
+            rep = qw.group_size * sub // QBLOCK
+            d = qw.scales.float()
+            d = d.repeat_interleave(rep, dim=1) if rep > 1 else d  # (N, K/32 * sub)
+            zero = None if qw.zeros is None else qw.zeros.float()
+            if zero is not None and rep > 1:
+                zero = zero.repeat_interleave(rep, dim=1)
+            half = 2 ** (qw.bits - 1)  # w = (q - half) * d + zero
+            if qw.bits == 4:  # w = d*q + m
+                m = zero if qw.offset_form else (0 if zero is None else zero) - half * d
+            else:  # w = d*s + zero with s = q - 128: the code's sign bit flipped, done on the packed copy
+                m = zero
             d = groups(d)
             m = None if m is None or (self.bits == 8 and not m.any()) else groups(m)  # None: all 0, not stored
             if self.table is not None and m is not None and (zero := _implied_zero(d, m)):

@@ -9,7 +9,6 @@ tensor parallelism (``distributed``).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -39,6 +38,7 @@ from pagedllm.spec.proposer import DraftProposer, NgramProposer, Proposer, load_
 from pagedllm.spec.verify import accept_greedy, verify_random
 from pagedllm.worker.autotune import plan_summary
 from pagedllm.worker.core_share import CoreShare
+from pagedllm.worker.heap import keep_freed_memory
 from pagedllm.worker.kv_cache import KVCache
 from pagedllm.worker.plan import BF16_STEP_MIN_TOKENS, DTYPES, choose_device, load_and_plan
 from pagedllm.worker.step_inputs import StepInputs
@@ -49,29 +49,6 @@ logger = logging.getLogger(__name__)
 # (up to this context the row kernel is at least as fast as the tiled matmuls, and much faster for many short
 # prompts, which it takes without a per-sequence gather: docs/history.md)
 ROW_KERNEL_MAX_CONTEXT = 2048
-
-
-# glibc's malloc options (mallopt's parameter numbers) and what keep_freed_memory sets them to
-_MALLOC_OPTIONS = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20), "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30),
-                   "MALLOC_TOP_PAD_": (-2, 64 << 20)}
-
-
-def keep_freed_memory() -> bool:
-    """Let glibc keep freed memory for the next step instead of returning it to the system. By default a block of
-    over 128 KiB-32 MiB is its own mmap, unmapped on free: a step's activations (MiBs per layer) then come back as
-    fresh pages, each zeroed by the kernel on its first touch (a page fault per 4 KiB: 10% of a 32-request run's
-    time on the 1.5B model). Blocks up to 32 MiB now come from the heap, which keeps up to 1 GiB free at its top: the
-    resident memory after a busy step stays near that step's peak (SmolLM2 after 32 requests: 675 against 600 MiB
-    with glibc's defaults). A ``MALLOC_*_`` variable the user set wins; elsewhere than glibc, nothing changes.
-    Returns whether the options were set."""
-    if any(name in os.environ for name in _MALLOC_OPTIONS):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return all(mallopt(param, value) == 1 for param, value in _MALLOC_OPTIONS.values())
 
 
 # prompt logprobs: logits are computed this many rows at a time (a 2048-token chunk of a 150k vocabulary at once

@@ -204,6 +204,17 @@ def _resident_kib(path) -> int:
     return total
 
 
+def _mapped(tmp_path, raw: np.ndarray):
+    """``raw`` written to a file and mapped read-only, as a GGUF file's tensors are: (path, map, its array)."""
+    import mmap
+
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(raw.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return path, mm, np.frombuffer(mm, dtype=np.uint8).reshape(raw.shape)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps; the drop is Linux's madvise")
 def test_packing_drops_a_files_pages_as_it_passes_them(tmp_path):
     """A start's peak memory: a GGUF tensor's blocks are pages of the file's mapping, and packing them (``drop``, the
@@ -219,17 +230,13 @@ def test_packing_drops_a_files_pages_as_it_passes_them(tmp_path):
     ops = cpu_ops()
     kind, rows, k = "Q6_K", 16384, 512  # 3.4 MB of blocks: 16 runs of 1024 groups of 8 rows
     raw = random_blocks(kind, rows, k, seed=9)
-    path = tmp_path / "blocks.bin"
-    path.write_bytes(raw.tobytes())
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    blocks = np.frombuffer(mm, dtype=np.uint8).reshape(raw.shape)
+    path, mm, blocks = _mapped(tmp_path, raw)
     want = ops.pack_parts([RawCodes(raw, kind).source()], 8, k)  # from the process's own memory (never dropped)
     kept = ops.pack_parts([RawCodes(blocks, kind).source()], 8, k)
     assert torch.equal(kept, want) and _resident_kib(path) > 0.9 * raw.nbytes / 1024
     mm.madvise(mmap.MADV_DONTNEED)
     released = []
-    rc = RawCodes(blocks, kind, release=lambda: released.append(mm.madvise(mmap.MADV_DONTNEED)))
+    rc = RawCodes(blocks, kind, release=lambda lo=0, hi=None: released.append(mm.madvise(mmap.MADV_DONTNEED)))
     assert rc.source()[4] is True and RawCodes(raw, kind).source()[4] is False
     assert torch.equal(ops.pack_parts([rc.source()], 8, k), want)
     assert _resident_kib(path) < 0.1 * raw.nbytes / 1024  # the boundary pages of each run at most
@@ -240,6 +247,43 @@ def test_packing_drops_a_files_pages_as_it_passes_them(tmp_path):
     assert released and _resident_kib(path) == 0
     assert torch.equal(ops.pack_parts([deferred.code_parts[0].source()], 8, k), want)
     del blocks, deferred, rc
+    mm.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps; the drop is Linux's madvise")
+@pytest.mark.parametrize("kind,defer", [("Q6_K", True), ("Q3_K", False)])
+def test_decoding_drops_each_chunks_file_pages_as_it_goes(tmp_path, kind, defer):
+    """A tensor decoded in chunks of rows (its scales with its codes deferred, as the loader decodes the kernels'
+    types; or codes and scales of a type the Python decoders read) releases each chunk's file pages once that chunk
+    is decoded (``release(lo, hi)``: the chunk's bytes), so at most about one chunk of the file is resident at a
+    time: a large head's blocks (the 1.5B's 191 MB) are no longer all resident at the start's peak. Released once at
+    the end instead, every page of the tensor would be resident by then."""
+    from pagedllm.gguf_file import GGUFFile
+    from pagedllm.quant.gguf_blocks import CHUNK_ROWS
+
+    rows, k = 3 * CHUNK_ROWS, 2048  # Q6_K: 1680 bytes a row, three chunks of 13.8 MB (Q3_K: 880, 7.2 MB)
+    raw = random_blocks(kind, rows, k, seed=11)
+    path, mm, blocks = _mapped(tmp_path, raw)
+    tensor = type("T", (), {"data_offset": 0, "n_bytes": raw.nbytes})()
+    reader = GGUFFile.__new__(GGUFFile)  # only its page release, over this map
+    reader._map = mm
+    calls = []
+
+    def release(lo=0, hi=None):
+        calls.append((lo, hi, _resident_kib(path)))
+        reader.release(tensor, lo, hi)
+
+    qw = decode(blocks, kind, defer=defer, release=release)
+    chunk_kib = CHUNK_ROWS * raw.shape[1] / 1024
+    ranges = [(lo, hi) for lo, hi, _ in calls if hi is not None]
+    assert ranges == [(r * raw.shape[1], (r + CHUNK_ROWS) * raw.shape[1]) for r in range(0, rows, CHUNK_ROWS)]
+    # one chunk, and the pages its edges share with its neighbours (a file's page cache may map in 2 MiB folios)
+    assert max(kib for _, _, kib in calls) < chunk_kib + 4096 + 512
+    want = decode(raw, kind)
+    assert torch.equal(qw.scales, want.scales)
+    if not defer:
+        assert torch.equal(qw.codes, want.codes)
+    del blocks, qw
     mm.close()
 
 

@@ -5,7 +5,7 @@ import platform
 
 import pytest
 
-from pagedllm.worker.model_runner import _MALLOC_OPTIONS, keep_freed_memory
+from pagedllm.worker.heap import _MALLOC_OPTIONS, keep_freed_memory, release_freed_memory
 
 
 class MallInfo2(ctypes.Structure):  # glibc 2.33+'s struct mallinfo2
@@ -13,16 +13,23 @@ class MallInfo2(ctypes.Structure):  # glibc 2.33+'s struct mallinfo2
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-def test_keep_freed_memory_sets_glibc_options_unless_the_user_did(monkeypatch):
+def _steps_options(monkeypatch):
+    """The engine's malloc options for its steps set (no user variable in the way); libc with malloc / free typed."""
     for name in _MALLOC_OPTIONS:
         monkeypatch.delenv(name, raising=False)
     assert keep_freed_memory() is True
-    # a block of 16 MiB now comes from the heap, not from an mmap of its own (glibc's default for it: unmapped on
-    # free, its pages zeroed again on the next step's first touch)
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_keep_freed_memory_sets_glibc_options_unless_the_user_did(monkeypatch):
+    libc = _steps_options(monkeypatch)
+    # a block of 16 MiB now comes from the heap, not from an mmap of its own (glibc's default for it: unmapped on
+    # free, its pages zeroed again on the next step's first touch)
     if hasattr(libc, "mallinfo2"):  # glibc 2.33+ (before it, the options are set but their effect not readable)
         libc.mallinfo2.restype = MallInfo2
         mapped = libc.mallinfo2().hblkhd
@@ -31,6 +38,21 @@ def test_keep_freed_memory_sets_glibc_options_unless_the_user_did(monkeypatch):
         libc.free(block)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")  # the user's choice wins: nothing is changed
     assert keep_freed_memory() is False
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_release_freed_memory_hands_back_what_the_heap_kept(monkeypatch):
+    """Under the steps' options (freed memory kept in the heap), 96 MiB written and freed stays resident until
+    ``release_freed_memory`` (what the engine calls after the tokenizer and the weights load) hands it back."""
+    libc = _steps_options(monkeypatch)
+    blocks = [libc.malloc(2 << 20) for _ in range(48)]  # heap blocks (under the 32 MiB mmap threshold)
+    for b in blocks:
+        ctypes.memset(b, 1, 2 << 20)
+    for b in blocks:
+        libc.free(b)
+    kept = _rss_kib()
+    assert release_freed_memory() is True
+    assert kept - _rss_kib() > 64 * 1024
 
 
 def _rss_kib() -> int:

@@ -23,7 +23,7 @@ from test_gguf_blocks import random_blocks  # noqa: E402
 
 from pagedllm.quant.gguf_blocks import decode  # noqa: E402
 from pagedllm.quant.linear import BlockQuantLinear  # noqa: E402
-from pagedllm.worker.model_runner import keep_freed_memory  # noqa: E402
+from pagedllm.worker.heap import keep_freed_memory  # noqa: E402
 from tools.scripts.kernel_build import build_source  # noqa: E402
 
 SHAPES = [("qkv", "Q4_K", 2048, 1536), ("o", "Q4_K", 1536, 1536), ("gate_up", "Q4_K", 17920, 1536),
