@@ -215,9 +215,11 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
         reqs = [BenchRequest(p, output_len) for p in prompts]
         capacity = _scrape(base)["pagedllm:kv_cache_capacity_bytes"]
         max_len = httpx.get(base + "/v1/models").json()["data"][0]["max_model_len"]
+        started_peak = _hwm(proc.pid) or 0  # the start's own peak (loading the weights)
         for c in concurrencies:
             args = load_args(base, c)
             peak = {"usage": 0.0}
+            fresh = _reset_hwm(proc.pid)  # else each row's peak includes the runs before it
 
             async def run_and_watch():
                 stop = asyncio.Event()
@@ -246,11 +248,23 @@ def phase_server(prompts_file: str, n: int, output_len: int, concurrencies: list
                 f"pagedllm server{_server_label(dtype, quantization, extra)}, concurrency {c}", res,
                 kv_bytes_used_peak=peak["usage"] * capacity,
                 kv_bytes_static_max_len=min(c, n) * max_len * bytes_per_token,
-                # the server's peak so far: its start and the runs up to this one (a peer's server is started per
-                # concurrency; with the concurrencies ascending, this is at least what a fresh server would reach)
-                peak_rss_bytes=_hwm(proc.pid) or 0, startup_s=proc.startup_s,
+                # as a server started for this concurrency alone (a peer's is): the start's peak or this run's,
+                # whichever is higher (without the reset: the server's peak so far, the earlier runs' included)
+                peak_rss_bytes=max(started_peak, _hwm(proc.pid) or 0), peak_rss_per_run=fresh,
+                startup_peak_rss_bytes=started_peak, startup_s=proc.startup_s,
             ))
     return rows
+
+
+def _reset_hwm(pid: int) -> bool:
+    """Reset a live process's VmHWM to its present resident set (``/proc/PID/clear_refs`` 5, Linux 4.0+): the
+    next reading is that of what ran since. Returns whether it was reset."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _hwm(pid: int) -> int | None:

@@ -315,7 +315,9 @@ def decode(data: np.ndarray, kind: str, defer: bool = False, release=None) -> Qu
     """The tensor's blocks as a ``QuantizedWeight`` (``kind``: a key of ``DECODERS``), decoded in chunks of rows
     into the result's own arrays (a large embedding's temporaries would otherwise be several times its size). The
     codes of ``FAST_CODES`` types come from the kernels in one pass over the whole tensor, straight into the
-    result, or with ``defer`` are left in the blocks (``RawCodes``, with ``release`` for after they are packed)."""
+    result, or with ``defer`` are left in the blocks (``RawCodes``, with ``release`` for after they are packed).
+    ``release(lo, hi)`` (a mapped file's tensor) drops each chunk's pages, bytes [lo, hi), once it is decoded:
+    about one chunk of the file is resident at a time (the 1.5B's LM head held all its 191 MB at the start's peak)."""
     data = data.reshape(-1, data.shape[-1])
     rows = len(data)
     ops = cpu_ops() if kind in FAST_CODES else None
@@ -361,9 +363,10 @@ def decode(data: np.ndarray, kind: str, defer: bool = False, release=None) -> Qu
 
 def _deferred(qw: QuantizedWeight, raw: "RawCodes") -> QuantizedWeight:
     """``qw`` with its codes left in the file's blocks (``raw``). Reading the scales touched every page of the
-    blocks (a Q6_K or Q4_K block holds its scales beside its codes): they are released now, and the packing reads
-    them back from the page cache, dropping them again as it passes (``pack_parts``), so a large tensor's file pages
-    are not resident beside its packed copy (the 1.5B's LM head: 191 MB of them at the start's peak)."""
+    blocks (a Q6_K or Q4_K block holds its scales beside its codes), each chunk's dropped as ``decode`` passed it;
+    the whole tensor's once more here (the pages at the chunks' edges), and the packing reads them back from the page
+    cache, dropping them again as it passes (``pack_parts``), so a large tensor's file pages are not resident beside
+    its packed copy."""
     if raw.release is not None:
         raw.release()
     return dataclasses.replace(qw, code_parts=(raw,))
@@ -404,7 +407,7 @@ class LazyBlocks:
         if self.post is not None:
             qw = self.post(qw)
         if self.release is not None:
-            self.release()
+            self.release()  # (the chunks' edges: decode dropped each chunk's pages)
         return qw
 
 

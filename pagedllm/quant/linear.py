@@ -237,7 +237,7 @@ class BlockQuantLinear(_Packed):
             half = 2 ** (qw.bits - 1)  # w = (q - half) * d + zero
             if qw.bits == 4:  # w = d*q + m
                 m = zero if qw.offset_form else (0 if zero is None else zero) - half * d
-            else:  # w = d*s + zero with s = q - 128: the code's sign bit flipped, done on the packed copy
+            else:  # w = d*s + zero with s = q - 128: the code's sign bit flipped (pack_parts, above)
                 m = zero
             d = groups(d)
             m = None if m is None or (self.bits == 8 and not m.any()) else groups(m)  # None: all 0, not stored

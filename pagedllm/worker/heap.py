@@ -4,7 +4,8 @@ The start-up leaves freed memory in the heap that nothing reuses: the tokenizer'
 ``tokenizers`` JSON it parses) frees ~55 MiB (Qwen2.5-Coder's 151k tokens) to ~180 MiB (Gemma 3's 262k) on its
 thread's arena, and the weights' packing frees its temporaries; the steps' tensors are larger than the heap's
 holes or come from mappings of their own, so those pages stayed resident for the server's life.
-``release_freed_memory`` returns them (glibc's ``malloc_trim``) once the engine is built."""
+``release_freed_memory`` returns them (glibc's ``malloc_trim``) after the tokenizer loads and once the engine is
+built (each call ~6 ms on the 1.5B; served peaks: docs/benchmarks.md, "Peak memory" on Zen 4)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Return the heap's free pages to the system (glibc's ``malloc_trim(0)``: the top of every arena and the whole
-    free pages inside them), whatever the trim threshold (``keep_freed_memory`` raises it for the steps' sake).
-    Returns whether it ran (elsewhere than glibc: nothing to call)."""
+    """Return the heap's free pages to the system (glibc's ``malloc_trim(0)``: the whole free pages inside every
+    arena's free chunks, a thread's arena included, and the main arena's top), whatever the trim threshold
+    (``keep_freed_memory`` raises it for the steps' sake). Thread-safe (glibc locks each arena in turn). Returns
+    whether it ran (elsewhere than glibc: nothing to call)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
