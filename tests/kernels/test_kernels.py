@@ -730,6 +730,9 @@ def level_runs(tmp_path_factory):
             continue
         env = {**os.environ, "PAGEDLLM_CPU_MARCH": march, "MAX_JOBS": max_jobs, "PAGEDLLM_CPU_UNITY": unity,
                "PAGEDLLM_CPU_OPT": "-O0",  # a quarter of -O3's compile time; the native build tested above is -O3
+               # one thread per level: the levels run side by side (three processes on two cores took 100 s with
+               # two threads each, oversubscribed); the threaded splits are the same source, tested natively
+               "OMP_NUM_THREADS": "1",
                "TORCH_EXTENSIONS_DIR": str(tmp_path_factory.mktemp(f"ext-{march}"))}
         if can_run(march):
             cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
