@@ -239,12 +239,13 @@ class BlockQuantLinear(_Packed):
                 m = zero if qw.offset_form else (0 if zero is None else zero) - half * d
             else:  # w = d*s + zero with s = q - 128: the code's sign bit flipped (pack_parts, above)
                 m = zero
-            d = groups(d)
-            m = None if m is None or (self.bits == 8 and not m.any()) else groups(m)  # None: all 0, not stored
+            if m is not None and self.bits == 8 and not m.any():
+                m = None  # all 0, not stored
             if self.table is not None and m is not None and (zero := _implied_zero(d, m)):
                 m, self.table_zero = None, zero  # MXFP4: the offsets follow from the scales, none streamed
             if torch.equal(d.half().float(), d) and (m is None or torch.equal(m.half().float(), m)):  # exact
-                d, m = d.half(), None if m is None else m.half()
+                d, m = d.half(), None if m is None else m.half()  # (before the grouping's copies: half their bytes)
+            d, m = groups(d), None if m is None else groups(m)
             self.scales = d
             self.offsets = m if m is not None else d.new_empty(0)  # empty: all 0, skipped by the kernel
         self.input_scale = None if qw.input_scale is None else (1.0 / qw.input_scale.float()).to(dtype)
