@@ -363,12 +363,10 @@ def decode(data: np.ndarray, kind: str, defer: bool = False, release=None) -> Qu
 
 def _deferred(qw: QuantizedWeight, raw: "RawCodes") -> QuantizedWeight:
     """``qw`` with its codes left in the file's blocks (``raw``). Reading the scales touched every page of the
-    blocks (a Q6_K or Q4_K block holds its scales beside its codes), each chunk's dropped as ``decode`` passed it;
-    the whole tensor's once more here (the pages at the chunks' edges), and the packing reads them back from the page
-    cache, dropping them again as it passes (``pack_parts``), so a large tensor's file pages are not resident beside
-    its packed copy."""
-    if raw.release is not None:
-        raw.release()
+    blocks (a Q6_K or Q4_K block holds its scales beside its codes), each chunk's dropped as ``decode`` passed it
+    (the chunks' ranges, widened to whole pages, cover the tensor); the packing reads them back from the page cache,
+    dropping them again as it passes (``pack_parts``), so a large tensor's file pages are not resident beside its
+    packed copy."""
     return dataclasses.replace(qw, code_parts=(raw,))
 
 
@@ -403,12 +401,8 @@ class LazyBlocks:
         if self.post is None and self.kind in FAST_CODES and cpu_ops() is not None:
             # the codes stay in the file's blocks until the block kernel packs them (then their pages are released)
             return decode(self.data, self.kind, defer=True, release=self.release)
-        qw = decode(self.data, self.kind, release=self.release)
-        if self.post is not None:
-            qw = self.post(qw)
-        if self.release is not None:
-            self.release()  # (the chunks' edges: decode dropped each chunk's pages)
-        return qw
+        qw = decode(self.data, self.kind, release=self.release)  # (which drops the file's pages chunk by chunk)
+        return qw if self.post is None else self.post(qw)
 
 
 class BlockRows:
