@@ -1,5 +1,5 @@
-"""Fused CPU kernels (``csrc/``: ``attention.cpp``, ``deltanet.cpp``, ``qlinear.cpp``, ``qlinear_k.cpp``, ``pack.cpp``,
-``bindings.cpp``), compiled on first use with torch's C++ extension loader (the sources side by side, one compiler
+"""Fused CPU kernels (``csrc/``: ``attention.cpp``, ``deltanet.cpp``, ``dense.cpp``, ``qlinear.cpp``,
+``qlinear_k.cpp``, ``pack.cpp``, ``bindings.cpp``), compiled on first use with torch's C++ extension loader (the sources side by side, one compiler
 process each).
 
 The source has four vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), NEON on 64-bit ARM (with
@@ -39,8 +39,8 @@ except ImportError:
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("qlinear.cpp", "qlinear_k.cpp", "attention.cpp", "deltanet.cpp", "pack.cpp",
-                                   "bindings.cpp"))
+SOURCES = tuple(CSRC / f for f in ("qlinear.cpp", "qlinear_k.cpp", "attention.cpp", "deltanet.cpp", "dense.cpp",
+                                   "pack.cpp", "bindings.cpp"))
 HEADERS = tuple(CSRC / f for f in ("common.h", "qlinear.h", "qlinear_amx.h", "ops.h"))
 BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 
@@ -251,7 +251,8 @@ def compile_only(march: str | None, out_dir: str | Path, cxx: list[str] | None =
 
 @functools.cache
 def cpu_ops():
-    """The compiled module (decode_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul, qlinear, isa),
+    """The compiled module (decode_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul, qlinear,
+    dense_linear, isa),
     or None (disabled, or the build failed: logged as a warning)."""
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return None

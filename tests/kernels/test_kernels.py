@@ -410,6 +410,37 @@ def test_qk_norm_in_place_per_head(ops, dtype, d):
         assert torch.equal(x[:, (nq + nkv) * d :], ref[:, (nq + nkv) * d :])  # v as it was
 
 
+def test_dense_linear_is_float64_close_and_each_row_the_same_at_any_batch(ops):
+    """The float32 path's linear (dense.cpp): x W^T + b within float32 rounding of the float64 product, for shapes
+    with partial tiles of rows and outputs, inputs past the last vector and fewer inputs than a vector; a row's
+    outputs bitwise the same alone, in any batch and at any position (what the engine's batched == alone rests on);
+    DenseLinear runs it for float32 weights and keeps torch's F.linear numbers to float32 rounding."""
+    from pagedllm.layers.linear import DenseLinear
+
+    torch.manual_seed(11)
+    for m, n, k in [(1, 1, 1), (1, 7, 5), (3, 33, 576), (7, 50, 100), (13, 9, 1536), (64, 130, 64)]:
+        x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+        ref = (x.double() @ w.double().T + b.double()).float()
+        tol = 1e-5 * (x.abs().double() @ w.abs().double().T).max().item() + 1e-6
+        for bias in (b, None):
+            y = ops.dense_linear(x, w, bias)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert (y - (ref if bias is not None else ref - b)).abs().max().item() <= tol, (m, n, k)
+        y = ops.dense_linear(x, w, b)
+        for i in range(m):  # each row alone, and inside batches of other sizes around it
+            assert torch.equal(ops.dense_linear(x[i:i + 1], w, b), y[i:i + 1]), (m, n, k, i)
+            mixed = torch.cat([torch.randn(i % 5, k), x[i:i + 1], torch.randn(2, k)])
+            assert torch.equal(ops.dense_linear(mixed, w, b)[i % 5], y[i]), (m, n, k, i)
+    lin = DenseLinear(w, b)
+    assert lin.kernels is ops
+    assert torch.allclose(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert lin(x.reshape(8, 8, k)).shape == (8, 8, n)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.dense_linear(x.double(), w.double())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.dense_linear(x, torch.randn(k, n).T)
+
+
 def test_argmax_rows_is_torch_max_indices(ops):
     """Greedy sampling's kernel: each row's first maximum exactly as ``torch.max(dim=-1).indices`` gives it, ties,
     infinities, NaNs (the first NaN wins), vector tails and strided rows included."""

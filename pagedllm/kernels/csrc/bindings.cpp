@@ -6,7 +6,8 @@
 // - rope_write_kv: rotary embedding of q (in place) and k, with k and v written straight into their cache slots;
 // - silu_and_mul / gelu_tanh_and_mul / swiglu_oai_and_mul: SiLU(gate) * up, GELU-tanh(gate) * up, gpt-oss's clamped
 //   SwiGLU, of the fused gate/up projection;
-// - qlinear / qlinear_k: x W^T with W in GGUF-style blocks (qlinear.cpp); argmax_rows: greedy sampling's first maximum.
+// - qlinear / qlinear_k: x W^T with W in GGUF-style blocks (qlinear.cpp); dense_linear: x W^T for float32 weights
+//   (dense.cpp); argmax_rows: greedy sampling's first maximum.
 // Float32 and bfloat16 tensors; arithmetic in float32, one rounding at the end. Rows are split over torch's
 // intra-op threads (at::parallel_for), so the kernels share the OpenMP team of the matmuls around them.
 
@@ -83,6 +84,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qweight_k_bf16", &qweight_k_bf16, "qlinear_k's weight rows 8 g0 .. min(8 g1, N) - 1 decoded to bfloat16 "
         "(rows, K)", py::arg("w"), py::arg("s"), py::arg("mn"), py::arg("D"), py::arg("Dm"), py::arg("bits"),
         py::arg("N"), py::arg("g0"), py::arg("g1"), nogil);
+  m.def("dense_linear", &dense_linear, "x W^T (+ bias), float32; each output's sum in one order whatever the "
+        "number of rows (dense.cpp)", py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), nogil);
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (torch.max(dim=-1).indices)", nogil);
   // raw blocks as any contiguous buffer (a read-only numpy view of the memory-mapped file), read without the GIL
   m.def("gguf_codes", [](py::buffer raw, const py::tuple& type, const at::Tensor& out) {

@@ -1,5 +1,5 @@
-// The kernels the module exports (bindings.cpp), defined in attention.cpp, deltanet.cpp, qlinear.cpp, qlinear_k.cpp
-// and pack.cpp.
+// The kernels the module exports (bindings.cpp), defined in attention.cpp, deltanet.cpp, dense.cpp, qlinear.cpp,
+// qlinear_k.cpp and pack.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,6 +26,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 at::Tensor swiglu_oai_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 at::Tensor gated_delta_rows(const at::Tensor& proj, const at::Tensor& seqs, at::Tensor conv_pool, at::Tensor rec_pool,
                             const at::Tensor& conv_w, const at::Tensor& a_neg, const at::Tensor& dt_bias,
                             const at::Tensor& norm_w, int64_t nk, int64_t dk, int64_t dv, bool v_tiled, double eps);

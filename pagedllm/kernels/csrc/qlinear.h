@@ -319,6 +319,26 @@ inline void store_group(T* y, int64_t N, int64_t n0, const float* v) {  // up to
   for (int64_t j = 0; j < cnt; ++j) y[n0 + j] = from_f<T>(v[j]);
 }
 
+// A qlinear's activation or output rows, float32 or bfloat16, the type a run-time flag: every tile is built once,
+// not once per type (the second copies were half of the kernels' build time), for one well-predicted branch per 8
+// outputs stored.
+struct Rows {
+  void* p;
+  bool bf16;
+};
+
+inline Rows rows_of(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "qlinear: float32 or bfloat16 only");
+  return {t.data_ptr(), t.scalar_type() == at::kBFloat16};
+}
+
+inline void store_group(const Rows& y, int64_t row, int64_t N, int64_t n0, const float* v) {  // row `row` of y
+  if (y.bf16)
+    store_group(static_cast<at::BFloat16*>(y.p) + row * N, N, n0, v);
+  else
+    store_group(static_cast<float*>(y.p) + row * N, N, n0, v);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {  // acc + 8 int32 sums of 4 u8*s8 products; u < 128
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -841,9 +861,9 @@ constexpr int ZMT_ONE = 4;
 
 // Groups [g0, g0 + 2 PT) against rows [r, M), stored to y (row tiles of MT, ZMT_ONE with one activation level, then
 // of 2 and 1).
-template <int BITS, int PT, int MT, typename SC, typename T>
+template <int BITS, int PT, int MT, typename SC>
 inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
-                          const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+                          const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, const Rows& y) {
   if constexpr (is_kscales<SC>::value) {
     if (M - r > 2 * ZMT_ONE) {  // more than two row tiles
       thread_local std::vector<float> buf;
@@ -856,8 +876,8 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
     for (int p = 0; p < PT; ++p)
       for (int i = 0; i < nr; ++i) {
         _mm512_storeu_ps(res, out[p * nr + i]);
-        store_group(y + (r + i) * N, N, 8 * (g0 + 2 * p), res);
-        store_group(y + (r + i) * N, N, 8 * (g0 + 2 * p + 1), res + 8);
+        store_group(y, r + i, N, 8 * (g0 + 2 * p), res);
+        store_group(y, r + i, N, 8 * (g0 + 2 * p + 1), res + 8);
       }
   };
   if constexpr (MT > 2) {
@@ -963,9 +983,9 @@ inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const Quantize
 namespace {
 
 // The tiles of one slice of groups [g0, g0 + GT) against rows [r, M), stored to y.
-template <int BITS, int GT, int MT, typename SC, typename T>
+template <int BITS, int GT, int MT, typename SC>
 inline void qtile_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
-                       const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, T* y) {
+                       const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, const Rows& y) {
   __m256 out[GT * MT];
   float res[8];
   for (; r + MT <= M; r += MT) {
@@ -973,14 +993,14 @@ inline void qtile_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstri
     for (int g = 0; g < GT; ++g)
       for (int i = 0; i < MT; ++i) {
         _mm256_storeu_ps(res, out[g * MT + i]);
-        store_group(y + (r + i) * N, N, 8 * (g0 + g), res);
+        store_group(y, r + i, N, 8 * (g0 + g), res);
       }
   }
   for (; r < M; ++r) {
     qtile<BITS, GT, 1>(w, sc, g0, gstride, xa, r, K, nb, out);
     for (int g = 0; g < GT; ++g) {
       _mm256_storeu_ps(res, out[g]);
-      store_group(y + r * N, N, 8 * (g0 + g), res);
+      store_group(y, r, N, 8 * (g0 + g), res);
     }
   }
 }
@@ -1231,16 +1251,21 @@ constexpr int64_t ROW_CHUNK = 48;
 static_assert(ROW_CHUNK % AMX_ROWS == 0, "a chunk's AMX tiles must start at a multiple of 16 rows (xa's padding)");
 #endif
 
-template <int BITS, typename T, typename SC>
-void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, T* y, int levels) {
+template <int BITS, typename SC>
+void qlinear_impl(const Rows& x, int64_t M, int64_t K, const uint8_t* w, const SC& sc, int64_t N, const Rows& y,
+                  int levels) {
   const int64_t nb = K / QB, NG = (N + 7) / 8, gstride = nb * BITS * 32;
   QuantizedRows xa;
 #if defined(PAGEDLLM_QAMX)
   const bool amx = M >= AMX_MIN_ROWS && pagedllm::amx_enabled();
-  quantize_rows(x, M, K, xa, amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : 0, levels);
+  const int64_t padded = amx ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : 0;
 #else
-  quantize_rows(x, M, K, xa, 0, levels);
+  const int64_t padded = 0;
 #endif
+  if (x.bf16)
+    quantize_rows(static_cast<const at::BFloat16*>(x.p), M, K, xa, padded, levels);
+  else
+    quantize_rows(static_cast<const float*>(x.p), M, K, xa, padded, levels);
 #if defined(__AVX2__) && defined(__FMA__)
   // Rows go in chunks of ROW_CHUNK: a chunk's activations (2 bytes per input) stay in L2 while weights pass,
   // instead of all M rows streaming past every tile of groups.
@@ -1282,7 +1307,7 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
         float res[8];
         for (; g < end; ++g) {
           _mm256_storeu_ps(res, qrow512<BITS>(w + g * gstride, sc, g, xa, r0, K, nb));
-          store_group(y + r0 * N, N, 8 * g, res);
+          store_group(y, r0, N, 8 * g, res);
         }
       }
     }
@@ -1322,7 +1347,7 @@ void qlinear_impl(const T* x, int64_t M, int64_t K, const uint8_t* w, const SC& 
 #else
         qgroup_scalar<BITS>(w + g * gstride, sc, g, xa, r, K, nb, res);
 #endif
-        store_group(y + r * N, N, 8 * g, res);
+        store_group(y, r, N, 8 * g, res);
       }
   });
 #endif
@@ -1360,17 +1385,17 @@ void qlinear_run(const at::Tensor& x, const at::Tensor& w, int64_t bits, int64_t
               "qlinear: levels 0 (bfloat16 tiles) needs AMX-BF16, built in and granted (see bf16_tiles())");
   const int64_t M = x.size(0), K = x.size(1);
   const int lv = static_cast<int>(levels);
-  dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
-    using T = decltype(tag);
-    with_bits<SC>(bits, [&](auto bits_tag) {
+  const Rows xr = rows_of(x), yr = rows_of(y);
+  with_bits<SC>(bits, [&](auto bits_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
 #if defined(PAGEDLLM_QAMX_BF16)
-      if (lv == 0)
-        return qlinear_bf16_tiles<decltype(bits_tag)::value, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N,
-                                                                y.data_ptr<T>());
+    if (lv == 0)
+      return dispatch_float_bf16(x.scalar_type(), "qlinear", [&](auto tag) {
+        using T = decltype(tag);
+        qlinear_bf16_tiles<BITS, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>());
+      });
 #endif
-      qlinear_impl<decltype(bits_tag)::value, T>(x.data_ptr<T>(), M, K, w.data_ptr<uint8_t>(), sc, N, y.data_ptr<T>(),
-                                                 lv);
-    });
+    qlinear_impl<BITS>(xr, M, K, w.data_ptr<uint8_t>(), sc, N, yr, lv);
   });
 }
 

@@ -76,9 +76,9 @@ inline void amx_configure(int rows) {
 // Groups [g0, g1) (at most 4) against rows [r0, r1) (r1 - r0 <= ROW_CHUNK), stored to y. xa's q and q2 hold whole
 // 16-row tiles (quantize_rows pads them with zero rows). A slot past g1 repeats the last group; its outputs are
 // not stored.
-template <int BITS, int ROWS, typename SC, typename T>
+template <int BITS, int ROWS, typename SC>
 void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gstride, const QuantizedRows& xa,
-              int64_t r0, int64_t r1, int64_t K, int64_t nb, int64_t N, T* y) {
+              int64_t r0, int64_t r1, int64_t K, int64_t nb, int64_t N, const Rows& y) {
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
   amx_configure<SUB>(static_cast<int>(std::min<int64_t>(AMX_ROWS, r1 - r0)));  // fewer rows: shorter tiles
@@ -168,7 +168,7 @@ void qrun_amx(const uint8_t* w, const SC& sc, int64_t g0, int64_t g1, int64_t gs
     }
   }
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t g = g0; g < g1; ++g) store_group(y + r * N, N, 8 * g, acc[r - r0] + 8 * (g - g0));
+    for (int64_t g = g0; g < g1; ++g) store_group(y, r, N, 8 * g, acc[r - r0] + 8 * (g - g0));
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
