@@ -863,7 +863,8 @@ constexpr int ZMT_ONE = 4;
 // of 2 and 1).
 template <int BITS, int PT, int MT, typename SC>
 inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
-                          const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N, const Rows& y) {
+                          const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N,
+                          const Rows& y) {
   if constexpr (is_kscales<SC>::value) {
     if (M - r > 2 * ZMT_ONE) {  // more than two row tiles
       thread_local std::vector<float> buf;
