@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class DenseLinear:
     kind = "dense"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, large_steps: bool = False) -> None:
         self.weight: torch.Tensor | None = weight  # (N, K); None once only the pre-packed copy is kept
         self.bias = bias
         self.packed: torch.Tensor | None = None  # oneDNN's blocked layout of the weight (see ``prepack``)
@@ -30,9 +30,11 @@ class DenseLinear:
         self.weight_dtype = weight.dtype  # the dtype its inputs are cast to (kept when only the packed copy is)
         # float32 on a CPU: the kernels' dense_linear (dense.cpp), not F.linear, whose MKL one-row products streamed
         # the weights at 10 GB/s on a Zen 4 (dense_linear: 25); and each output's sum is the same at any number of
-        # rows, so a request's rows are bitwise the same alone or batched
+        # rows, so a request's rows are bitwise the same alone or batched. ``large_steps``: a packed layer's dense
+        # copy, which only steps of many rows run: MKL's GEMM (compute-bound there, it stays ahead of dense_linear's
+        # dot products: 140-195 against 105-150 GFLOP/s on a Zen 4, docs/benchmarks.md)
         self.kernels = None
-        if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
+        if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous() and not large_steps:
             self.kernels = cpu_ops()
             if self.kernels is not None and bias is not None:
                 self.bias = bias.float().contiguous()
@@ -122,7 +124,7 @@ def build_linear(w, bias: torch.Tensor | None, device: torch.device, dtype: torc
         lin(torch.zeros(1, lin.in_features, device=device, dtype=dtype))  # probe the kernel once
         if dense_min_tokens > 0:
             full = dequantize_any(w).to(device).to(dense_dtype).contiguous()
-            lin.keep_dense(DenseLinear(full).prepack(keep_weight=False), dense_min_tokens)
+            lin.keep_dense(DenseLinear(full, large_steps=True).prepack(keep_weight=False), dense_min_tokens)
         return lin
     except (RuntimeError, NotImplementedError) as e:
         logger.warning("packed kernel unavailable on %s (%s); using a dequantized %s copy", device, e, dtype)

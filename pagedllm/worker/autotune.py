@@ -139,7 +139,7 @@ def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
 
 def _candidates(w: QuantizedWeight, ops) -> dict:
     return {"block": BlockQuantLinear(w, None, torch.device("cpu"), torch.float32, ops),
-            "dense-float32": DenseLinear(dequantize_any(w).contiguous())}
+            "dense-float32": DenseLinear(dequantize_any(w).contiguous(), large_steps=True)}  # as build_linear keeps it
 
 
 def inconsistent(per: dict) -> set[int]:
