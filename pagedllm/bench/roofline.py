@@ -48,7 +48,8 @@ def model_shapes(arch) -> list[tuple[int, int, int]]:
 
 def model_linear_gflops(arch, batch: int, dtype: torch.dtype) -> float:
     """Throughput of the model's own linear shapes at this batch size (one of each shape, weighted by count),
-    each through the faster of torch's plain linear and the pre-packed oneDNN layout the engine uses."""
+    each through the faster of torch's plain linear and what the engine runs (the pre-packed oneDNN
+    layout; float32: the kernels' dense_linear)."""
 
     total_flops = total_time = 0.0
     for k, n, count in model_shapes(arch):
@@ -56,7 +57,7 @@ def model_linear_gflops(arch, batch: int, dtype: torch.dtype) -> float:
         w = torch.randn(n, k, dtype=dtype)
         t = _time(lambda: torch.nn.functional.linear(a, w), min_time=0.15)
         packed = DenseLinear(w).prepack(keep_weight=False)
-        if packed.packed is not None:
+        if packed.packed is not None or packed.kernels is not None:  # oneDNN's layout, or float32's dense_linear
             t = min(t, _time(lambda: packed(a), min_time=0.15))
         total_flops += 2 * batch * k * n * count
         total_time += t * count

@@ -139,7 +139,10 @@ def _layer_weights(weights: dict) -> dict[str, QuantizedWeight]:
 
 def _candidates(w: QuantizedWeight, ops) -> dict:
     return {"block": BlockQuantLinear(w, None, torch.device("cpu"), torch.float32, ops),
-            "dense-float32": DenseLinear(dequantize_any(w).contiguous(), large_steps=True)}  # as build_linear keeps it
+            # as build_linear keeps it for large steps (MKL's GEMM). A plan of dense weights everywhere (dense
+            # faster at every batch size, batch 1 included) would run dense_linear, faster than this at a few rows:
+            # timing MKL there only keeps the blocks in a case that 4 bytes a weight against 0.5-1 never reach
+            "dense-float32": DenseLinear(dequantize_any(w).contiguous(), large_steps=True)}
 
 
 def inconsistent(per: dict) -> set[int]:

@@ -418,7 +418,8 @@ def test_dense_linear_is_float64_close_and_each_row_the_same_at_any_batch(ops):
     from pagedllm.layers.linear import DenseLinear
 
     torch.manual_seed(11)
-    for m, n, k in [(1, 1, 1), (1, 7, 5), (3, 33, 576), (7, 50, 100), (13, 9, 1536), (64, 130, 64)]:
+    # (100, 1536): three chunks of rows (42 rows of 1536 inputs stay in L2), claims across their boundaries
+    for m, n, k in [(1, 1, 1), (1, 7, 5), (3, 33, 576), (7, 50, 100), (13, 9, 1536), (100, 21, 1536), (64, 130, 64)]:
         x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
         ref = (x.double() @ w.double().T + b.double()).float()
         tol = 1e-5 * (x.abs().double() @ w.abs().double().T).max().item() + 1e-6
@@ -434,7 +435,9 @@ def test_dense_linear_is_float64_close_and_each_row_the_same_at_any_batch(ops):
     lin = DenseLinear(w, b)
     assert lin.kernels is ops
     assert torch.allclose(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    assert lin(x.reshape(8, 8, k)).shape == (8, 8, n)
+    assert torch.equal(lin(x.reshape(8, 8, k)), lin(x).reshape(8, 8, n))
+    assert torch.equal(lin(x.T.contiguous().T), lin(x))  # a strided view: its rows copied, the same numbers
+    assert DenseLinear(w, b, large_steps=True).kernels is None  # a packed layer's copy for large steps: MKL's GEMM
     with pytest.raises(RuntimeError, match="float32"):
         ops.dense_linear(x.double(), w.double())
     with pytest.raises(RuntimeError, match="contiguous"):

@@ -40,7 +40,8 @@ inline void dense_tile(const float* x, const float* w, const float* bias, float*
     for (int j = 0; j < NT; ++j) {
       wv[j] = vload(w + (n + j) * K + k);
 #if defined(__x86_64__)  // the next tile's weight rows, a line at a time (25.9 GB/s at one row, 15.6 without)
-      if (PF && k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NT) * K + k), _MM_HINT_T0);
+      if (PF && k % 16 == 0 && n + j + NT < N)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + NT) * K + k), _MM_HINT_T0);
 #endif
     }
     for (int i = 0; i < MT; ++i) {
@@ -103,6 +104,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1),
               "dense_linear: x (M, K) and w (N, K), both contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K > 0, "dense_linear: in_features must be >= 1");
   const float* bp = nullptr;
   if (bias && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
