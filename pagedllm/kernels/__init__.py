@@ -1,6 +1,6 @@
 """Fused CPU kernels (``csrc/``: ``attention.cpp``, ``deltanet.cpp``, ``dense.cpp``, ``qlinear.cpp``,
-``qlinear_k.cpp``, ``pack.cpp``, ``bindings.cpp``), compiled on first use with torch's C++ extension loader (the sources side by side, one compiler
-process each).
+``qlinear_k.cpp``, ``pack.cpp``, ``bindings.cpp``), compiled on first use with torch's C++ extension loader (the
+sources side by side, one compiler process each).
 
 The source has four vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), NEON on 64-bit ARM (with
 the dot-product instructions of ARMv8.2 for the packed-weight kernel where the target has them), and portable

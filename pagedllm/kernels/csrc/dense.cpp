@@ -1,7 +1,7 @@
 // dense_linear: y = x W^T (+ bias) for float32 rows x (M, K) and a float32 weight W (N, K), the float32 path's
 // (--dtype float32) linears. torch's F.linear calls MKL, whose one-row products streamed the weights at 10 GB/s on
 // a Zen 4 (MKL's slower path on a CPU that is not Intel's) where a plain sum over them streams at 25: a float32
-// decode step of SmolLM2 took 48 ms, 98% of it in those products (docs/benchmarks.md).
+// decode step of SmolLM2 took 48 ms, 97% of it in those products (docs/benchmarks.md).
 //
 // Each output is its row's dot product with its weight row: lane j of a vector accumulator takes the inputs
 // k = j mod W in order, the lanes are summed in one fixed order, then the inputs past the last whole vector, then
@@ -58,9 +58,7 @@ inline void dense_tile(const float* x, const float* w, const float* bias, float*
       y[(r + i) * N + n + j] = bias != nullptr ? s + bias[n + j] : s;
     }
 }
-#endif
 
-#if PAGEDLLM_VEC
 // The last `left` (< MT) rows from r.
 template <int MT, int NT>
 inline void dense_rest(const float* x, const float* w, const float* bias, float* y, int64_t r, int64_t left,
