@@ -110,3 +110,53 @@ def hf_greedy(hf_model):
         return cache[key]
 
     return run
+
+
+# ------------------------------------------------------------------ the kernels' other-target builds, in the background
+_BUILDS = pytest.StashKey[dict]()
+
+
+def _build_tests(items) -> list:
+    import kernel_builds
+
+    return [i for i in items if i.originalname in kernel_builds.TESTS]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests of the background builds (kernel_builds) run last: the builds then have had the whole run's idle
+    cycles."""
+    late = _build_tests(items)
+    if late:
+        items[:] = [i for i in items if i not in late] + late
+
+
+def pytest_collection_finish(session):
+    """Starts the builds that the collected tests read (none for a run that selects neither test)."""
+    import tempfile
+    from pathlib import Path
+
+    import kernel_builds
+
+    items = _build_tests(session.items)
+    if items:
+        picked = lambda name: [i.callspec.id for i in items if i.originalname == name]  # noqa: E731
+        base = Path(tempfile.mkdtemp(prefix="pagedllm-kernel-builds-"))
+        session.config.stash[_BUILDS] = {"base": base, "runs": kernel_builds.start(
+            base, levels=picked(kernel_builds.TESTS[0]), arm=picked(kernel_builds.TESTS[1]))}
+
+
+def pytest_sessionfinish(session):
+    import shutil
+
+    import kernel_builds
+
+    builds = session.config.stash.get(_BUILDS, None)
+    if builds is not None:
+        kernel_builds.stop(builds["runs"])
+        shutil.rmtree(builds["base"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kernel_builds_runs(request):
+    """(kind, target) -> a background build (see kernel_builds.start), started once the run was collected."""
+    return request.config.stash[_BUILDS]["runs"]

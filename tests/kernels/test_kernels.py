@@ -14,6 +14,8 @@ from pagedllm.layers.norm import rms_norm
 from pagedllm.layers.ops import TorchOps
 from pagedllm.layers.rotary import RotaryEmbedding
 from helpers import model_of
+import kernel_builds
+from kernel_builds import ARM_TARGETS, LEVELS
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -708,12 +710,8 @@ def test_kernels_release_the_gil(ops):
 
 # ------------------------------------------------------------------ every x86-64 level, from a clean build
 # Each level is compiled in a fresh process with its own extensions directory (no cache can hide a failed
-# build); where this CPU can execute it, this file's kernel tests then run against that build. The levels build
-# side by side, the cores shared out between them (MAX_JOBS: torch's loader compiles that many sources at once;
-# PAGEDLLM_CPU_UNITY=1: one compile unit per level).
-# sapphirerapids: the AVX-512 path with qlinear's AMX tiles (qlinear_amx.h), compiled on every machine, run where
-# the CPU has AMX (there it is the native build)
-LEVELS = ["x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids"]
+# build); where this CPU can execute it, this file's kernel tests then run against that build. The levels build in
+# the background while the rest of the suite runs (tests/kernel_builds.py), and their tests run last.
 EXPECTED_ISA = {"x86-64": "scalar", "x86-64-v3": "avx2", "x86-64-v4": "avx512", "sapphirerapids": "avx512"}
 
 
@@ -737,70 +735,21 @@ def test_isa_matches_the_build_target(ops):
     assert ops.isa().startswith(expect), (march, ops.isa())
 
 
-@pytest.fixture(scope="module")
-def level_runs(tmp_path_factory):
-    """march -> (exit status, stdout, stderr) of a fresh process that built (and, where this CPU can run it,
-    tested) that level."""
-    import os
-    import platform
-    import subprocess
-    import sys
-
-    from pagedllm.kernels import can_run, path_macros, target_march
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 levels: this is not an x86-64 machine (the native build is tested above)")
-    procs, runs = {}, {}
-    native = path_macros(target_march())
-    builds = [m for m in LEVELS if path_macros(m) != native]
-    # the cores shared out: one level alone compiles its sources side by side; several levels (as many as cores or
-    # more) each compile one unit holding every source, which parses the headers once
-    cores = os.cpu_count() or 1
-    max_jobs = str(max(1, cores // max(1, len(builds))))
-    unity = "1" if len(builds) >= cores else "0"
-    for march in LEVELS:
-        if march not in builds:  # the same kernel source as the native build, which this run tests
-            runs[march] = "native"
-            continue
-        env = {**os.environ, "PAGEDLLM_CPU_MARCH": march, "MAX_JOBS": max_jobs, "PAGEDLLM_CPU_UNITY": unity,
-               "PAGEDLLM_CPU_OPT": "-O0",  # a quarter of -O3's compile time; the native build tested above is -O3
-               # one thread per level: the levels run side by side (three processes on two cores took 100 s with
-               # two threads each, oversubscribed); the threaded splits are the same source, tested natively
-               "OMP_NUM_THREADS": "1",
-               "TORCH_EXTENSIONS_DIR": str(tmp_path_factory.mktemp(f"ext-{march}"))}
-        if can_run(march):
-            cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                   os.path.join(os.path.dirname(__file__), "test_gguf_blocks.py"),  # every GGUF block type's kernel
-                   # (the loader's tests, lock_left and extension_loader, are the native run's: the loader is
-                   # Python, the same for every level, and each starts one more process; so are the GIL's release,
-                   # the bindings' and the same for every level, and the untied embedding's file lookup, the loader's:
-                   # together 26 of the scalar level's 78 s, the fixture's longest run)
-                   "-k", "not engine and not fused_and_torch and not each_x86_level and not compile_for_arm"
-                         " and not lock_left and not extension_loader and not release_the_gil"
-                         " and not untied_embedding"]
-        else:  # this CPU lacks the level's instructions: the build must still compile (loading it would not run)
-            cmd = [sys.executable, "-c", "import sys; from pagedllm.kernels import compile_only; "
-                   f"print(compile_only({march!r}, sys.argv[1]))", str(tmp_path_factory.mktemp(f"obj-{march}"))]
-        procs[march] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        cwd=os.path.dirname(__file__))
-    for march, proc in procs.items():
-        out, err = proc.communicate(timeout=1200)  # the exit status exists only once the process has ended
-        runs[march] = (proc.returncode, out, err)
-    return runs
-
-
 @pytest.mark.parametrize("march", LEVELS)
-def test_kernels_build_and_pass_at_each_x86_level(march, level_runs, ops):
+def test_kernels_build_and_pass_at_each_x86_level(march, kernel_builds_runs, ops):
     """Built from an empty cache; where this CPU runs it, every kernel test above passed against that build
     (test_isa_matches_the_build_target among them). A level whose vector-path macros are the native build's
     (e.g. x86-64-v3 on an AVX2-only CPU) compiles the same kernel source, which this file's tests ran against the
     native build: it is not built again."""
     from pagedllm.kernels import can_run, path_macros, target_march
 
-    if level_runs[march] == "native":  # its vector path is the native build's: tested by this file already
+    run = kernel_builds.result(kernel_builds_runs, ("level", march))
+    if run == "native":  # its vector path is the native build's: tested by this file already
         assert path_macros(march) == path_macros(target_march()) and ops.isa().startswith(EXPECTED_ISA[march])
         return
-    rc, out, err = level_runs[march]
+    if isinstance(run, str):
+        pytest.skip(run[len("skip: "):])
+    rc, out, err = run
     assert rc == 0, out[-4000:] + err[-3000:]
     if can_run(march):
         assert " passed" in out and " failed" not in out, out[-2000:]
@@ -813,43 +762,21 @@ def test_kernels_build_and_pass_at_each_x86_level(march, level_runs, ops):
 
 # ------------------------------------------------------------------ ARM, cross-compiled
 # No ARM machine runs this suite, but users serve on Graviton and Apple M-series CPUs. zig's clang (the dev extra
-# `ziglang`, which brings C/C++ headers and a libc for each target) compiles the kernels for both, so a change that
-# breaks the NEON path fails here, not on a user's machine. Without OpenMP: zig has no omp.h.
-ARM_TARGETS = {  # target -> (object file magic, CPU type field: offset, bytes, value), vector path
-    # zig's default CPUs: generic ARMv8 for Linux (NEON, no dot products), the Apple M1 for macOS (with them)
-    "aarch64-linux-gnu": (b"\x7fELF", (18, 2, 183), "neon"),  # ELF e_machine EM_AARCH64
-    "aarch64-macos": (bytes.fromhex("cffaedfe"), (4, 4, 0x0100000C), "neon+dotprod"),  # Mach-O CPU_TYPE_ARM64
-}
-
-
-@pytest.fixture(scope="module")
-def arm_objects(tmp_path_factory):
-    """target -> the object file compiled for it, or the exception; both compiles side by side (each is one
-    process)."""
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
-
-    from pagedllm.kernels import compile_only
-
-    def build(target):
-        cxx = [sys.executable, "-m", "ziglang", "c++", "-target", target]
-        return compile_only(None, tmp_path_factory.mktemp(f"arm-{target}"), cxx=cxx, openmp=False)
-
-    with ThreadPoolExecutor(len(ARM_TARGETS)) as pool:
-        futures = {t: pool.submit(build, t) for t in ARM_TARGETS}
-    return {t: f.exception() or f.result() for t, f in futures.items()}
+# `ziglang`, which brings C/C++ headers and a libc for each target) compiles the kernels for both (in the background,
+# tests/kernel_builds.py), so a change that breaks the NEON path fails here, not on a user's machine.
 
 
 @pytest.mark.parametrize("target", ARM_TARGETS)
-def test_kernels_compile_for_arm(target, arm_objects):
+def test_kernels_compile_for_arm(target, kernel_builds_runs):
     """The kernels compile for ARM (Linux and macOS) to an object of that architecture holding the NEON vector path
     (its ``isa()`` names "neon"; "neon+dotprod" with qlinear's dot-product path), with no x86 code. Running it
     needs an ARM machine or emulation: ``tools/scripts/arm_emulated_tests.sh`` runs this file's kernel tests on aarch64
     under qemu."""
-    obj = arm_objects[target]
-    if isinstance(obj, Exception):
-        raise obj
-    data = obj.read_bytes()
+    from pathlib import Path
+
+    rc, out, err = kernel_builds.result(kernel_builds_runs, ("arm", target))
+    assert rc == 0, err[-4000:]
+    data = Path(out.split()[-1]).read_bytes()
     magic, (offset, size, cpu), path = ARM_TARGETS[target]
     assert data[:4] == magic and int.from_bytes(data[offset:offset + size], "little") == cpu, (target, data[:20])
     assert len(data) > 100_000 and f"pagedllm-vector-path:{path}\x00".encode() in data and b"avx2" not in data

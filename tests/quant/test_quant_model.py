@@ -16,12 +16,16 @@ from helpers import model_of
 
 MAX_PPL_INCREASE = 0.02
 MAX_ACC_DROP = 0.05
-EVAL_TOKENS = 2048
+# the held-out text scored: 1024 tokens (4 windows). On the default model the int8 and AWQ perplexities rise 0.55% and
+# 0.32% on it, 0.66% and 0.34% on 2048 tokens: the 2% gate is as far either way, at half the time
+EVAL_TOKENS = 1024
 
 
 @pytest.fixture(scope="module")
 def awq_checkpoint(tmp_path_factory):
-    """AWQ int4 (group 32) of the default model, written with `save_checkpoint`; also returns the weights."""
+    """AWQ int4 (group 32) of the default model, written with `save_checkpoint`; also returns the weights. Calibrated
+    on 512 tokens (``pagedllm quantize`` takes 8192): the scalings' search, 21 trial products per linear, is most of
+    the time."""
     from pagedllm.engine.tokenizer import load_tokenizer
     from pagedllm.quant.checkpoint import save_checkpoint
     from pagedllm.quantize.quantize import default_policy, quantize_model
@@ -29,7 +33,7 @@ def awq_checkpoint(tmp_path_factory):
 
     path = default_model_path()
     tok = load_tokenizer(path)
-    calib = token_chunks(tok, python_doc_text("calib"), 256, 1024)
+    calib = token_chunks(tok, python_doc_text("calib"), 256, 512)
     arch, weights, report = quantize_model(path, "awq", default_policy(4, 32, False), calib, progress=False)
     out = str(tmp_path_factory.mktemp("awq4"))
     save_checkpoint(out, arch, weights, {"method": "awq", "bits": 4, "group_size": 32}, tok)
