@@ -119,7 +119,7 @@ _BUILDS = pytest.StashKey[dict]()
 def _build_tests(items) -> list:
     import kernel_builds
 
-    return [i for i in items if i.originalname in kernel_builds.TESTS]
+    return [i for i in items if getattr(i, "originalname", None) in kernel_builds.TESTS]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -139,7 +139,9 @@ def pytest_collection_finish(session):
 
     items = _build_tests(session.items)
     if items:
-        picked = lambda name: [i.callspec.id for i in items if i.originalname == name]  # noqa: E731
+        def picked(name: str) -> list[str]:  # each selected test's one parameter: its level (march) or ARM target
+            return [next(iter(i.callspec.params.values())) for i in items if i.originalname == name]
+
         base = Path(tempfile.mkdtemp(prefix="pagedllm-kernel-builds-"))
         session.config.stash[_BUILDS] = {"base": base, "runs": kernel_builds.start(
             base, levels=picked(kernel_builds.TESTS[0]), arm=picked(kernel_builds.TESTS[1]))}
