@@ -131,20 +131,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Starts the builds that the collected tests read (none for a run that selects neither test)."""
+    """Starts the builds that the collected tests read (none for a run that selects neither test, as a level's own
+    run does, or for ``--collect-only``)."""
     import tempfile
     from pathlib import Path
 
     import kernel_builds
 
     items = _build_tests(session.items)
-    if items:
-        def picked(name: str) -> list[str]:  # each selected test's one parameter: its level (march) or ARM target
-            return [next(iter(i.callspec.params.values())) for i in items if i.originalname == name]
+    if not items or session.config.option.collectonly:
+        return
 
-        base = Path(tempfile.mkdtemp(prefix="pagedllm-kernel-builds-"))
-        session.config.stash[_BUILDS] = {"base": base, "runs": kernel_builds.start(
-            base, levels=picked(kernel_builds.TESTS[0]), arm=picked(kernel_builds.TESTS[1]))}
+    def picked(name: str) -> list[str]:  # each selected test's one parameter: its level (march) or ARM target
+        return [next(iter(i.callspec.params.values())) for i in items if i.originalname == name]
+
+    base = Path(tempfile.mkdtemp(prefix="pagedllm-kernel-builds-"))
+    session.config.stash[_BUILDS] = {"base": base, "runs": {}}  # before any start: sessionfinish stops them
+    kernel_builds.start(base, session.config.stash[_BUILDS]["runs"], levels=picked(kernel_builds.TESTS[0]),
+                        arm=picked(kernel_builds.TESTS[1]))
 
 
 def pytest_sessionfinish(session):

@@ -41,54 +41,77 @@ def _spawn(cmd: list[str], out: Path, env: dict | None = None) -> subprocess.Pop
     nice only within one, so a new session (setsid) took as much CPU as the whole suite (the first test, which
     builds the native kernels, 139 -> 231 s). Its output goes to ``out``'s files (a pipe that nobody reads until
     the end would stop a build that writes more than it holds)."""
-    out.mkdir(parents=True)
-    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    out.mkdir(parents=True, exist_ok=True)
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []  # without it: normal priority, still correct
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
-        proc = subprocess.Popen([*nice, *cmd], env=env, stdout=stdout, stderr=stderr, cwd=HERE,
-                                process_group=0)
+        proc = subprocess.Popen([*nice, *cmd], env=env, stdout=stdout, stderr=stderr, cwd=HERE, **group)
     proc.out = out
     return proc
 
 
-def start(base: Path, levels=LEVELS, arm=tuple(ARM_TARGETS)) -> dict:
-    """(kind, target) -> the running process, or "native" for a level whose vector path is the native build's (the
-    same kernel source, tested by this run: not built again) or "skip: why", for the x86-64 ``levels`` and the ARM
-    targets ``arm``. Everything is written under ``base``."""
-    from pagedllm.kernels import can_run, path_macros, target_march
+def _level(base: Path, march: str, native: str):
+    from pagedllm.kernels import can_run, path_macros
 
-    runs: dict = {}
-    if levels and platform.machine() not in ("x86_64", "AMD64"):
-        runs.update({("level", m): "skip: x86-64 levels: this is not an x86-64 machine" for m in levels})
-    elif levels:
-        native = path_macros(target_march())
-        for march in levels:
-            if path_macros(march) == native:
-                runs[("level", march)] = "native"
+    if path_macros(march) == native:
+        return "native"
+    env = {**os.environ, "PAGEDLLM_CPU_MARCH": march, "MAX_JOBS": "1",
+           "PAGEDLLM_CPU_UNITY": "1",  # one compile unit: the headers parsed once
+           "PAGEDLLM_CPU_OPT": "-O0",  # a quarter of -O3's compile time; the native build tested is -O3
+           "OMP_NUM_THREADS": "1",  # the threaded splits are the same source, tested natively
+           "TORCH_EXTENSIONS_DIR": str(base / f"ext-{march}")}
+    if can_run(march):
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *LEVEL_TESTS]
+    else:  # this CPU lacks the level's instructions: the build must still compile (loading it would not run)
+        cmd = [sys.executable, "-c", "import sys; from pagedllm.kernels import compile_only; "
+               f"print(compile_only({march!r}, sys.argv[1]))", str(base / f"level-{march}")]
+    return _spawn(cmd, base / f"level-{march}", env)
+
+
+def _arm(base: Path, target: str):
+    cxx = [sys.executable, "-m", "ziglang", "c++", "-target", target]  # zig's clang, without OpenMP (no omp.h)
+    return _spawn([sys.executable, "-c", "import sys; from pagedllm.kernels import compile_only; "
+                   f"print(compile_only(None, sys.argv[1], cxx={cxx!r}, openmp=False))", str(base / f"arm-{target}")],
+                  base / f"arm-{target}")
+
+
+def start(base: Path, runs: dict, levels=LEVELS, arm=tuple(ARM_TARGETS)) -> None:
+    """Fills ``runs``: (kind, target) -> the running process, "native" for a level whose vector path is the native
+    build's (the same kernel source, tested by this run: not built again), "skip: why", or the exception that
+    stopped the start (raised again by its test, not during collection), for the x86-64 ``levels`` and the ARM
+    targets ``arm`` (repeats counted once). Everything is written under ``base``."""
+    from pagedllm.kernels import path_macros, target_march
+
+    levels, arm = dict.fromkeys(levels), dict.fromkeys(arm)
+    native = None
+    for march in levels:
+        try:
+            if platform.machine() not in ("x86_64", "AMD64"):
+                runs[("level", march)] = "skip: x86-64 levels: this is not an x86-64 machine"
                 continue
-            env = {**os.environ, "PAGEDLLM_CPU_MARCH": march, "MAX_JOBS": "1",
-                   "PAGEDLLM_CPU_UNITY": "1",  # one compile unit: the headers parsed once
-                   "PAGEDLLM_CPU_OPT": "-O0",  # a quarter of -O3's compile time; the native build tested is -O3
-                   "OMP_NUM_THREADS": "1",  # the threaded splits are the same source, tested natively
-                   "TORCH_EXTENSIONS_DIR": str(base / f"ext-{march}")}
-            if can_run(march):
-                cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *LEVEL_TESTS]
-            else:  # this CPU lacks the level's instructions: the build must still compile (loading it would not run)
-                cmd = [sys.executable, "-c", "import sys; from pagedllm.kernels import compile_only; "
-                       f"print(compile_only({march!r}, sys.argv[1]))", str(base / f"level-{march}")]
-            runs[("level", march)] = _spawn(cmd, base / f"level-{march}", env)
-    for target in arm:  # zig's clang, without OpenMP (zig has no omp.h)
-        cxx = [sys.executable, "-m", "ziglang", "c++", "-target", target]
-        runs[("arm", target)] = _spawn([sys.executable, "-c", "import sys; from pagedllm.kernels import compile_only; "
-                                        f"print(compile_only(None, sys.argv[1], cxx={cxx!r}, openmp=False))",
-                                        str(base / f"arm-{target}")], base / f"arm-{target}")
-    return runs
+            native = path_macros(target_march()) if native is None else native
+            runs[("level", march)] = _level(base, march, native)
+        except Exception as e:  # e.g. no compiler: its test fails with this
+            runs[("level", march)] = e
+    for target in arm:
+        try:
+            runs[("arm", target)] = _arm(base, target)
+        except Exception as e:
+            runs[("arm", target)] = e
 
 
 def result(runs: dict, key: tuple, timeout: float = 1500):
-    """The build's "native" / "skip: ..." or (exit status, stdout, stderr), once it has ended."""
+    """The build's "native" / "skip: ..." or (exit status, stdout, stderr), once it has ended; raises the exception
+    that stopped its start."""
     run = runs[key]
+    if isinstance(run, Exception):
+        raise run
     if isinstance(run, subprocess.Popen):
-        run.wait(timeout=timeout)
+        try:
+            run.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{key} still running after {timeout} s:\n"
+                                 + (run.out / "stdout").read_text()[-3000:] + (run.out / "stderr").read_text()[-3000:])
         runs[key] = run = (run.returncode, (run.out / "stdout").read_text(), (run.out / "stderr").read_text())
     return run
 

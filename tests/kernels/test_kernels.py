@@ -756,7 +756,7 @@ def test_kernels_build_and_pass_at_each_x86_level(march, kernel_builds_runs, ops
     else:  # compiled to an object file (which vector path it holds is checked where a CPU can run it)
         from pathlib import Path
 
-        obj = Path(out.split()[-1])
+        obj = Path(out.strip().splitlines()[-1])
         assert obj.stat().st_size > 100_000 and obj.read_bytes()[:4] == b"\x7fELF", (march, obj)
 
 
@@ -776,7 +776,7 @@ def test_kernels_compile_for_arm(target, kernel_builds_runs):
 
     rc, out, err = kernel_builds.result(kernel_builds_runs, ("arm", target))
     assert rc == 0, err[-4000:]
-    data = Path(out.split()[-1]).read_bytes()
+    data = Path(out.strip().splitlines()[-1]).read_bytes()
     magic, (offset, size, cpu), path = ARM_TARGETS[target]
     assert data[:4] == magic and int.from_bytes(data[offset:offset + size], "little") == cpu, (target, data[:20])
     assert len(data) > 100_000 and f"pagedllm-vector-path:{path}\x00".encode() in data and b"avx2" not in data
