@@ -1,5 +1,6 @@
 import os
 
+import kernel_builds
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -117,8 +118,6 @@ _BUILDS = pytest.StashKey[dict]()
 
 
 def _build_tests(items) -> list:
-    import kernel_builds
-
     return [i for i in items if getattr(i, "originalname", None) in kernel_builds.TESTS]
 
 
@@ -136,8 +135,6 @@ def pytest_collection_finish(session):
     import tempfile
     from pathlib import Path
 
-    import kernel_builds
-
     items = _build_tests(session.items)
     if not items or session.config.option.collectonly:
         return
@@ -153,8 +150,6 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     import shutil
-
-    import kernel_builds
 
     builds = session.config.stash.get(_BUILDS, None)
     if builds is not None:
