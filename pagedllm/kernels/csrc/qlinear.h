@@ -92,6 +92,44 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         load_row(x + r * K + b * QB, buf, QB);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(PAGEDLLM_QWIDE)
+        {  // the 8-lane loop below on 16 lanes: the same operations, so the same values
+          const __m512 v[2] = {_mm512_loadu_ps(buf), _mm512_loadu_ps(buf + 16)};
+          const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+          const float inv = amax > 0.f ? 127.f / amax : 0.f;
+          const __m512 vinv = _mm512_set1_ps(inv), vinv2 = _mm512_set1_ps(inv * LEVEL);
+          const __m512 vsx = _mm512_set1_ps(amax / 127.f);
+          int8_t* q = out.q.data() + r * K + b * QB;
+          int8_t* q2 = out.q2.data() + r * K + b * QB;
+          int32_t sums[2];  // of inputs 0-15, 16-31
+          for (int j = 0; j < 2; ++j) {
+            const __m512 q1f =
+                _mm512_roundscale_ps(_mm512_mul_ps(v[j], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i q1i = _mm512_cvtps_epi32(q1f);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtsepi32_epi8(q1i));
+            if (levels == 1) {  // q2 stays zero (the vectors start so)
+              sums[j] = _mm512_reduce_add_epi32(q1i);
+              continue;
+            }
+            const __m512 rest = _mm512_fnmadd_ps(q1f, vsx, v[j]);
+            const __m512i q2i = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(rest, vinv2)),
+                                                                  _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16 * j), _mm512_cvtsepi32_epi8(q2i));
+            sums[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(q1i, _mm512_set1_epi32(lvl)), q2i));
+          }
+          const float s = amax / (127.f * static_cast<float>(lvl));
+          const int32_t lo = sums[0], isum = sums[0] + sums[1];
+          const int64_t i = r * nb + b;
+          out.s[i] = s;
+          out.isum[i] = isum;
+          out.ss[i] = s * static_cast<float>(isum);
+          out.isum2[2 * i] = lo;
+          out.isum2[2 * i + 1] = isum - lo;
+          out.ss2[2 * i] = s * static_cast<float>(lo);
+          out.ss2[2 * i + 1] = s * static_cast<float>(isum - lo);
+          continue;
+        }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         {  // |x| max; q = round(x * 127 / max) (nearest even); q2 = round((x - q * max / 127) * 127 * 254 / max)
           const __m256 sign = _mm256_set1_ps(-0.f);
@@ -715,7 +753,8 @@ inline __m512 block_step512(__m512 acc, __m512i isum, __m512 dv, __m512 mv, floa
 // and their registers hold more rows (qtile512_rows).
 template <int BITS, int PT, int MT, typename SC, bool ONE = false>
 inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
-                     const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out) {
+                     const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out,
+                     const uint8_t* ahead = nullptr, int64_t ahead_lines = 0) {
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
   __m512 acc[PT][MT];
@@ -733,6 +772,8 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
       xq2[r] = xa.q2.data() + (r0 + r) * K + b * QB;
     }
     const uint8_t* wb = w + g0 * gstride + b * gbytes;
+    for (int64_t j = 0; j < ahead_lines; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * ahead_lines + j) * 64), _MM_HINT_T1);
     for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
       __m512i hi[PT][MT], lo[PT][MT];
       for (int p = 0; p < PT; ++p)
@@ -858,17 +899,20 @@ template <bool OFF, int SUB> struct is_kscales<KScales<OFF, SUB>> : std::true_ty
 // Gemma 3 270M with one level, two builds alternating in one process on a Zen 4: 8 rows 12-13%, 32 rows 11-24%
 // faster; tiles of 5 or 6 rows spill registers and were slower)
 constexpr int ZMT_ONE = 4;
+// Steps of up to this many rows ask for the next run's weights ahead (qtile512_rows).
+constexpr int64_t AHEAD_MAX_ROWS = 16;
 
 // Groups [g0, g0 + 2 PT) against rows [r, M), stored to y (row tiles of MT, ZMT_ONE with one activation level, then
 // of 2 and 1).
 template <int BITS, int PT, int MT, typename SC>
 inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                           const QuantizedRows& xa, int64_t r, int64_t M, int64_t K, int64_t nb, int64_t N,
-                          const Rows& y) {
+                          const Rows& y, int64_t ahead_groups = 0) {
   if constexpr (is_kscales<SC>::value) {
     if (M - r > 2 * ZMT_ONE) {  // more than two row tiles
       thread_local std::vector<float> buf;
-      return qtile512_rows<BITS, PT, MT>(w, widen(sc, g0, 2 * PT, buf), g0, gstride, xa, r, M, K, nb, N, y);
+      return qtile512_rows<BITS, PT, MT>(w, widen(sc, g0, 2 * PT, buf), g0, gstride, xa, r, M, K, nb, N, y,
+                                         ahead_groups);
     }
   }
   __m512 out[PT * std::max(MT, ZMT_ONE)];
@@ -881,28 +925,38 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
         store_group(y, r + i, N, 8 * (g0 + 2 * p + 1), res + 8);
       }
   };
+  // A few rows (decode steps of a few sequences, up to AHEAD_MAX_ROWS): the next run's weights (ahead_groups groups
+  // after these) are asked for into L2 while a tile that reads these from the caches runs (the second row tile; the
+  // first, when it is the only one), so memory and arithmetic overlap instead of taking turns (many rows: the
+  // arithmetic is most of the time, and the hardware's prefetcher keeps up).
+  const int64_t r_first = r;
+  const int64_t ahead_lines = M - r <= AHEAD_MAX_ROWS ? ahead_groups * gstride / 64 / nb : 0;
+  const uint8_t* ahead = w + (g0 + 2 * PT) * gstride;
+  bool fetched = false;
+#define AHEAD(rows) ((!fetched && (r > r_first || r + (rows) >= M) && (fetched = true)) ? ahead : nullptr), ahead_lines
   if constexpr (MT > 2) {
     if (xa.levels == 1)  // (5 rows left: 3 + 2, not 4 + a lone row that decodes the weights for itself)
       for (; r + ZMT_ONE <= M && M - r != 5; r += ZMT_ONE) {
-        qtile512<BITS, PT, ZMT_ONE, SC, true>(w, sc, g0, gstride, xa, r, K, nb, out);
+        qtile512<BITS, PT, ZMT_ONE, SC, true>(w, sc, g0, gstride, xa, r, K, nb, out, AHEAD(ZMT_ONE));
         store(r, ZMT_ONE);
       }
   }
   for (; r + MT <= M; r += MT) {
-    qtile512<BITS, PT, MT>(w, sc, g0, gstride, xa, r, K, nb, out);
+    qtile512<BITS, PT, MT>(w, sc, g0, gstride, xa, r, K, nb, out, AHEAD(MT));
     store(r, MT);
   }
   if constexpr (MT > 2) {
     if (r + 2 <= M) {
-      qtile512<BITS, PT, 2>(w, sc, g0, gstride, xa, r, K, nb, out);
+      qtile512<BITS, PT, 2>(w, sc, g0, gstride, xa, r, K, nb, out, AHEAD(2));
       store(r, 2);
       r += 2;
     }
   }
   for (; r < M; ++r) {
-    qtile512<BITS, PT, 1>(w, sc, g0, gstride, xa, r, K, nb, out);
+    qtile512<BITS, PT, 1>(w, sc, g0, gstride, xa, r, K, nb, out, AHEAD(1));
     store(r, 1);
   }
+#undef AHEAD
 }
 
 // One activation row against one group of 8 rows of 4-bit codes (a decode step of one sequence), on 512-bit vectors:
@@ -1279,7 +1333,8 @@ void qlinear_impl(const Rows& x, int64_t M, int64_t K, const uint8_t* w, const S
     if (r1 - r0 >= TILE_MIN_ROWS) {
 #if defined(PAGEDLLM_QZMM)
       for (; g + 2 * ZPT <= end; g += 2 * ZPT)
-        qtile512_rows<BITS, ZPT, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
+        qtile512_rows<BITS, ZPT, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y,
+                                      std::min<int64_t>(2 * ZPT, NG - g - 2 * ZPT));
       for (; g + 2 <= end; g += 2) qtile512_rows<BITS, 1, ZMT>(w, sc, g, gstride, xa, r0, r1, K, nb, N, y);
 #else
       for (; g + TILE_GT <= end; g += TILE_GT)
