@@ -754,7 +754,7 @@ inline __m512 block_step512(__m512 acc, __m512i isum, __m512 dv, __m512 mv, floa
 template <int BITS, int PT, int MT, typename SC, bool ONE = false>
 inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                      const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out,
-                     const uint8_t* ahead = nullptr, int64_t ahead_lines = 0) {
+                     const uint8_t* ahead = nullptr, int64_t ahead_lines = 0) {  // lines asked for ahead
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
   __m512 acc[PT][MT];
@@ -772,8 +772,8 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
       xq2[r] = xa.q2.data() + (r0 + r) * K + b * QB;
     }
     const uint8_t* wb = w + g0 * gstride + b * gbytes;
-    for (int64_t j = 0; j < ahead_lines; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + (b * ahead_lines + j) * 64), _MM_HINT_T1);
+    for (int64_t j = ahead_lines * b / nb; j < ahead_lines * (b + 1) / nb; ++j)  // ahead_lines spread over the blocks
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64), _MM_HINT_T1);
     for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
       __m512i hi[PT][MT], lo[PT][MT];
       for (int p = 0; p < PT; ++p)
@@ -926,14 +926,15 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
       }
   };
   // A few rows (decode steps of a few sequences, up to AHEAD_MAX_ROWS): the next run's weights (ahead_groups groups
-  // after these) are asked for into L2 while a tile that reads these from the caches runs (the second row tile; the
-  // first, when it is the only one), so memory and arithmetic overlap instead of taking turns (many rows: the
-  // arithmetic is most of the time, and the hardware's prefetcher keeps up).
-  const int64_t r_first = r;
-  const int64_t ahead_lines = M - r <= AHEAD_MAX_ROWS ? ahead_groups * gstride / 64 / nb : 0;
+  // after these) are asked for into L2 while these are computed, each row tile a share of them in proportion to its
+  // rows, so the memory streams while the tiles work instead of the two taking turns (many rows: the arithmetic is
+  // most of the time, and the hardware's prefetcher keeps up).
+  const int64_t r_first = r, rows_all = M - r;
+  const int64_t lines = rows_all <= AHEAD_MAX_ROWS ? std::max<int64_t>(0, ahead_groups) * gstride / 64 : 0;
   const uint8_t* ahead = w + (g0 + 2 * PT) * gstride;
-  bool fetched = false;
-#define AHEAD(rows) ((!fetched && (r > r_first || r + (rows) >= M) && (fetched = true)) ? ahead : nullptr), ahead_lines
+  // the share of a tile of rows [r, r + n): lines [lines * (r - r_first) / rows_all, lines * (r + n - r_first) / ...)
+#define AHEAD(n) ahead + 64 * (lines * (r - r_first) / rows_all), \
+                 lines * (r + (n) - r_first) / rows_all - lines * (r - r_first) / rows_all
   if constexpr (MT > 2) {
     if (xa.levels == 1)  // (5 rows left: 3 + 2, not 4 + a lone row that decodes the weights for itself)
       for (; r + ZMT_ONE <= M && M - r != 5; r += ZMT_ONE) {
