@@ -1,11 +1,15 @@
-"""A/B of the engine's greedy decode with two ``qlinear`` builds in one process (the machine's noise hits both).
+"""A/B of the engine's greedy generation with two kernel builds in one process (the machine's noise hits both).
 
-``python3 -m tools.scripts.ab_engine_qlinear OLD.cpp`` (``git show 6c629e0:pagedllm/kernels/cpu_ops.cpp >
-/tmp/old.cpp``, the last source with float32 block scales only) loads the default engine (``LLM()``: the GGUF
-blocks through ``qlinear``), builds OLD.cpp for ``-march=native``, and times ``generate`` of BS prompts x 64 tokens
-with the layers' kernel and scales switched between the current build (the layer's own float16 scales, no Q8_0
-offsets) and the old one (the same values as float32, zero offsets), alternating ``ROUNDS`` times (medians); the
-greedy tokens of both must be equal. Environment: ``BS`` batch sizes (default "1 8 32"), ``ROUNDS`` (6)."""
+``python3 -m tools.scripts.ab_engine_qlinear OLD_CSRC MODEL.gguf [C ...]`` (``git archive REV pagedllm/kernels/csrc |
+tar -x -C /tmp/old`` gives OLD_CSRC = /tmp/old/pagedllm/kernels/csrc) loads MODEL with the defaults (no prefix
+caching) and, per concurrency C (default 8 32), generates 64 greedy tokens (EOS ignored) for each of the 32 W1
+prompts of ``bench compare`` with at most C sequences a step, the packed linears switched between the installed
+build and OLD_CSRC built for ``-march=native``, alternating ``ROUNDS`` times (default 3). Prints each build's
+tokens/s per round and the ratio of the medians; the greedy tokens of both must be equal (every path keeps a row's
+arithmetic). Only the block kernels (``qlinear``, ``qlinear_k``) differ between the arms; attention and the rest
+run the installed build."""
+
+from __future__ import annotations
 
 import os
 import pathlib
@@ -13,44 +17,42 @@ import statistics
 import sys
 import time
 
-import torch
-
 import pagedllm.kernels as K
-from tools.scripts.kernel_build import build_source
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.offline import load_prompts
+from tools.scripts.kernel_build import build_source
+
+OUTPUT_LEN = 64
 
 
 def main() -> None:
-    llm = LLM(enable_prefix_caching=False)
-    new = K.cpu_ops()
-    old = build_source(pathlib.Path(sys.argv[1]), "native")
-    print("CPU:", K.cpu_info()[0], "isa:", new.isa())
-    lins = [lin for lin in llm.engine.core.runner.model.linears().values() if hasattr(lin, "offsets")]
-    own = {id(lin): (lin.scales, lin.offsets) for lin in lins}
-
-    def use(arm: str) -> None:
-        for lin in lins:
-            s, o = own[id(lin)]
-            if arm == "new":
-                lin.ops, lin.scales, lin.offsets = new, s, o
-            else:
-                lin.ops, lin.scales = old, s.float()
-                lin.offsets = o.float() if o.numel() else torch.zeros_like(s, dtype=torch.float32)
-
-    prompts = ["Write a short story about a robot who learns to paint. " * 3] * 32
-    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    for bs in (int(a) for a in os.environ.get("BS", "1 8 32").split()):
-        times, tokens = {"old": [], "new": []}, {}
-        for r in range(int(os.environ.get("ROUNDS", "6"))):
-            for arm in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                use(arm)
+    old_src, model = sys.argv[1], sys.argv[2]
+    cs = [int(a) for a in sys.argv[3:]] or [8, 32]
+    rounds = int(os.environ.get("ROUNDS", "3"))
+    old = build_source(pathlib.Path(old_src), "native")
+    print("CPU:", K.cpu_info()[0], flush=True)
+    prompts = load_prompts()[:32]
+    sp = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    for c in cs:
+        llm = LLM(model=model, enable_prefix_caching=False, max_num_seqs=c)
+        lins = [lin for lin in llm.engine.runner.model.linears().values() if hasattr(lin, "codes")]
+        arms = {"new": lins[0].ops, "old": old}
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm up
+        rates: dict[str, list[float]] = {"new": [], "old": []}
+        tokens = {}
+        for r in range(rounds):
+            for arm in ("new", "old") if r % 2 == 0 else ("old", "new"):
+                for lin in lins:
+                    lin.ops = arms[arm]
                 t = time.perf_counter()
-                out = llm.generate(prompts[:bs], sp, use_tqdm=False)
-                times[arm].append(time.perf_counter() - t)
+                out = llm.generate(prompts, sp, use_tqdm=False)
+                rates[arm].append(len(prompts) * OUTPUT_LEN / (time.perf_counter() - t))
                 tokens[arm] = [o.outputs[0].token_ids for o in out]
-        m = {arm: statistics.median(v) for arm, v in times.items()}
-        print(f"batch {bs:3d}: old {bs * 64 / m['old']:6.1f} tok/s  new {bs * 64 / m['new']:6.1f} tok/s  "
-              f"new/old {m['old'] / m['new']:5.2f}x  same tokens: {tokens['old'] == tokens['new']}", flush=True)
+        med = {arm: statistics.median(v) for arm, v in rates.items()}
+        print(f"C={c}: new {' / '.join(f'{x:.1f}' for x in rates['new'])} tok/s, old "
+              f"{' / '.join(f'{x:.1f}' for x in rates['old'])}; medians new/old {med['new'] / med['old']:.3f}; "
+              f"same tokens: {tokens['new'] == tokens['old']}", flush=True)
+        del llm
 
 
 if __name__ == "__main__":

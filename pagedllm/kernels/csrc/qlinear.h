@@ -816,8 +816,9 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
     auto unpacked = [&](int p, int unit) {  // BUF: pair p's decoded unit of block b
       return _mm512_loadu_si512(w + (p * (b1 - b0) + b - b0) * UNPACKED_BLOCK + 64 * unit);
     };
-    for (int64_t j = ahead_lines * (b - b0) / (b1 - b0); j < ahead_lines * (b + 1 - b0) / (b1 - b0); ++j)  // spread
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64), _MM_HINT_T1);
+    if (ahead_lines > 0)  // spread over the blocks
+      for (int64_t j = ahead_lines * (b - b0) / (b1 - b0); j < ahead_lines * (b + 1 - b0) / (b1 - b0); ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64), _MM_HINT_T1);
     for (int half = 0; half < SUB; ++half) {  // SUB 2: inputs 0-15 (low nibbles, units 0-3), then 16-31
       __m512i hi[PT][MT], lo[PT][MT];
       for (int p = 0; p < PT; ++p)
