@@ -795,6 +795,7 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
                      const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out,
                      const uint8_t* ahead = nullptr, int64_t ahead_lines = 0,  // lines asked for ahead
                      int64_t b0 = 0, int64_t b1 = 0) {
+  static_assert(!BUF || BITS == 5 || BITS == 6, "qtile512: decoded buffers (unpack_pairs) hold 5- or 6-bit codes");
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
   if constexpr (!BUF) b1 = nb;
@@ -880,9 +881,8 @@ inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride
         for (int i = SUB == 2 ? 4 * half : 0; i < (SUB == 2 ? 4 * half + 4 : 8); ++i) {
           __m512i u[PT];
           for (int p = 0; p < PT; ++p)  // s + 128 as unsigned; 128 * isum comes off below
-            u[p] = BUF ? unpacked(p, i)
-                       : _mm512_xor_si512(load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i),
-                                          _mm512_set1_epi8(-128));
+            u[p] = _mm512_xor_si512(load_pair(wb + 2 * p * gstride + 32 * i, wb + (2 * p + 1) * gstride + 32 * i),
+                                    _mm512_set1_epi8(-128));
           for (int r = 0; r < MT; ++r) {
             const __m512i x1 = _mm512_set1_epi32(load_i32(xq[r] + 4 * i));
             const __m512i x2 = _mm512_set1_epi32(load_i32(xq2[r] + 4 * i));
