@@ -972,6 +972,11 @@ inline void for_row_tiles(int levels, int64_t r, int64_t M, F&& tile) {
   for (; r < M; ++r) tile(integral_constant<int, 1>{}, std::false_type{}, r);
 }
 
+// The lines of `lines` to ask for ahead during steps [s, s + n) of `steps`: [first, second), an even share.
+inline std::pair<int64_t, int64_t> ahead_share(int64_t lines, int64_t s, int64_t n, int64_t steps) {
+  return {lines * s / steps, lines * (s + n) / steps};
+}
+
 // The 16 outputs of each pair p of groups from g0 for rows [r, r + nr), out[p nr + i] row r + i's, stored to y.
 template <int PT>
 inline void store_pairs(const Rows& y, int64_t N, int64_t g0, const __m512* out, int64_t r, int nr) {
@@ -1010,7 +1015,7 @@ inline void qtile512_unpacked(const uint8_t* w, const SC& sc, int64_t g0, int64_
     const int64_t b1 = std::min(nb, b0 + UNPACK_BLOCKS), step = b0 / UNPACK_BLOCKS * (M - r);
     unpack_pairs<BITS>(w, gstride, g0, PT, b0, b1, buf);
     for_row_tiles<MT>(xa.levels, r, M, [&](auto n, auto one, int64_t t) {
-      const int64_t l0 = lines * (step + t - r) / steps, l1 = lines * (step + t - r + n) / steps;
+      const auto [l0, l1] = ahead_share(lines, step + t - r, n, steps);
       qtile512<BITS, PT, decltype(n)::value, SC, decltype(one)::value, true>(
           buf.data(), sc, g0, gstride, xa, t, K, nb, sums.data() + PT * (t - r), ahead + 64 * l0, l1 - l0, b0, b1);
     });
@@ -1046,8 +1051,7 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
   const int64_t lines = rows_all <= AHEAD_MAX_ROWS ? std::max<int64_t>(0, ahead_groups) * gstride / 64 : 0;
   const uint8_t* ahead = w + (g0 + 2 * PT) * gstride;
   for_row_tiles<MT>(xa.levels, r, M, [&](auto n, auto one, int64_t t) {
-    // this tile's share: lines [lines (t - r_first) / rows_all, lines (t + n - r_first) / rows_all)
-    const int64_t l0 = lines * (t - r_first) / rows_all, l1 = lines * (t + n - r_first) / rows_all;
+    const auto [l0, l1] = ahead_share(lines, t - r_first, n, rows_all);  // this tile's share
     qtile512<BITS, PT, decltype(n)::value, SC, decltype(one)::value>(w, sc, g0, gstride, xa, t, K, nb, out,
                                                                      ahead + 64 * l0, l1 - l0);
     store_pairs<PT>(y, N, g0, out, t, n);
