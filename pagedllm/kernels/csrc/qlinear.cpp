@@ -60,19 +60,14 @@ void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_
   if (implied) {  // a scale per block of 32 (MXFP4's)
     TORCH_CHECK(sub == 1, "qlinear: offsets implied by a table's zero need one scale per block of 32");
     const float zero = static_cast<float>(table_zero);
-    if (half) return f(TScales<at::Half>{d.data_ptr<at::Half>(), nb, tab, zero});
-    return f(TScales<float>{d.data_ptr<float>(), nb, tab, zero});
+    return f(TScales<>{d.data_ptr(), half, nb, tab, zero});
   }
   with_sub(sub, [&](auto sub_tag) {
     constexpr int S = decltype(sub_tag)::value;
-    if (half && offsets)
-      f(QScales<at::Half, true, S>{d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), nb, tab});
-    else if (half)
-      f(QScales<at::Half, false, S>{d.data_ptr<at::Half>(), nullptr, nb, tab});
-    else if (offsets)
-      f(QScales<float, true, S>{d.data_ptr<float>(), m.data_ptr<float>(), nb, tab});
+    if (offsets)
+      f(QScales<true, S>{d.data_ptr(), m.data_ptr(), half, nb, tab});
     else
-      f(QScales<float, false, S>{d.data_ptr<float>(), nullptr, nb, tab});
+      f(QScales<false, S>{d.data_ptr(), nullptr, half, nb, tab});
   });
 }
 }  // namespace

@@ -222,26 +222,40 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t
   });
 }
 
+// 8 scales or offsets of a QScales (TScales) layout: float32, or float16 where the layer keeps its file's values
+// (`half`). The width is a property of the layer, so a load's test of it goes the same way for a whole call: one
+// predictable branch per 8 (16) values, where a template argument for it had doubled the kernels' instantiations
+// (qlinear.cpp's compile 106 -> 46 s of one core without them). A float16 value widens to exactly the float32 it
+// stands for, so the arithmetic is that of the float32 layout.
+struct SPtr {
+  const void* p;
+  bool half;
+  SPtr operator+(int64_t k) const { return {static_cast<const char*>(p) + (k << (half ? 1 : 2)), half}; }
+  float operator[](int64_t j) const {
+    return half ? static_cast<float>(static_cast<const at::Half*>(p)[j]) : static_cast<const float*>(p)[j];
+  }
+};
+
 // A layer's block scales d and offsets m: per group of 8 rows and block, the 8 rows' values, float32 or float16
-// (S: a GGUF file's own precision, which the layer keeps when every value converts exactly: 20 instead of 24 bytes
-// per 4-bit block of a row). No offsets (OFF false: GGUF Q8_0, symmetric 8-bit weights) skips their loads and
-// multiply-adds. A float16 value widens to exactly the float32 it stands for, so the arithmetic is that of the
-// float32 layout; the format is a template argument, so the tiles hold no run-time test of it.
+// (`half`: a GGUF file's own precision, which the layer keeps when every value converts exactly: 20 instead of 24
+// bytes per 4-bit block of a row). No offsets (OFF false: GGUF Q8_0, symmetric 8-bit weights) skips their loads and
+// multiply-adds.
 // SUB: scales (and offsets) per block, 1 or 2 (GGUF's blocks of 16: Q2_K, Q3_K, Q6_K); with 2 the integer sums of
 // each half block (inputs 0-15, 16-31) get their own float steps, against the activations' per-half sums.
-template <typename S, bool OFF, int SUB = 1>
+template <bool OFF, int SUB = 1>
 struct QScales {
   static constexpr bool offsets = OFF;
   static constexpr int sub = SUB;
-  const S* d;
-  const S* m;  // unused without OFF
+  const void* d;
+  const void* m;  // unused without OFF
+  bool half;  // float16 values (else float32)
   int64_t nb;  // blocks per row
   const uint8_t* table = nullptr;  // 4-bit codes: the 16 values they stand for (null: the codes themselves)
   // index of group g's 8 values of block b (its half h)
   int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
   // where those 8 scales (offsets) start
-  const S* dp(int64_t g, int64_t b, int h = 0) const { return d + at(g, b, h); }
-  const S* mp(int64_t g, int64_t b, int h = 0) const { return m + at(g, b, h); }
+  SPtr dp(int64_t g, int64_t b, int h = 0) const { return SPtr{d, half} + at(g, b, h); }
+  SPtr mp(int64_t g, int64_t b, int h = 0) const { return SPtr{m, half} + at(g, b, h); }
 };
 
 // The activation sums that the float steps of half h of a block (all of it with SUB 1) take: s * sum and sum.
@@ -256,7 +270,7 @@ inline int32_t act_isum(const QuantizedRows& xa, int64_t row, int h) {
 // integer (a sub-block's 6-bit scale, or minus its min) and D the float16 scale of its super-block of 256 inputs
 // (N/8, K/256, 8): 1 byte per sub-block and row instead of 4. The product is exact in float32 (an 11-bit by
 // 8-bit integer), so the kernels' results are bitwise those of the float32 layout. A KPtr (a group's 8 values of
-// one block: their super-block scales and sub-block integers) stands where QScales gives a plain pointer (p[j],
+// one block: their super-block scales and sub-block integers) stands where QScales gives an SPtr (p[j],
 // p + 4, load8), so every tile runs either layout unchanged; the super-block index is found once per block from
 // (g, b), with no division in the tiles.
 struct KPtr {
@@ -283,29 +297,30 @@ struct KScales {
 // Scales whose blocks' offsets follow from them: -zero * d (a table's values stored as value + zero, MXFP4's codes),
 // so no offsets are stored or streamed. An OffPtr stands where QScales gives the offsets' pointer (p[j], p + 4,
 // load8, load_pair): each offset is computed from its scale, exactly (d a power of two, zero a small integer).
-template <typename S>
 struct OffPtr {
-  const S* d;
+  SPtr d;
   float zero;
   OffPtr operator+(int64_t k) const { return {d + k, zero}; }
-  float operator[](int64_t j) const { return -zero * static_cast<float>(d[j]); }
+  float operator[](int64_t j) const { return -zero * d[j]; }
 };
-template <typename S, int SUB = 1>
+template <int SUB = 1>
 struct TScales {
   static constexpr bool offsets = true;
   static constexpr int sub = SUB;
-  const S* d;
+  const void* d;
+  bool half;  // float16 scales (else float32)
   int64_t nb;
   const uint8_t* table;
   float zero;
   int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
-  const S* dp(int64_t g, int64_t b, int h = 0) const { return d + at(g, b, h); }
-  OffPtr<S> mp(int64_t g, int64_t b, int h = 0) const { return {d + at(g, b, h), zero}; }
+  SPtr dp(int64_t g, int64_t b, int h = 0) const { return SPtr{d, half} + at(g, b, h); }
+  OffPtr mp(int64_t g, int64_t b, int h = 0) const { return {dp(g, b, h), zero}; }
 };
 
 template <typename S> inline const void* addr(const S* p) { return p; }
+inline const void* addr(const SPtr& p) { return p.p; }
 inline const void* addr(const KPtr& p) { return p.s; }
-template <typename S> inline const void* addr(const OffPtr<S>& p) { return p.d; }
+inline const void* addr(const OffPtr& p) { return p.d.p; }
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -435,8 +450,10 @@ inline __m256 load8(const at::Half* p) {
 #endif
 }
 
-template <typename S>
-inline __m256 load8(const OffPtr<S>& p) { return _mm256_mul_ps(_mm256_set1_ps(-p.zero), load8(p.d)); }
+inline __m256 load8(const SPtr& p) {
+  return p.half ? load8(static_cast<const at::Half*>(p.p)) : load8(static_cast<const float*>(p.p));
+}
+inline __m256 load8(const OffPtr& p) { return _mm256_mul_ps(_mm256_set1_ps(-p.zero), load8(p.d)); }
 
 inline __m256 load8(const KPtr& p) {  // D * s for 8 rows: one super-block scale vector, 8 small integers
   return _mm256_mul_ps(load8(p.D), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -727,8 +744,12 @@ inline __m512 load_pair(const at::Half* a, const at::Half* b) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
-template <typename S>
-inline __m512 load_pair(const OffPtr<S>& a, const OffPtr<S>& b) {
+// (a and b: one layer's, of one width)
+inline __m512 load_pair(const SPtr& a, const SPtr& b) {
+  return a.half ? load_pair(static_cast<const at::Half*>(a.p), static_cast<const at::Half*>(b.p))
+                : load_pair(static_cast<const float*>(a.p), static_cast<const float*>(b.p));
+}
+inline __m512 load_pair(const OffPtr& a, const OffPtr& b) {
   return _mm512_mul_ps(_mm512_set1_ps(-a.zero), load_pair(a.d, b.d));
 }
 
@@ -791,10 +812,11 @@ inline void unpack_pairs(const uint8_t* w, int64_t gstride, int64_t g0, int np, 
 // those blocks), gstride unused: the same products of the same bytes, with no unpacking in the tile; the sums start
 // from out's (b0 > 0) and end there, so a row's float steps run in the same order as in one call over all blocks.
 template <int BITS, int PT, int MT, typename SC, bool ONE = false, bool BUF = false>
-inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
+inline void qtile512(const uint8_t* w, const SC& scales, int64_t g0, int64_t gstride,
                      const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out,
                      const uint8_t* ahead = nullptr, int64_t ahead_lines = 0,  // lines asked for ahead
                      int64_t b0 = 0, int64_t b1 = 0) {
+  const SC sc = scales;  // a copy: its fields stay in registers over the blocks
   static_assert(!BUF || BITS == 5 || BITS == 6, "qtile512: decoded buffers (unpack_pairs) hold 5- or 6-bit codes");
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
@@ -1072,8 +1094,9 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
 // 5- and 6-bit codes: the same loop on their 4-bit vectors, or'd with the high bits (a plane in both halves of a
 // vector, moved by each half's unit), CODE_BIAS * isum off each sum.
 template <int BITS, typename SC>
-inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row, int64_t K,
+inline __m256 qrow512(const uint8_t* wg, const SC& scales, int64_t g, const QuantizedRows& xa, int64_t row, int64_t K,
                       int64_t nb) {
+  const SC sc = scales;  // a copy: its fields stay in registers over the blocks
   static_assert(BITS == 4 || BITS == 5 || BITS == 6, "qrow512: 4-, 5- or 6-bit codes");
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
@@ -1314,8 +1337,10 @@ inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
 inline float32x4_t load4(const at::Half* p) {
   return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
 }
-template <typename S>
-inline float32x4_t load4(const OffPtr<S>& p) { return vmulq_n_f32(load4(p.d), -p.zero); }
+inline float32x4_t load4(const SPtr& p) {
+  return p.half ? load4(static_cast<const at::Half*>(p.p)) : load4(static_cast<const float*>(p.p));
+}
+inline float32x4_t load4(const OffPtr& p) { return vmulq_n_f32(load4(p.d), -p.zero); }
 inline float32x4_t load4(const KPtr& p) {
   const float32x4_t d = load4(p.D);
   int32_t four;  // the 4 values' bytes (an 8-byte load could read past the array's end)
@@ -1509,7 +1534,7 @@ void qlinear_impl(const Rows& x, int64_t M, int64_t K, const uint8_t* w, const S
 }
 
 template <typename SC> constexpr bool table_scales = false;  // TScales: only 4-bit codes through a table
-template <typename S, int SUB> constexpr bool table_scales<TScales<S, SUB>> = true;
+template <int SUB> constexpr bool table_scales<TScales<SUB>> = true;
 
 // Calls f with std::integral_constant<int, 4> for 4-bit codes (only with offsets: SC::offsets), <int, 5> / <int, 6>
 // for the 5- / 6-bit layouts, else <int, 8>; TScales (offsets implied by a table's zero) only with <int, 4> (no
