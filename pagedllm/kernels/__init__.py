@@ -5,7 +5,7 @@ sources side by side, one compiler process each).
 The source has four vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), NEON on 64-bit ARM (with
 the dot-product instructions of ARMv8.2 for the packed-weight kernel where the target has them), and portable
 scalar loops that compile anywhere. The engine builds it for ``-march=native`` once per machine kind and
-source version (cached under torch's extensions directory; under a minute of one core; the cache key hashes the
+source version (cached under torch's extensions directory; about 90 s on 2 cores of a Zen 4; the cache key hashes the
 source, the flags, the CPU's model and feature flags, and the torch version). ``PAGEDLLM_CPU_MARCH`` builds for
 another ``-march`` instead (an x86-64 level, to run e.g. the AVX2 path on an AVX-512 machine; ``armv8.2-a+dotprod``
 on ARM, where a cross compiler has no ``native``). It needs a C++ compiler. Without one, or with
@@ -204,7 +204,7 @@ def _build_lock(name: str):
     its holder exits, however it exits), and a ``lock`` file that torch's own lock left behind is removed first.
     torch creates that file for the length of every build or load and waits, with no timeout, while it exists: a
     start killed during the first build (Ctrl-C, a timeout) left it, and every later start hung silently. Logs
-    that a build starts where none is cached (it takes about a minute, before any other start-up line)."""
+    that a build starts where none is cached (it takes one to two minutes, before any other start-up line)."""
     if fcntl is None:  # not a POSIX system: torch's own lock alone
         yield
         return
@@ -218,7 +218,7 @@ def _build_lock(name: str):
             logger.warning("removing %s, left by a kernel build that was interrupted", stale)
             stale.unlink(missing_ok=True)
         if not (build_dir / f"{name}.so").exists():
-            logger.info("building the CPU kernels (%s): about a minute, once per machine kind and version", name)
+            logger.info("building the CPU kernels (%s): one to two minutes, once per machine kind and version", name)
         yield
 
 
