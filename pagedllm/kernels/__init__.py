@@ -5,7 +5,7 @@ sources side by side, one compiler process each).
 The source has four vector paths chosen at compile time: AVX-512, AVX2 + FMA (x86-64-v3), NEON on 64-bit ARM (with
 the dot-product instructions of ARMv8.2 for the packed-weight kernel where the target has them), and portable
 scalar loops that compile anywhere. The engine builds it for ``-march=native`` once per machine kind and
-source version (cached under torch's extensions directory; about 90 s on 2 cores of a Zen 4; the cache key hashes the
+source version (cached under torch's extensions directory; about 85 s on 2 cores of a Zen 4; the cache key hashes the
 source, the flags, the CPU's model and feature flags, and the torch version). ``PAGEDLLM_CPU_MARCH`` builds for
 another ``-march`` instead (an x86-64 level, to run e.g. the AVX2 path on an AVX-512 machine; ``armv8.2-a+dotprod``
 on ARM, where a cross compiler has no ``native``). It needs a C++ compiler. Without one, or with

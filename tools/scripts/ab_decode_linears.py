@@ -2,7 +2,8 @@
 
 ``python3 -m tools.scripts.ab_decode_linears OLD_CSRC MODEL.gguf [M ...]`` (``git archive REV pagedllm/kernels/csrc |
 tar -x -C /tmp/old`` gives OLD_CSRC = /tmp/old/pagedllm/kernels/csrc) loads MODEL as the engine builds it, builds
-OLD_CSRC for ``-march=native``, and per row count M (default 1) runs every packed linear of the model once in
+OLD_CSRC for the installed build's ``-march`` (``native``, or ``PAGEDLLM_CPU_MARCH``: e.g. ``x86-64-v3`` for
+the AVX2 path), and per row count M (default 1) runs every packed linear of the model once in
 decode order (each layer's, then the LM head; the model's weights are far larger than the caches, so a pass streams
 them from memory as a decode step does) with M random activation rows, alternating the installed build and the old
 one ``ROUNDS`` times (default 8; medians). Prints, per build and kind of layer (its code width, the head apart), the
@@ -67,7 +68,7 @@ def main() -> None:
     rows = [int(m) for m in sys.argv[3:]] or [1]
     rounds = int(os.environ.get("ROUNDS", "8"))
     llm = LLM(model=model, enable_prefix_caching=False)
-    new, old = K.cpu_ops(), build_source(old_src, "native")
+    new, old = K.cpu_ops(), build_source(old_src, K.target_march())
     print("CPU:", K.cpu_info()[0], "isa:", new.isa(), "threads:", torch.get_num_threads())
     lins = packed_linears(llm)
     kind = {n: ("head" if n in ("lm_head", "head") else f"{lin.bits}-bit layers") for n, lin in lins}

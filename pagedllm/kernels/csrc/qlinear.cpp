@@ -60,14 +60,25 @@ void with_qscales(const at::Tensor& d, const at::Tensor& m, int64_t bits, int64_
   if (implied) {  // a scale per block of 32 (MXFP4's)
     TORCH_CHECK(sub == 1, "qlinear: offsets implied by a table's zero need one scale per block of 32");
     const float zero = static_cast<float>(table_zero);
-    return f(TScales<>{d.data_ptr(), half, nb, tab, zero});
+    if (half) return f(TScales<2>{d.data_ptr(), nb, tab, zero});
+    return f(TScales<4>{d.data_ptr(), nb, tab, zero});
   }
   with_sub(sub, [&](auto sub_tag) {
     constexpr int S = decltype(sub_tag)::value;
-    if (offsets)
-      f(QScales<true, S>{d.data_ptr(), m.data_ptr(), half, nb, tab});
-    else
-      f(QScales<false, S>{d.data_ptr(), nullptr, half, nb, tab});
+    if constexpr (S == 1) {  // a scale per 32: typed loads (QScales' WIDTH)
+      if (half && offsets)
+        f(QScales<true, 1, 2>{d.data_ptr(), m.data_ptr(), 1, nb, tab});
+      else if (half)
+        f(QScales<false, 1, 2>{d.data_ptr(), nullptr, 1, nb, tab});
+      else if (offsets)
+        f(QScales<true, 1, 4>{d.data_ptr(), m.data_ptr(), 2, nb, tab});
+      else
+        f(QScales<false, 1, 4>{d.data_ptr(), nullptr, 2, nb, tab});
+    } else if (offsets) {  // a scale per 16: the width told at run time
+      f(QScales<true, S>{d.data_ptr(), m.data_ptr(), scale_shift(half), nb, tab});
+    } else {
+      f(QScales<false, S>{d.data_ptr(), nullptr, scale_shift(half), nb, tab});
+    }
   });
 }
 }  // namespace

@@ -222,40 +222,57 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& out, int64_t
   });
 }
 
-// 8 scales or offsets of a QScales (TScales) layout: float32, or float16 where the layer keeps its file's values
-// (`half`). The width is a property of the layer, so a load's test of it goes the same way for a whole call: one
-// predictable branch per 8 (16) values, where a template argument for it had doubled the kernels' instantiations
-// (qlinear.cpp's compile 106 -> 46 s of one core without them). A float16 value widens to exactly the float32 it
-// stands for, so the arithmetic is that of the float32 layout.
+// 8 scales or offsets of a QScales layout whose width is told at run time (WIDTH 0, below): float32, or float16 where
+// the layer keeps its file's values (`shift` 1: 2-byte values, 2: 4-byte ones). The width is a property of the layer,
+// so a load's test of it goes the same way for a whole call: one predictable branch per 8 (16) values, in place of
+// one build of the layout's kernels per width. A float16 value widens to exactly the float32 it stands for, so the
+// arithmetic is that of the float32 layout.
 struct SPtr {
   const void* p;
-  bool half;
-  SPtr operator+(int64_t k) const { return {static_cast<const char*>(p) + (k << (half ? 1 : 2)), half}; }
+  int shift;  // log2 of a value's bytes: 1 (float16) or 2 (float32)
+  SPtr operator+(int64_t k) const { return {static_cast<const char*>(p) + (k << shift), shift}; }
+  bool half() const { return shift == 1; }
   float operator[](int64_t j) const {
-    return half ? static_cast<float>(static_cast<const at::Half*>(p)[j]) : static_cast<const float*>(p)[j];
+    return half() ? static_cast<float>(static_cast<const at::Half*>(p)[j]) : static_cast<const float*>(p)[j];
   }
 };
+inline int scale_shift(bool half) { return half ? 1 : 2; }
 
 // A layer's block scales d and offsets m: per group of 8 rows and block, the 8 rows' values, float32 or float16
-// (`half`: a GGUF file's own precision, which the layer keeps when every value converts exactly: 20 instead of 24
+// (a GGUF file's own precision, which the layer keeps when every value converts exactly: 20 instead of 24
 // bytes per 4-bit block of a row). No offsets (OFF false: GGUF Q8_0, symmetric 8-bit weights) skips their loads and
 // multiply-adds.
 // SUB: scales (and offsets) per block, 1 or 2 (GGUF's blocks of 16: Q2_K, Q3_K, Q6_K); with 2 the integer sums of
 // each half block (inputs 0-15, 16-31) get their own float steps, against the activations' per-half sums.
-template <bool OFF, int SUB = 1>
+// WIDTH: the values' bytes when known at compile time (2: float16, 4: float32), read through typed pointers, or 0:
+// either, told by `shift` at run time (SPtr). The layouts with a scale per block of 32, which every common GGUF type
+// outside the K-quant form has (Q8_0, Q5_0, Q4_0, Q4_1 in float16) and pagedllm's own 8- and 4-bit weights (float32),
+// are built for both widths; scales per 16 (Q2_K, Q3_K, Q6_K tensors whose rows are not a multiple of 256, or that a
+// fused projection mixes with other types) take the run-time width. One build per width of every layout made
+// qlinear.cpp's compile 106 s of a core; run-time widths everywhere 44 s, but 0-2% slower in cache on 8-bit codes at
+// 4-16 rows (an earlier run-time test had lost 3-12%: docs/history.md); this split 62 s (docs/benchmarks.md, session
+// 45).
+template <bool OFF, int SUB = 1, int WIDTH = 0>
 struct QScales {
   static constexpr bool offsets = OFF;
   static constexpr int sub = SUB;
   const void* d;
   const void* m;  // unused without OFF
-  bool half;  // float16 values (else float32)
+  int shift;  // float16 values (1) or float32 (2): SPtr (WIDTH 0)
   int64_t nb;  // blocks per row
   const uint8_t* table = nullptr;  // 4-bit codes: the 16 values they stand for (null: the codes themselves)
   // index of group g's 8 values of block b (its half h)
   int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
   // where those 8 scales (offsets) start
-  SPtr dp(int64_t g, int64_t b, int h = 0) const { return SPtr{d, half} + at(g, b, h); }
-  SPtr mp(int64_t g, int64_t b, int h = 0) const { return SPtr{m, half} + at(g, b, h); }
+  auto dp(int64_t g, int64_t b, int h = 0) const { return start(d) + at(g, b, h); }
+  auto mp(int64_t g, int64_t b, int h = 0) const { return start(m) + at(g, b, h); }
+
+ private:
+  auto start(const void* p) const {
+    if constexpr (WIDTH == 2) return static_cast<const at::Half*>(p);
+    else if constexpr (WIDTH == 4) return static_cast<const float*>(p);
+    else return SPtr{p, shift};
+  }
 };
 
 // The activation sums that the float steps of half h of a block (all of it with SUB 1) take: s * sum and sum.
@@ -296,31 +313,35 @@ struct KScales {
 };
 // Scales whose blocks' offsets follow from them: -zero * d (a table's values stored as value + zero, MXFP4's codes),
 // so no offsets are stored or streamed. An OffPtr stands where QScales gives the offsets' pointer (p[j], p + 4,
-// load8, load_pair): each offset is computed from its scale, exactly (d a power of two, zero a small integer).
+// load8, load_pair, load4): each offset is computed from its scale, exactly (d a power of two, zero a small integer).
+// P: the scales' pointer (const at::Half*, const float* or SPtr, as QScales' WIDTH).
+template <typename P>
 struct OffPtr {
-  SPtr d;
+  P d;
   float zero;
   OffPtr operator+(int64_t k) const { return {d + k, zero}; }
-  float operator[](int64_t j) const { return -zero * d[j]; }
+  float operator[](int64_t j) const { return -zero * static_cast<float>(d[j]); }
 };
-template <int SUB = 1>
+template <int WIDTH>
 struct TScales {
   static constexpr bool offsets = true;
-  static constexpr int sub = SUB;
-  const void* d;
-  bool half;  // float16 scales (else float32)
+  static constexpr int sub = 1;
+  const void* d;  // float16 (WIDTH 2) or float32 (4) scales
   int64_t nb;
   const uint8_t* table;
   float zero;
-  int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
-  SPtr dp(int64_t g, int64_t b, int h = 0) const { return SPtr{d, half} + at(g, b, h); }
-  OffPtr mp(int64_t g, int64_t b, int h = 0) const { return {dp(g, b, h), zero}; }
+  int64_t at(int64_t g, int64_t b, int h = 0) const { return (g * nb + b + h) * 8; }
+  auto dp(int64_t g, int64_t b, int h = 0) const {
+    if constexpr (WIDTH == 2) return static_cast<const at::Half*>(d) + at(g, b, h);
+    else return static_cast<const float*>(d) + at(g, b, h);
+  }
+  auto mp(int64_t g, int64_t b, int h = 0) const { return OffPtr<decltype(dp(g, b, h))>{dp(g, b, h), zero}; }
 };
 
 template <typename S> inline const void* addr(const S* p) { return p; }
 inline const void* addr(const SPtr& p) { return p.p; }
 inline const void* addr(const KPtr& p) { return p.s; }
-inline const void* addr(const OffPtr& p) { return p.d.p; }
+template <typename P> inline const void* addr(const OffPtr<P>& p) { return addr(p.d); }
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -451,9 +472,10 @@ inline __m256 load8(const at::Half* p) {
 }
 
 inline __m256 load8(const SPtr& p) {
-  return p.half ? load8(static_cast<const at::Half*>(p.p)) : load8(static_cast<const float*>(p.p));
+  return p.half() ? load8(static_cast<const at::Half*>(p.p)) : load8(static_cast<const float*>(p.p));
 }
-inline __m256 load8(const OffPtr& p) { return _mm256_mul_ps(_mm256_set1_ps(-p.zero), load8(p.d)); }
+template <typename P>
+inline __m256 load8(const OffPtr<P>& p) { return _mm256_mul_ps(_mm256_set1_ps(-p.zero), load8(p.d)); }
 
 inline __m256 load8(const KPtr& p) {  // D * s for 8 rows: one super-block scale vector, 8 small integers
   return _mm256_mul_ps(load8(p.D), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -746,10 +768,11 @@ inline __m512 load_pair(const at::Half* a, const at::Half* b) {
 
 // (a and b: one layer's, of one width)
 inline __m512 load_pair(const SPtr& a, const SPtr& b) {
-  return a.half ? load_pair(static_cast<const at::Half*>(a.p), static_cast<const at::Half*>(b.p))
+  return a.half() ? load_pair(static_cast<const at::Half*>(a.p), static_cast<const at::Half*>(b.p))
                 : load_pair(static_cast<const float*>(a.p), static_cast<const float*>(b.p));
 }
-inline __m512 load_pair(const OffPtr& a, const OffPtr& b) {
+template <typename P>
+inline __m512 load_pair(const OffPtr<P>& a, const OffPtr<P>& b) {
   return _mm512_mul_ps(_mm512_set1_ps(-a.zero), load_pair(a.d, b.d));
 }
 
@@ -1338,9 +1361,10 @@ inline float32x4_t load4(const at::Half* p) {
   return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
 }
 inline float32x4_t load4(const SPtr& p) {
-  return p.half ? load4(static_cast<const at::Half*>(p.p)) : load4(static_cast<const float*>(p.p));
+  return p.half() ? load4(static_cast<const at::Half*>(p.p)) : load4(static_cast<const float*>(p.p));
 }
-inline float32x4_t load4(const OffPtr& p) { return vmulq_n_f32(load4(p.d), -p.zero); }
+template <typename P>
+inline float32x4_t load4(const OffPtr<P>& p) { return vmulq_n_f32(load4(p.d), -p.zero); }
 inline float32x4_t load4(const KPtr& p) {
   const float32x4_t d = load4(p.D);
   int32_t four;  // the 4 values' bytes (an 8-byte load could read past the array's end)
@@ -1534,7 +1558,7 @@ void qlinear_impl(const Rows& x, int64_t M, int64_t K, const uint8_t* w, const S
 }
 
 template <typename SC> constexpr bool table_scales = false;  // TScales: only 4-bit codes through a table
-template <int SUB> constexpr bool table_scales<TScales<SUB>> = true;
+template <int WIDTH> constexpr bool table_scales<TScales<WIDTH>> = true;
 
 // Calls f with std::integral_constant<int, 4> for 4-bit codes (only with offsets: SC::offsets), <int, 5> / <int, 6>
 // for the 5- / 6-bit layouts, else <int, 8>; TScales (offsets implied by a table's zero) only with <int, 4> (no
