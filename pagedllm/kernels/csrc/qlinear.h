@@ -249,9 +249,9 @@ inline int scale_shift(bool half) { return half ? 1 : 2; }
 // outside the K-quant form has (Q8_0, Q5_0, Q4_0, Q4_1 in float16) and pagedllm's own 8- and 4-bit weights (float32),
 // are built for both widths; scales per 16 (Q2_K, Q3_K, Q6_K tensors whose rows are not a multiple of 256, or that a
 // fused projection mixes with other types) take the run-time width. One build per width of every layout made
-// qlinear.cpp's compile 106 s of a core; run-time widths everywhere 44 s, but 0-2% slower in cache on 8-bit codes at
-// 4-16 rows (an earlier run-time test had lost 3-12%: docs/history.md); this split 62 s (docs/benchmarks.md, session
-// 45).
+// qlinear.cpp's compile 106 s of a core; run-time widths everywhere 44 s, but 0-2% slower in cache on 8-bit codes
+// at 4-16 rows (an earlier run-time test had lost 3-12%: docs/history.md); this split 62 s (docs/benchmarks.md,
+// session 45).
 template <bool OFF, int SUB = 1, int WIDTH = 0>
 struct QScales {
   static constexpr bool offsets = OFF;
@@ -287,7 +287,7 @@ inline int32_t act_isum(const QuantizedRows& xa, int64_t row, int h) {
 // integer (a sub-block's 6-bit scale, or minus its min) and D the float16 scale of its super-block of 256 inputs
 // (N/8, K/256, 8): 1 byte per sub-block and row instead of 4. The product is exact in float32 (an 11-bit by
 // 8-bit integer), so the kernels' results are bitwise those of the float32 layout. A KPtr (a group's 8 values of
-// one block: their super-block scales and sub-block integers) stands where QScales gives an SPtr (p[j],
+// one block: their super-block scales and sub-block integers) stands where QScales gives a pointer or SPtr (p[j],
 // p + 4, load8), so every tile runs either layout unchanged; the super-block index is found once per block from
 // (g, b), with no division in the tiles.
 struct KPtr {
@@ -835,11 +835,10 @@ inline void unpack_pairs(const uint8_t* w, int64_t gstride, int64_t g0, int np, 
 // those blocks), gstride unused: the same products of the same bytes, with no unpacking in the tile; the sums start
 // from out's (b0 > 0) and end there, so a row's float steps run in the same order as in one call over all blocks.
 template <int BITS, int PT, int MT, typename SC, bool ONE = false, bool BUF = false>
-inline void qtile512(const uint8_t* w, const SC& scales, int64_t g0, int64_t gstride,
+inline void qtile512(const uint8_t* w, const SC& sc, int64_t g0, int64_t gstride,
                      const QuantizedRows& xa, int64_t r0, int64_t K, int64_t nb, __m512* out,
                      const uint8_t* ahead = nullptr, int64_t ahead_lines = 0,  // lines asked for ahead
                      int64_t b0 = 0, int64_t b1 = 0) {
-  const SC sc = scales;  // a copy: its fields stay in registers over the blocks
   static_assert(!BUF || BITS == 5 || BITS == 6, "qtile512: decoded buffers (unpack_pairs) hold 5- or 6-bit codes");
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
@@ -1117,9 +1116,8 @@ inline void qtile512_rows(const uint8_t* w, const SC& sc, int64_t g0, int64_t gs
 // 5- and 6-bit codes: the same loop on their 4-bit vectors, or'd with the high bits (a plane in both halves of a
 // vector, moved by each half's unit), CODE_BIAS * isum off each sum.
 template <int BITS, typename SC>
-inline __m256 qrow512(const uint8_t* wg, const SC& scales, int64_t g, const QuantizedRows& xa, int64_t row, int64_t K,
+inline __m256 qrow512(const uint8_t* wg, const SC& sc, int64_t g, const QuantizedRows& xa, int64_t row, int64_t K,
                       int64_t nb) {
-  const SC sc = scales;  // a copy: its fields stay in registers over the blocks
   static_assert(BITS == 4 || BITS == 5 || BITS == 6, "qrow512: 4-, 5- or 6-bit codes");
   constexpr int64_t gbytes = BITS * 32;
   constexpr int SUB = SC::sub;
