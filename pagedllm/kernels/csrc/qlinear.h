@@ -237,6 +237,14 @@ struct SPtr {
   }
 };
 inline int scale_shift(bool half) { return half ? 1 : 2; }
+// A layout's scales (offsets) from p as QScales' WIDTH reads them: typed (2: float16, 4: float32), or an SPtr of
+// width `shift` (0).
+template <int WIDTH>
+inline auto scales_ptr(const void* p, int shift) {
+  if constexpr (WIDTH == 2) return static_cast<const at::Half*>(p);
+  else if constexpr (WIDTH == 4) return static_cast<const float*>(p);
+  else return SPtr{p, shift};
+}
 
 // A layer's block scales d and offsets m: per group of 8 rows and block, the 8 rows' values, float32 or float16
 // (a GGUF file's own precision, which the layer keeps when every value converts exactly: 20 instead of 24
@@ -264,15 +272,8 @@ struct QScales {
   // index of group g's 8 values of block b (its half h)
   int64_t at(int64_t g, int64_t b, int h = 0) const { return ((g * nb + b) * SUB + h) * 8; }
   // where those 8 scales (offsets) start
-  auto dp(int64_t g, int64_t b, int h = 0) const { return start(d) + at(g, b, h); }
-  auto mp(int64_t g, int64_t b, int h = 0) const { return start(m) + at(g, b, h); }
-
- private:
-  auto start(const void* p) const {
-    if constexpr (WIDTH == 2) return static_cast<const at::Half*>(p);
-    else if constexpr (WIDTH == 4) return static_cast<const float*>(p);
-    else return SPtr{p, shift};
-  }
+  auto dp(int64_t g, int64_t b, int h = 0) const { return scales_ptr<WIDTH>(d, shift) + at(g, b, h); }
+  auto mp(int64_t g, int64_t b, int h = 0) const { return scales_ptr<WIDTH>(m, shift) + at(g, b, h); }
 };
 
 // The activation sums that the float steps of half h of a block (all of it with SUB 1) take: s * sum and sum.
@@ -322,7 +323,7 @@ struct OffPtr {
   OffPtr operator+(int64_t k) const { return {d + k, zero}; }
   float operator[](int64_t j) const { return -zero * static_cast<float>(d[j]); }
 };
-template <int WIDTH>
+template <int WIDTH>  // 2 or 4
 struct TScales {
   static constexpr bool offsets = true;
   static constexpr int sub = 1;
@@ -331,10 +332,7 @@ struct TScales {
   const uint8_t* table;
   float zero;
   int64_t at(int64_t g, int64_t b, int h = 0) const { return (g * nb + b + h) * 8; }
-  auto dp(int64_t g, int64_t b, int h = 0) const {
-    if constexpr (WIDTH == 2) return static_cast<const at::Half*>(d) + at(g, b, h);
-    else return static_cast<const float*>(d) + at(g, b, h);
-  }
+  auto dp(int64_t g, int64_t b, int h = 0) const { return scales_ptr<WIDTH>(d, 0) + at(g, b, h); }
   auto mp(int64_t g, int64_t b, int h = 0) const { return OffPtr<decltype(dp(g, b, h))>{dp(g, b, h), zero}; }
 };
 
