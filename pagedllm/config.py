@@ -28,7 +28,7 @@ LARGE_STEP_WEIGHTS_CHOICES = ("auto", "blocks", "bf16")
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "gguf", "rtn", "awq", "gptq")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 
 
 def option(default=None, help: str | None = None, *, name: str | None = None, choices: tuple | None = None,
@@ -210,6 +210,8 @@ class SpeculativeConfig:
         if "method" not in d or "num_speculative_tokens" not in d:
             raise ValueError("the speculative config needs 'method' and 'num_speculative_tokens'")
         d = dict(d)
+        if str(d["method"]).endswith("_mtp"):  # vLLM's model-specific spellings (qwen3_next_mtp, ...)
+            d["method"] = "mtp"
         if disable_by_batch_size is not None:
             d["disable_by_batch_size"] = disable_by_batch_size
         return SpeculativeConfig(**d)
@@ -217,9 +219,9 @@ class SpeculativeConfig:
     @property
     def num_lookahead_slots(self) -> int:
         """KV slots beyond the verified tokens a step may write: the drafts it verifies, and for a draft model
-        also the next step's drafts it writes while proposing them."""
+        (or an MTP module) also the next step's drafts it writes while proposing them."""
         k = self.num_speculative_tokens
-        return 2 * k if self.method == "draft_model" else k
+        return 2 * k if self.method in ("draft_model", "mtp") else k
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = option(
         None, 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
-        '"model": "draft.gguf", "num_speculative_tokens": 4}\'', name="speculative_config")
+        '"model": "draft.gguf", "num_speculative_tokens": 4}\' or \'{"method": "mtp", "num_speculative_tokens": '
+        '2}\' (the model\'s own multi-token prediction layer: Qwen 3.5 checkpoints)', name="speculative_config")
     tensor_parallel_size: int = option(
         1, "shard the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA); without "
         "--distributed-init-method the engine starts ranks 1..N-1 on this machine")

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pagedllm.bench.common import add_dtype_arg, add_result_json_arg, write_json
+from pagedllm.bench.common import add_dtype_arg, add_model_arg, add_result_json_arg, write_json
 from pagedllm.bench.cpuinfo import cpu_info, cpu_line
 from pagedllm.config import KV_CACHE_DTYPE_CHOICES
 from pagedllm.engine.llm import LLM
@@ -158,7 +158,7 @@ def engine_decode(llm, batch: int, prompt_len: int = 64, steps: int = DECODE_STE
 
 def main(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
-    res: dict = {"threads": torch.get_num_threads(), "cpu": cpu_info()}
+    res: dict = {"threads": torch.get_num_threads(), "cpu": cpu_info(), "model": args.model}
     print(f"CPU: {cpu_line(res['cpu'])}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     res["bandwidth_gbs"] = bandwidth_gbs()
@@ -167,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
         res[f"peak_gflops_{name}"] = matmul_gflops(2048, 2048, 2048, dt)
         print(f"matmul 2048^3 {name}: {res[f'peak_gflops_{name}']:.0f} GFLOP/s")
 
-    llm = LLM(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.runner
     arch, dtype = runner.arch, runner.dtype
     res["runtime"] = runner.describe()
@@ -224,6 +224,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_arg(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, nargs="+", default=[64, 320],
                    help="tokens of each decode's prompt (its context); the decode steps run at each (two lengths let "

@@ -23,12 +23,18 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  windows: tuple[int, ...] = (0,), record_events: bool = False, num_state_slots: int = 0,
-                 state_live_slots: int | None = None) -> None:
+                 state_live_slots: int | None = None, shifted_kv: bool = False) -> None:
         """``num_state_slots`` > 0: the model has linear-attention layers; each running request also holds a
         recurrent-state slot (``StatePool``), and a prefix-cache hit needs the state snapshot saved after the
         prefix's last block (each prompt saves one at its last block boundary, into a slot beyond the
-        ``state_live_slots`` that running requests may claim)."""
+        ``state_live_slots`` that running requests may claim).
+
+        ``shifted_kv``: some layers' K/V at a position depend on the token after it (an MTP module's: it reads the
+        next token's embedding), so a block's last position depends on the next block's first token, which its
+        hash does not cover: a hit stops one block short of the longest cached prefix and that block is computed
+        again (a hybrid saves its prompt's snapshot one block earlier to match), as vLLM does for EAGLE."""
         self.block_size = block_size
+        self.shifted_kv = shifted_kv
         self.enable_caching = enable_caching
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
@@ -114,6 +120,8 @@ class KVCacheManager:
         n = 0  # leading blocks every full group has cached
         while n < max_blocks and all(lookup(g, n) is not None for g in full):
             n += 1
+        if self.shifted_kv and n:
+            n -= 1
         sliding = [g for g, w in enumerate(self.windows) if w]
         while n and sliding:  # the longest prefix whose window every sliding group has cached
             if all(lookup(g, i) is not None for g in sliding for i in range(self.first_needed_block(g, n * bs), n)):
@@ -200,10 +208,10 @@ class KVCacheManager:
         """A prompt's chunk that reaches its last block boundary saves the state there (once per prefix)."""
         if not self.enable_caching or num_new < 2 or request.request_id in self._pending:  # (a 1-row chunk: decode)
             return
-        b = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
-        if not num_computed < b <= num_computed + num_new:
+        b = ((request.num_prompt_tokens - 1) // self.block_size - self.shifted_kv) * self.block_size
+        if not 0 < b or not num_computed < b <= num_computed + num_new:
             return
-        key = self._key(0, self._block_hashes(request, b // self.block_size)[-1])
+        key = self._key(0, self._block_hashes(request, b // self.block_size)[b // self.block_size - 1])
         if self.states.snapshot(key) is not None or any(k == key for k, _ in self._pending.values()):
             return
         slot = self.states.reserve()

@@ -38,6 +38,8 @@ class EngineCore:
             record_events=config.cache.enable_kv_cache_events,
             num_state_slots=getattr(runner, "num_state_slots", 0),  # a hybrid model's recurrent-state slots
             state_live_slots=getattr(runner, "state_live_slots", 0) or config.scheduler.max_num_seqs,
+            # an MTP module's K/V at a position read the token after it
+            shifted_kv=config.speculative is not None and config.speculative.method == "mtp",
         )
         self.scheduler = Scheduler.from_config(config, self.kv_cache_manager, self.max_model_len,
                                                num_host_blocks=runner.num_host_blocks,

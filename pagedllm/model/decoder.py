@@ -37,7 +37,7 @@ TP_SPLIT = Attention.TP_SPLIT | GatedMLP.TP_SPLIT
 class CausalLM:
     def __init__(self, cfg: ModelArchConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  build: LinearBuild | None = None, tp=None, kv_dtype: torch.dtype | None = None,
-                 causal: bool = True) -> None:
+                 causal: bool = True, shares_with: "CausalLM | None" = None) -> None:
         """Takes (and empties) ``weights``, named as ``model.loader`` names them; the linears are built as ``build``
         says (quantization policy, block kernels, dense copies, activation bits, large steps: the runtime plan's
         choices, ``worker.plan``; None: float weights as stored, quantized ones on torch's kernels).
@@ -48,7 +48,8 @@ class CausalLM:
         whole model in this process. ``kv_dtype``: the dtype of the K/V caches it is run with (default ``dtype``; a
         bfloat16 cache under float32 activations rounds k and v as they are written, and every attention reads
         them back from the cache). ``causal`` False: the layers attend both ways over whole texts (an encoder,
-        ``model.encoder.BidirectionalLM``)."""
+        ``model.encoder.BidirectionalLM``). ``shares_with``: the embedding and LM head are that model's, not
+        built from ``weights`` (a multi-token prediction module's, ``model.mtp``)."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -127,7 +128,9 @@ class CausalLM:
         self.rotaries = list({id(la.attn.rotary): la.attn.rotary for la in self.layers
                               if la.attn.rotary is not None}.values())
         # the embedding table doubles as the LM head when tied; an int8 head then serves lookups as well
-        if cfg.tie_word_embeddings:
+        if shares_with is not None:
+            self.embed, self.lm_head = shares_with.embed, shares_with.lm_head
+        elif cfg.tie_word_embeddings:
             table = src.pop("embed")
             head_src = src.pop("lm_head") if "lm_head" in src else table  # a checkpoint may store its own head
             weights["lm_head"] = head_src
@@ -147,8 +150,8 @@ class CausalLM:
         self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype)
         # bfloat16 dense weights on CPU: oneDNN's pre-packed layout (a tied head keeps its rows for lookups)
         lookups = [self.embed] + ([self.per_layer_inputs.embed] if self.per_layer_inputs is not None else [])
-        for lin in self.linears().values():
-            if lin.kind == "dense":
+        for name, lin in self.linears().items():
+            if lin.kind == "dense" and not (shares_with is not None and name in ("embed", "lm_head")):
                 lin.prepack(keep_weight=any(lin is t for t in lookups))
         # the operations between the matmuls: the fused CPU kernels where they run, else torch's (``layers.ops``)
         self.ops = choose_ops(device, dtype)
@@ -176,18 +179,20 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata | list[AttentionMetadata],
-                state_meta: StateMetadata | None = None) -> torch.Tensor:
+                state_meta: StateMetadata | None = None, h: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, H). ``meta``: one for all layers, or one per KV
         layer group (``cfg.kv_groups()``), each layer reading its group's; ``state_meta``: the recurrent states'
-        slots, which the linear layers (``kv_caches[i]``: their state pools) read (the last entry of the list)."""
+        slots, which the linear layers (``kv_caches[i]``: their state pools) read (the last entry of the list).
+        ``h``: the residual stream's first values (T, H), instead of the tokens' embeddings (taken over)."""
         metas = meta if isinstance(meta, list) else [meta] * (max(self.kv_group) + 1)
-        return self._layers(input_ids, positions, kv_caches, metas + [state_meta])
+        return self._layers(input_ids, positions, kv_caches, metas + [state_meta], h)
 
-    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metas: list) -> torch.Tensor:
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metas: list,
+                h: torch.Tensor | None = None) -> torch.Tensor:
         """The embedding, every layer over ``self.ops`` (the residual stream added to in place, each add folded into
         the next norm), the final norm."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        h = self._embed(input_ids).contiguous()  # (T, H): the residual stream
+        h = (self._embed(input_ids) if h is None else h).contiguous()  # (T, H): the residual stream
         rots = {id(r): ops.step_rotary(r, positions) for r in self.rotaries}  # looked up once per step
         ple = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, h, ops)  # (T, L, size)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)

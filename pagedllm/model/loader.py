@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.model.arch import ModelArchConfig, config_from_gguf, config_from_hf
-from pagedllm.model.archs import (ARCHS, GGUF_EXPERT_OLD, GGUF_EXPERTS, HF_EXPERT, HF_EXPERT_PART,
+from pagedllm.model.archs import (ARCHS, GGUF_EXPERT_OLD, GGUF_EXPERTS, HF_EXPERT, HF_EXPERT_PART, HF_MTP_NAMES,
                                    HF_STACKED_EXPERTS, HF_TYPES, GGUFMeta, hf_eos)
 from pagedllm.gguf_file import BLOCK_TYPES, GGUFFile
 from pagedllm.quant import gguf_blocks
@@ -229,23 +229,26 @@ def load_hf_dir(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
                 name = "model." + name  # the AutoModel, e.g. Gemma3TextModel, without the causal LM's prefix)
             if name in whole:
                 key = whole[name]
-            elif name.startswith(prefix):
-                idx, rest = name[len(prefix):].split(".", 1)
+            elif name in HF_MTP_NAMES:
+                key = HF_MTP_NAMES[name]
+            elif name.startswith((prefix, "mtp.layers.")):  # a decoder layer, or a multi-token prediction layer's
+                out, (idx, rest) = ("layers", name[len(prefix):].split(".", 1)) if name.startswith(prefix) else (
+                    "mtp.layers", name[len("mtp.layers."):].split(".", 1))
                 if spec.split_hf is not None and (parts := spec.split_hf(rest, t)) is not None:
-                    weights.update({f"layers.{idx}.{k}": (v.float() if v.is_floating_point() else v).contiguous()
+                    weights.update({f"{out}.{idx}.{k}": (v.float() if v.is_floating_point() else v).contiguous()
                                     for k, v in parts.items()})
                     continue
                 experts = rest[len(spec.hf_experts):] if spec.hf_experts and rest.startswith(spec.hf_experts) else None
                 if experts is not None and (m := HF_EXPERT.fullmatch(experts)) is not None:
-                    key = f"layers.{idx}.experts.{m[1]}.{HF_EXPERT_PART[m[2]]}"
+                    key = f"{out}.{idx}.experts.{m[1]}.{HF_EXPERT_PART[m[2]]}"
                 elif experts in HF_STACKED_EXPERTS:
                     for e, w in enumerate(t.float().unbind(0)):
-                        weights[f"layers.{idx}.experts.{e}.{HF_STACKED_EXPERTS[experts]}"] = w.contiguous()
+                        weights[f"{out}.{idx}.experts.{e}.{HF_STACKED_EXPERTS[experts]}"] = w.contiguous()
                     continue
                 elif rest not in per_layer:
                     continue
                 else:
-                    key = f"layers.{idx}.{per_layer[rest]}"
+                    key = f"{out}.{idx}.{per_layer[rest]}"
             else:
                 continue
             t = t.float()

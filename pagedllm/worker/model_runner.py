@@ -29,12 +29,13 @@ from pagedllm.layers.gated_deltanet import StateMetadata, StatePrefill
 from pagedllm.model.arch import ModelArchConfig
 from pagedllm.model.decoder import TP_SPLIT, CausalLM
 from pagedllm.model.encoder import SentenceHead, build_encoder
+from pagedllm.model.mtp import MTPHead, pop_mtp_weights
 from pagedllm.model.sentence import read_sentence_modules
 from pagedllm.outputs import ModelRunnerOutput, SampledTokenLogprobs, SchedulerOutput
 from pagedllm.sample.metadata import CachedRequestState, build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, gather_logprobs
 from pagedllm.sample.structured import StructuredOutputs, grammar_masks, sync_matcher
-from pagedllm.spec.proposer import DraftProposer, NgramProposer, Proposer, load_draft_model
+from pagedllm.spec.proposer import DraftProposer, MTPProposer, NgramProposer, Proposer, TargetStep, load_draft_model
 from pagedllm.spec.verify import accept_greedy, verify_random
 from pagedllm.worker.autotune import plan_summary
 from pagedllm.worker.core_share import CoreShare
@@ -98,6 +99,8 @@ class ModelRunner:
         self.sentence = read_sentence_modules(path)
         if self.sentence is not None:
             arch = self.arch = dataclasses.replace(arch, pooling=self.sentence.pooling)
+        # a multi-token prediction module's tensors (Qwen 3.5 checkpoints): kept for MTP speculation, else dropped
+        mtp_weights = pop_mtp_weights(weights)
         if config.tensor_parallel_size > 1:
             weights = self._start_tensor_parallel(arch, weights, store)
         pool_dense = [weights.pop(k) for k in sorted(k for k in weights if k.startswith("pool_dense."))]  # GGUF's
@@ -128,7 +131,16 @@ class ModelRunner:
             raise ValueError(f"the draft model ({self.draft_model.cfg.arch}) has recurrent-state layers: a draft "
                              "model's states are not rewound after rejected tokens (use ngram speculation, or an "
                              "attention-only draft model)")
-        self.kv = KVCache(config.cache, self.model, self.draft_model, self.device, self.kv_dtype)
+        self.mtp: MTPHead | None = None
+        if spec is not None and spec.method == "mtp" and rank == 0:
+            if not mtp_weights:
+                raise ValueError(f"{path} has no multi-token prediction module (mtp.* tensors) for speculative method "
+                                 "'mtp': Qwen 3.5's HF checkpoints ship one; llama.cpp's GGUF converter leaves it out")
+            self.mtp = MTPHead(self.model, mtp_weights, plan.build)
+        del mtp_weights
+        # a draft model's or the MTP module's layers get their KV in the same blocks
+        self.kv = KVCache(config.cache, self.model, self.draft_model or (self.mtp and self.mtp.model), self.device,
+                          self.kv_dtype)
         # a hybrid model: a recurrent state per running sequence, and (prefix caching) more that keep prefix
         # snapshots while free (``config.state_slots``); on CPU beside the KV budget, committed as they are used
         self.num_state_slots = self.state_live_slots = 0  # (live: the slots running requests may claim)
@@ -141,12 +153,15 @@ class ModelRunner:
         self.kv.allocate(num_blocks, self.max_model_len, self.num_state_slots)
         self.proposer: Proposer | None = None  # rank 0's speculative proposer
         if spec is not None and rank == 0:
+            # the draft's decode metadata as the runner builds it (a partial: no reference to the runner)
+            meta = functools.partial(_decode_metadata, bs=self.block_size, dev=self.device,
+                                     with_mask=not self.model.ops.fused)
             if self.draft_model is not None:
-                # the draft's decode metadata as the runner builds it (a partial: no reference to the runner)
-                meta = functools.partial(_decode_metadata, bs=self.block_size, dev=self.device,
-                                         with_mask=not self.model.ops.fused)
                 self.proposer = DraftProposer(spec, max_len, self.draft_model, self.kv.draft_kv_caches,
                                               self.block_size, self.device, meta)
+            elif self.mtp is not None:
+                self.proposer = MTPProposer(spec, max_len, self.mtp, self.kv.draft_kv_caches, self.block_size,
+                                            self.device, meta)
             else:
                 self.proposer = NgramProposer(spec, max_len)
         self.sampler = Sampler(ops)
@@ -160,6 +175,9 @@ class ModelRunner:
             self.model.weight_bytes() / 2**20, self.kernel_path, self.num_blocks, self.block_size,
             str(self.kv_dtype).removeprefix("torch."), self.kv_cache_bytes / 2**20,
         )
+        if self.mtp is not None:
+            logger.info("speculative decoding with the model's MTP layer (%.1f MiB besides the shared embedding and "
+                        "head), %d drafts a step", self.mtp.weight_bytes() / 2**20, spec.num_speculative_tokens)
         if self.num_state_slots:
             logger.info("recurrent states (%d linear layers): %d slots x %.1f MiB, beside the KV cache, committed as "
                         "used (at most %d sequences at once)", len(self.kv.state_layers), self.num_state_slots,
@@ -335,7 +353,8 @@ class ModelRunner:
         for s, first, n in groups.pool:
             self._pool(s, fwd.hidden[first : first + n], out)
         if self.proposer is not None:
-            self.proposer.observe(fwd.input_ids, fwd.positions, fwd.meta)
+            self.proposer.observe(TargetStep(fwd.input_ids, fwd.positions, fwd.meta, fwd.hidden, so.scheduled,
+                                             out.sampled_token_ids), self.requests)
         if so.speculate and out.sampled_token_ids:
             out.spec_token_ids = self.proposer.propose(so, out.sampled_token_ids, self.requests,
                                                        self.structured)

@@ -21,9 +21,9 @@ from test_scheduler import fake_token, make_req
 BS = 4
 
 
-def make_sched(num_blocks=64, budget=8, max_num_seqs=4, state_slots=5) -> Scheduler:
+def make_sched(num_blocks=64, budget=8, max_num_seqs=4, state_slots=5, shifted_kv=False) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_caching=True, num_state_slots=state_slots,
-                        state_live_slots=max_num_seqs)
+                        state_live_slots=max_num_seqs, shifted_kv=shifted_kv)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=True)
     return Scheduler(config, CacheConfig(block_size=BS, enable_prefix_caching=True), kv, 256)
 
@@ -84,6 +84,24 @@ def test_slots_follow_requests_and_prefix_hits_restore_snapshots():
     assert worker.restores >= 1 and sched.kv.prefix_cache_hits >= 20
     st = sched.kv.states
     assert not st.owner and st.num_free == st.num_slots
+
+
+def test_shifted_kv_hits_stop_a_block_short_and_snapshot_there():
+    """An MTP module's K/V at a block's last position read the next block's first token: hits leave the last
+    cached block to compute again, and a prompt saves its snapshot one block earlier (16 of 22 tokens, not 20),
+    keyed by that block's hash although the request's hashes go further (a snapshot keyed by a later block would
+    restore a state that is not the prefix's: the worker's check fails)."""
+    sched = make_sched(max_num_seqs=4, state_slots=6, shifted_kv=True)
+    worker = StateWorker(sched)
+    rng = random.Random(1)
+    base = [rng.randrange(50, 900) for _ in range(22)]
+    sched.add_request(make_req("a", base, max_tokens=3))
+    run(sched, worker)
+    assert sched.kv.states.num_snapshots == 1
+    for i in range(3):
+        sched.add_request(make_req(f"b{i}", base + [rng.randrange(50, 900) for _ in range(3 + i)], max_tokens=4))
+    run(sched, worker)
+    assert worker.restores >= 1 and sched.kv.prefix_cache_hits == 3 * 16
 
 
 def test_few_blocks_and_slots_preempt_and_evict_snapshots_without_mixing_states():

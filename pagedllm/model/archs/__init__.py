@@ -74,6 +74,11 @@ GGUF_EXPERT_OLD = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # early Mixt
 # the llama-lineage HF names every decoder shares (attention, the gated MLP, their norms); an architecture's module
 # adds its own (``Arch.hf_names``: fused projections, routers, shared experts, ...) and says where its experts are
 HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+# a multi-token prediction module's own tensors (Qwen 3.5 / Qwen3-Next checkpoints' ``mtp.*``: the next token's
+# embedding and the model's last hidden state, each normalised, projected from their concatenation by ``fc``, then
+# its decoder layers, ``mtp.layers.{i}.*``, named as the model's own, then its final norm)
+HF_MTP_NAMES = {"mtp.fc.weight": "mtp.fc", "mtp.pre_fc_norm_embedding.weight": "mtp.embed_norm",
+                "mtp.pre_fc_norm_hidden.weight": "mtp.hidden_norm", "mtp.norm.weight": "mtp.norm"}
 HF_LAYER_NAMES = {
     "input_layernorm.weight": "input_norm",
     "post_attention_layernorm.weight": "post_norm",
