@@ -42,8 +42,11 @@ ENGINE_BUCKETS: list[tuple[str, tuple[str, ...]]] = [
 ]
 IN_STEP = ("_step_locked (",)  # the engine thread's frame while it runs one step
 ENGINE_THREAD = ("pagedllm/engine/async_engine.py",)
+# leaves of a waiting thread; uvicorn runs uvloop where installed, whose event loop is C: a loop waiting in epoll
+# shows ``Runner.run`` (asyncio's runner, which called it) as its innermost Python frame (the loop's own callbacks
+# into Python show deeper frames, counted as busy)
 IDLE_LEAVES = ("select (selectors.py)", "wait (threading.py)", "_worker (concurrent/futures/thread.py)",
-               "get (queue.py)", "run_forever", "poll (", "sleep (")
+               "get (queue.py)", "run_forever", "poll (", "sleep (", "Runner.run (asyncio/runners.py)")
 
 
 def parse_raw(text: str) -> list[tuple[list[str], int]]:
@@ -137,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     add_workload_args(p)
-    add_dtype_arg(p, default="bfloat16")
+    add_dtype_arg(p)
     p.add_argument("--quantization", default=None)
     p.add_argument("--server-args", default="", help="extra server flags")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")

@@ -583,11 +583,13 @@ class ModelRunner:
         dev = self.device
         slots, decode_tables, prefill_tables = step.group(g)
         rows, tables, lens = list(step.decode_rows), list(decode_tables), list(step.decode_lens)
+        repeats = [1] * len(tables)  # rows of each table (a prefill chunk's rows share their sequence's)
         prefills = []
         for (start, end, ctx), table in zip(step.prefills, prefill_tables):
             if self.model.ops.fused and ctx <= ROW_KERNEL_MAX_CONTEXT:
                 rows.extend(range(start, end))
-                tables.extend([table] * (end - start))
+                tables.append(table)
+                repeats.append(end - start)
                 lens.extend(range(ctx - (end - start) + 1, ctx + 1))
             else:
                 prefills.append(PrefillSeq(start, end, ctx, torch.tensor(table, dtype=torch.long, device=dev)))
@@ -597,7 +599,8 @@ class ModelRunner:
             num_decodes=len(rows), prefills=prefills,
         )
         if rows:
-            dm = _decode_metadata([], tables, lens, self.block_size, dev, not self.model.ops.fused)
+            dm = _decode_metadata([], tables, lens, self.block_size, dev, not self.model.ops.fused,
+                                  None if len(tables) == len(rows) else repeats)
             meta.decode_block_tables, meta.decode_mask, meta.decode_lens = dm.decode_block_tables, dm.decode_mask, dm.decode_lens
             if rows != list(range(len(step.input_ids))):  # None: every row, in order
                 meta.decode_rows = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -605,11 +608,15 @@ class ModelRunner:
 
 
 def _decode_metadata(slots: list[int], tables: list[list[int]], lens: list[int], bs: int, dev: torch.device,
-                     with_mask: bool) -> AttentionMetadata:
+                     with_mask: bool, repeats: list[int] | None = None) -> AttentionMetadata:
     """Attention metadata of a batch of decode rows: padded block tables, context lengths and (``with_mask``:
-    without the fused kernel, which stops at each row's length, SDPA needs it) the key mask."""
+    without the fused kernel, which stops at each row's length, SDPA needs it) the key mask. ``repeats``: how many
+    consecutive rows use each of ``tables`` (None: one each); a 2048-row prefill chunk's table is then padded
+    once and repeated in torch, not copied per row in Python (12.8 ms a step for 64 blocks)."""
     max_blocks = max(len(t) for t in tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+    if repeats is not None:
+        padded = padded.repeat_interleave(torch.tensor(repeats), dim=0)
     lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
     mask = None
     if with_mask:
@@ -617,7 +624,7 @@ def _decode_metadata(slots: list[int], tables: list[list[int]], lens: list[int],
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
         decode_rows=None,
-        decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+        decode_block_tables=padded.to(dev),
         decode_mask=mask, num_decodes=len(slots), prefills=[], decode_lens=lens_t,
     )
 

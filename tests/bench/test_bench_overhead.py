@@ -19,6 +19,9 @@ RAW = "\n".join([
     f"{ENGINE};wait (threading.py) 50",
     f"{HTTP};_run_once (asyncio/base_events.py);select (selectors.py) 70",
     f"{HTTP};_run_once (asyncio/base_events.py);lines (pagedllm/server/streaming.py) 10",
+    # uvloop's event loop is C: waiting in it, the runner that called it is the innermost Python frame
+    "process 1:\"python\";thread (0x2);main (uvicorn/main.py);asyncio_run (uvicorn/_compat.py);"
+    "Runner.run (asyncio/runners.py) 30",
     "process 1:\"python\";thread (0x3);_worker (concurrent/futures/thread.py) 9",
     "",
 ])
@@ -27,7 +30,7 @@ RAW = "\n".join([
 def test_classify_and_summarize():
     counts = classify(parse_raw(RAW))
     assert counts == {"model forward": 80, "sampling": 4, "input preparation": 3, "scheduling": 5,
-                      "output processing": 6, "engine loop other": 2, "engine waiting": 50, "HTTP idle": 70,
+                      "output processing": 6, "engine loop other": 2, "engine waiting": 50, "HTTP idle": 100,
                       "HTTP busy": 10, "other threads": 9}
     s = summarize(counts)
     assert s["in_step_samples"] == 100
