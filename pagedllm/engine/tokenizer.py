@@ -12,6 +12,7 @@ beside it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -86,13 +87,40 @@ def _from_gguf(path: str):
     if arch is None:  # not one of ours (the engine will refuse the model): transformers' own way
         return AutoTokenizer.from_pretrained(directory, gguf_file=name)
     hf_type = arch.tokenizer_type or next((t for t in arch.hf_types if TOKENIZER_MAPPING_NAMES.get(t)), None)
-    if hf_type is None:  # no class of its own (llama): the generic one, as AutoTokenizer falls back to
-        tok = TokenizersBackend.from_pretrained(directory, gguf_file=name)
-    else:
-        tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, tokenizer_type=hf_type)
+    with _header_read_once(f, path):
+        if hf_type is None:  # no class of its own (llama): the generic one, as AutoTokenizer falls back to
+            tok = TokenizersBackend.from_pretrained(directory, gguf_file=name)
+        else:
+            tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, tokenizer_type=hf_type)
     if f.get("tokenizer.ggml.add_space_prefix") is False:
         _no_space_prefix(tok)
     return tok
+
+
+@contextlib.contextmanager
+def _header_read_once(f: GGUFFile, path: str):
+    """transformers' tokenizer reads the file's header again through its own reader (``read_gguf_metadata``), a
+    string at a time from a numpy memory map: 1.9 s of a first start for Qwen2.5-Coder's 151k tokens and 151k
+    merges. While the tokenizer is built, that reader gives what it would for ``path`` from the header ``f`` has
+    already read (0.24 s): every value, string arrays it was not asked to keep as their lengths, the tensor names
+    (tests/engine/test_tokenizer_cache.py: the same tokenizer as transformers' own build)."""
+    from transformers.integrations.gguf import reader
+
+    own = reader.read_gguf_metadata
+    target = os.path.realpath(path)
+
+    def read(gguf_path: str, string_arrays=()):
+        if os.path.realpath(gguf_path) != target:
+            return own(gguf_path, string_arrays)
+        meta = {k: len(v) if isinstance(v, list) and v and isinstance(v[0], str) and k not in string_arrays else v
+                for k, v in f.fields.items()}
+        return meta, tuple(t.name for t in f.tensors)
+
+    reader.read_gguf_metadata = read
+    try:
+        yield
+    finally:
+        reader.read_gguf_metadata = own
 
 
 def _no_space_prefix(tok) -> None:

@@ -95,6 +95,26 @@ def test_gguf_tokenizer_as_transformers_builds_it(tmp_path, monkeypatch):
     _same(ours, theirs)
 
 
+def test_the_header_read_once_is_what_transformers_reader_reads():
+    """While a tokenizer is built, transformers' GGUF reader answers from the header pagedllm already parsed: the
+    same metadata (string arrays it was not asked to keep as their lengths) and tensor names; put back after."""
+    from transformers.integrations.gguf import reader
+
+    from pagedllm.gguf_file import GGUFFile
+
+    path = default_model_path()
+    keep = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+    own = reader.read_gguf_metadata
+    want = own(path, keep)
+    with tk._header_read_once(GGUFFile(path), path):
+        assert reader.read_gguf_metadata is not own
+        got = reader.read_gguf_metadata(path, keep)
+    assert reader.read_gguf_metadata is own
+    assert got[1] == want[1] and got[0].keys() == want[0].keys()
+    for k, v in want[0].items():
+        assert got[0][k] == v, k
+
+
 def test_text_encoder_gives_transformers_ids_without_its_batch_call():
     """The engine's text encoder (``tokenizer.text_encoder``) calls the Rust tokenizer's single-text encode, not
     transformers' batch path: the same ids, with and without special tokens, also after a truncating call (the
