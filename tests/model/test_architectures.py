@@ -280,7 +280,7 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
 
     src = GGUFFile(default_model_path())
     c = model.config
-    arch = {"llama3": "llama", "llama3.2": "llama", "gpt_oss": "gpt-oss"}.get(kind, kind)
+    arch = {"llama3": "llama", "llama3.2": "llama", "gpt_oss": "gpt-oss", "ministral3": "mistral3"}.get(kind, kind)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -299,6 +299,14 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
     if kind == "gemma2":
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if kind == "ministral3":  # as llama.cpp's converter writes it (conversion/mistral3.py on base.py's YaRN keys)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     for key, value in (extra or {}).items():
         w.add_uint32(key, value)
     for key, fn in (("model", w.add_tokenizer_model), ("pre", w.add_tokenizer_pre), ("tokens", w.add_token_list),
@@ -342,7 +350,7 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
             i, rest = name[len("model.layers."):].split(".", 1)
             mod, suffix = rest.rsplit(".", 1)
             out = f"blk.{i}.{names[mod]}.{suffix}"
-            if arch in ("llama", "smollm3") and mod in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "smollm3", "mistral3") and mod in ("self_attn.q_proj", "self_attn.k_proj"):
                 t = _permute(t, c.num_attention_heads if "q_proj" in mod else c.num_key_value_heads)
         if plus_one and name.endswith("norm.weight"):
             t = 1.0 + t
@@ -365,14 +373,15 @@ def _write_gguf(path: str, kind: str, model, eot: int | None = None, q8_experts:
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen3", "llama3", "llama3.2", "smollm3", "qwen3moe", "phi3",
-                                  "gpt_oss"])
+                                  "ministral3", "gpt_oss"])
 def test_gguf_file_matches_transformers(tmp_path, llm, kind):
     model = _hf_model(kind, llm.engine.core.vocab_size, gguf_conventions=True)
     path = str(tmp_path / f"tiny-{kind}.gguf")
     if kind == "gpt_oss":  # its experts in MXFP4 blocks, as its GGUF files hold them (the reference on their values)
         _mxfp4_experts(model)
     _write_gguf(path, kind, model, mxfp4_experts=kind == "gpt_oss")
-    _check(path, model, {"gpt_oss": "gpt-oss"}.get(kind, "llama" if kind.startswith("llama3") else kind))
+    _check(path, model, {"gpt_oss": "gpt-oss", "ministral3": "mistral3"}.get(
+        kind, "llama" if kind.startswith("llama3") else kind))
 
 
 def test_gemma3_config_from_gguf_metadata(tmp_path, llm):
@@ -442,7 +451,8 @@ def test_quantized_file_runs_from_its_blocks(tmp_path, llm, kind):
 
 def test_unsupported_variants_are_refused_by_name(tmp_path, llm):
     """What the layers do not implement stops the load with its name: partial rotary in a GGUF file, Qwen's
-    optional sliding window, mixture-of-experts under tensor parallelism, a Ministral 3 GGUF file."""
+    optional sliding window, mixture-of-experts under tensor parallelism, a Ministral 3 GGUF file whose attention
+    temperature has no length."""
     import json
 
     from pagedllm.model.arch import tp_layout
@@ -454,10 +464,11 @@ def test_unsupported_variants_are_refused_by_name(tmp_path, llm):
     _write_gguf(path, "qwen3", model, extra={"qwen3.rope.dimension_count": 16})
     with pytest.raises(ValueError, match="partial rotary"):
         load_gguf(path)
-    path = str(tmp_path / "mistral3.gguf")
-    _write_gguf(path, "mistral3", model)
-    with pytest.raises(ValueError, match="mistral3 .* not supported yet"):
-        load_gguf(path)
+    from pagedllm.model.archs import GGUFMeta, ministral3
+
+    keys = {"mistral3.attention.temperature_scale": 0.1}  # the temperature's length is YaRN's original context
+    with pytest.raises(ValueError, match="temperature_scale without"):
+        ministral3.from_gguf(GGUFMeta("mistral3", lambda k, d=None: keys.get(k, d), set(), None))
     d = tmp_path / "qwen3-swa"
     model.save_pretrained(d, safe_serialization=True)
     cfg = json.loads((d / "config.json").read_text())
