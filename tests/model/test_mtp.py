@@ -34,6 +34,8 @@ class Reference:
         self.norm_e, self.norm_h, self.norm = (Qwen3_5RMSNorm(hid, eps=cfg.rms_norm_eps) for _ in range(3))
         self.fc = torch.nn.Linear(2 * hid, hid, bias=False)
         with torch.no_grad():  # as the model's: larger weights, norms not all 1
+            for p in self.layer.parameters():  # (a layer built alone is not initialised by the model: the MoE's
+                p.normal_(0.0, cfg.initializer_range) if p.dim() > 1 else p.zero_()  # stacked experts were garbage)
             for p in [*self.layer.parameters(), *self.fc.parameters(), *(n.weight for n in self.norms())]:
                 p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
         self.layer.self_attn.config._attn_implementation = "eager"
