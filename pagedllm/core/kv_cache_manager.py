@@ -209,7 +209,7 @@ class KVCacheManager:
         if not self.enable_caching or num_new < 2 or request.request_id in self._pending:  # (a 1-row chunk: decode)
             return
         b = ((request.num_prompt_tokens - 1) // self.block_size - self.shifted_kv) * self.block_size
-        if not 0 < b or not num_computed < b <= num_computed + num_new:
+        if not num_computed < b <= num_computed + num_new:
             return
         key = self._key(0, self._block_hashes(request, b // self.block_size)[b // self.block_size - 1])
         if self.states.snapshot(key) is not None or any(k == key for k, _ in self._pending.values()):

@@ -22,11 +22,6 @@ from pagedllm.model.decoder import CausalLM
 PREFIX = "mtp."
 
 
-def mtp_layer_count(weights) -> int:
-    """The checkpoint's MTP decoder layers (0: it has no MTP module)."""
-    return len({k.split(".")[2] for k in weights if k.startswith(PREFIX + "layers.")})
-
-
 def pop_mtp_weights(weights) -> dict:
     """Takes the MTP module's tensors out of ``weights`` (named as ``model.loader`` names them: ``mtp.fc``,
     ``mtp.layers.0.qkv``, ...)."""

@@ -192,12 +192,11 @@ class MTPProposer(_LayersProposer):
                 nxt[end] = new[-1]
                 nxt[base : base + len(new)] = new
                 last_rows[s.req_id] = base + len(new) - 1
-            else:
-                st = requests[s.req_id]
-                q = s.num_computed_tokens + n
-                toks = st.prompt_token_ids
-                nxt[end] = (toks[q] if q < len(toks) else st.output_token_ids[q - len(toks)]
-                            if q - len(toks) < len(st.output_token_ids) else ids[end])
+            else:  # a chunk: the request's token after it (not known yet: a placeholder, written again then)
+                st, q = requests[s.req_id], s.num_computed_tokens + n
+                prompt, output = st.prompt_token_ids, st.output_token_ids
+                nxt[end] = (prompt[q] if q < len(prompt) else output[q - len(prompt)]
+                            if q - len(prompt) < len(output) else ids[end])
             a += n
         return nxt, last_rows
 
