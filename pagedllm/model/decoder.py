@@ -128,6 +128,7 @@ class CausalLM:
         self.rotaries = list({id(la.attn.rotary): la.attn.rotary for la in self.layers
                               if la.attn.rotary is not None}.values())
         # the embedding table doubles as the LM head when tied; an int8 head then serves lookups as well
+        self.shares_with = shares_with
         if shares_with is not None:
             self.embed, self.lm_head = shares_with.embed, shares_with.lm_head
         elif cfg.tie_word_embeddings:
@@ -150,8 +151,8 @@ class CausalLM:
         self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype)
         # bfloat16 dense weights on CPU: oneDNN's pre-packed layout (a tied head keeps its rows for lookups)
         lookups = [self.embed] + ([self.per_layer_inputs.embed] if self.per_layer_inputs is not None else [])
-        for name, lin in self.linears().items():
-            if lin.kind == "dense" and not (shares_with is not None and name in ("embed", "lm_head")):
+        for lin in self.linears().values():
+            if lin.kind == "dense":
                 lin.prepack(keep_weight=any(lin is t for t in lookups))
         # the operations between the matmuls: the fused CPU kernels where they run, else torch's (``layers.ops``)
         self.ops = choose_ops(device, dtype)
@@ -159,9 +160,11 @@ class CausalLM:
     def linear_slots(self):
         """(name, owner, attribute) of every linear, named as ``model.loader`` names their weights
         (``layers.{i}.qkv``, ``layers.{i}.experts.{e}.down``, ``lm_head``, ...): what the weight plan, quantization
-        and calibration walk (calibration swaps linears in place through them)."""
-        yield "lm_head", self, "lm_head"
-        yield "embed", self, "embed"
+        and calibration walk (calibration swaps linears in place through them). A model sharing another's
+        embedding and head (``shares_with``) lists only its own."""
+        if self.shares_with is None:
+            yield "lm_head", self, "lm_head"
+            yield "embed", self, "embed"
         if self.per_layer_inputs is not None:
             yield from self.per_layer_inputs.linear_slots()
         for i, layer in enumerate(self.layers):

@@ -52,16 +52,9 @@ class MTPHead:
         if weights:
             raise ValueError(f"unexpected MTP tensors: {sorted(weights)[:5]}")
 
-    @property
-    def ops(self):
-        return self.model.ops
-
     def weight_bytes(self) -> int:
         """Its own weights (the shared embedding and head not counted)."""
-        layer = self.model.layers[0]
-        own = [self.embed_norm, self.hidden_norm, self.model.norm, *self.fc.tensors(), *layer.norms().values()]
-        own += [t for name, lin in self.model.linears().items() if name.startswith("layers.") for t in lin.tensors()]
-        return tensor_bytes(own)
+        return tensor_bytes([self.embed_norm, self.hidden_norm, *self.fc.tensors()]) + self.model.weight_bytes()
 
     @torch.inference_mode()
     def forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
